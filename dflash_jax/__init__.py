@@ -1,0 +1,24 @@
+"""dflash-jax: DFlash block-diffusion speculative decoding with NVFP4 drafters, in JAX.
+
+Public calls (a contract): `load_target`, `load_drafter`, `save`, `save_hf`, `target_forward`, `draft_logits`,
+`generate`, `generate_autoregressive`, `audit_scales`, `quantize_nvfp4`, `load_default`, and the `nvfp4` module.
+"""
+
+from dflash_jax import nvfp4
+from dflash_jax.audit import ScaleAudit, audit_scales
+from dflash_jax.checkpoint import CheckpointError, load_drafter, load_target, save, save_hf
+from dflash_jax.config import DrafterConfig, Qwen3Config, default_target_layer_ids
+from dflash_jax.drafter import Drafter, draft_logits, init_drafter
+from dflash_jax.generate import GenerationResult, generate, generate_autoregressive
+from dflash_jax.linear import linear
+from dflash_jax.nvfp4 import NVFP4Array
+from dflash_jax.target import KVCache, Target, init_target, target_forward
+
+__all__ = [
+    "nvfp4", "NVFP4Array", "linear", "audit_scales", "ScaleAudit",
+    "Qwen3Config", "DrafterConfig", "default_target_layer_ids",
+    "Target", "KVCache", "init_target", "target_forward",
+    "Drafter", "init_drafter", "draft_logits",
+    "generate", "generate_autoregressive", "GenerationResult",
+    "load_target", "load_drafter", "save", "save_hf", "CheckpointError",
+]

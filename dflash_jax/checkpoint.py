@@ -1,0 +1,355 @@
+"""Checkpoints: HF folders (Qwen3 targets, z-lab DFlash drafters, ModelOpt NVFP4 exports) and orbax.
+
+HF tensor names are derived from the parameter paths (see params.py), so the expected key set is exactly the
+abstract tree's: a missing, unexpected, mis-shaped or non-finite tensor is an error that names it. Linear layers
+quantized by ModelOpt (`weight` uint8 [out, in/2], `weight_scale` E4M3 [out, in/16], `weight_scale_2` f32 scalar,
+optional `input_scale`) load as `NVFP4Array` leaves, so their scales can only ever be consumed together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from dflash_jax.config import DrafterConfig, Qwen3Config, read_config_json
+from dflash_jax.nvfp4 import NVFP4Array
+from dflash_jax.params import (abstract_drafter, abstract_target, from_named, is_linear_name, is_spec, named_leaves)
+from dflash_jax.safetensors_io import read_safetensors, write_safetensors
+
+SAVED_MARKER = "dflash_jax.json"
+NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+# -- naming ------------------------------------------------------------------------------------------------------
+
+def _hf_prefix(kind: str, name: str) -> str:
+    """Parameter name -> HF module name (without `.weight`)."""
+    if kind == "target" and name != "lm_head":
+        return "model." + name
+    return name
+
+
+# -- HF tensors in ---------------------------------------------------------------------------------------------
+
+def _read_tensors(path: Path) -> dict[str, np.ndarray]:
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index.exists():
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no weight_map")
+        tensors: dict[str, np.ndarray] = {}
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).exists():
+                raise CheckpointError(f"{index}: shard {shard} is missing")
+            part = read_safetensors(path / shard)
+            for name, arr in part.items():
+                if weight_map.get(name) != shard:
+                    raise CheckpointError(f"{path / shard}: tensor {name!r} is not mapped to this shard in the index")
+                tensors[name] = arr
+        absent = sorted(set(weight_map) - set(tensors))
+        if absent:
+            raise CheckpointError(f"{index}: tensors listed but not found in their shards: {absent[:8]}")
+        return tensors
+    if single.exists():
+        return read_safetensors(single)
+    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def read_quant_config(path: Path, cfg_json: dict) -> dict | None:
+    """The ModelOpt quantization section ({quant_algo, group_size, exclude_modules}) or None."""
+    q = None
+    hf_q = path / "hf_quant_config.json"
+    if hf_q.exists():
+        with open(hf_q) as f:
+            q = json.load(f).get("quantization")
+    elif cfg_json.get("quantization_config"):
+        qc = cfg_json["quantization_config"]
+        group = (qc.get("config_groups", {}).get("group_0", {}).get("weights", {}) or {}).get("group_size")
+        q = {"quant_algo": qc.get("quant_algo"), "group_size": qc.get("group_size", group),
+             "exclude_modules": qc.get("ignore", qc.get("exclude_modules", []))}
+    if q is None:
+        return None
+    if q.get("quant_algo") not in NVFP4_ALGOS:
+        raise NotImplementedError(f"{path}: quant_algo {q.get('quant_algo')!r} not supported (NVFP4, W4A16_NVFP4)")
+    if int(q.get("group_size") or 16) != 16:
+        raise CheckpointError(f"{path}: NVFP4 group_size must be 16, got {q.get('group_size')}")
+    q["exclude_modules"] = list(q.get("exclude_modules") or [])
+    return q
+
+
+def _excluded(module: str, patterns: list[str]) -> bool:
+    import fnmatch
+    return any(fnmatch.fnmatch(module, p) or module == p or module.startswith(p.rstrip("*") + ".")
+               for p in patterns)
+
+
+def _nvfp4_from_hf(module: str, t: dict[str, np.ndarray], shape: tuple[int, int]) -> NVFP4Array:
+    out_f, in_f = shape
+    w, s, s2 = t.get(module + ".weight"), t.get(module + ".weight_scale"), t.get(module + ".weight_scale_2")
+    if s2 is None:
+        raise CheckpointError(f"{module}: NVFP4 weight without weight_scale_2 (the per-tensor scale)")
+    if w is None:
+        raise CheckpointError(f"{module}: NVFP4 scales without a packed weight")
+    if w.dtype != np.uint8 or w.shape != (out_f, in_f // 2):
+        raise CheckpointError(f"{module}.weight: packed NVFP4 weight must be uint8 [{out_f}, {in_f // 2}] "
+                              f"for a [{out_f}, {in_f}] linear, got {w.dtype}{list(w.shape)}")
+    if s.dtype != ml_dtypes.float8_e4m3fn or s.shape != (out_f, in_f // 16):
+        raise CheckpointError(f"{module}.weight_scale: must be float8_e4m3fn [{out_f}, {in_f // 16}], "
+                              f"got {s.dtype}{list(s.shape)}")
+    if s2.dtype != np.float32 or s2.size != 1:
+        raise CheckpointError(f"{module}.weight_scale_2: must be a float32 scalar, got {s2.dtype}{list(s2.shape)}")
+    s2v = np.float32(s2.reshape(()))
+    if not np.isfinite(s2v) or s2v <= 0:
+        raise CheckpointError(f"{module}.weight_scale_2: must be finite and > 0, got {s2v}")
+    if not np.all(np.isfinite(s.astype(np.float32))):
+        raise CheckpointError(f"{module}.weight_scale: contains NaN")
+    fields = dict(packed=jnp.asarray(w), block_scale=jnp.asarray(s), global_scale=jnp.asarray(s2v),
+                  shape=(out_f, in_f))
+    inp = t.get(module + ".input_scale")
+    if inp is not None and "input_scale" in {f.name for f in dataclasses.fields(NVFP4Array)}:
+        fields["input_scale"] = jnp.asarray(np.float32(inp.reshape(())))
+    return NVFP4Array(**fields)
+
+
+def _params_from_hf(kind: str, path: Path, abstract, dtype, quant: dict | None):
+    tensors = _read_tensors(path)
+    used: set[str] = set()
+    named = {}
+    for name, spec in named_leaves(abstract).items():
+        module = _hf_prefix(kind, name)
+        has_scales = (module + ".weight_scale") in tensors or (module + ".weight_scale_2") in tensors
+        quantized_by_config = (quant is not None and is_linear_name(name)
+                               and not _excluded(module, quant["exclude_modules"]))
+        if has_scales or quantized_by_config:
+            if not is_linear_name(name):
+                raise CheckpointError(f"{module}: only linear layers may be NVFP4 (embeddings and norms stay dense)")
+            if not has_scales:
+                raise CheckpointError(f"{module}: listed as NVFP4-quantized by the quantization config but has "
+                                      "no weight_scale / weight_scale_2")
+            if len(spec.shape) != 2 or spec.shape[1] % 16:
+                raise CheckpointError(f"{module}: in_features {spec.shape[-1]} is not a multiple of 16")
+            named[name] = _nvfp4_from_hf(module, tensors, spec.shape)
+            used.update(module + s for s in (".weight", ".weight_scale", ".weight_scale_2", ".input_scale"))
+            continue
+        key = module + ".weight"
+        if key not in tensors:
+            raise CheckpointError(f"{path}: missing tensor {key!r} (expected shape {list(spec.shape)})")
+        arr = tensors[key]
+        if tuple(arr.shape) != tuple(spec.shape):
+            raise CheckpointError(f"{path}: tensor {key!r} has shape {list(arr.shape)}, expected {list(spec.shape)}")
+        if not np.issubdtype(arr.dtype, np.floating) and arr.dtype != ml_dtypes.bfloat16:
+            raise CheckpointError(f"{path}: tensor {key!r} has dtype {arr.dtype}, expected a float type")
+        arr32 = np.asarray(arr, dtype=np.float32)
+        if not np.all(np.isfinite(arr32)):
+            raise CheckpointError(f"{path}: tensor {key!r} contains NaN or Inf")
+        named[name] = jnp.asarray(arr32, dtype=dtype)
+        used.add(key)
+    # A tied target may still carry a copy of the embedding as lm_head.weight.
+    extra = sorted(k for k in tensors if k not in used and not (kind == "target" and k == "lm_head.weight"))
+    if extra:
+        raise CheckpointError(f"{path}: unexpected tensors {extra[:10]}{' ...' if len(extra) > 10 else ''} "
+                              f"(is this a {kind} checkpoint of this architecture?)")
+    return from_named(abstract, named)
+
+
+# -- orbax -------------------------------------------------------------------------------------------------------
+
+def _config_to_json(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _config_from_json(kind: str, d: dict):
+    if kind == "target":
+        return Qwen3Config(**d)
+    d = dict(d)
+    d["model"] = Qwen3Config(**d["model"])
+    return DrafterConfig(**d)
+
+
+def save(path: str | Path, model) -> Path:
+    """Save a Target or Drafter (dense and NVFP4 leaves alike) with orbax, plus its config."""
+    import orbax.checkpoint as ocp
+
+    from dflash_jax.drafter import Drafter
+    from dflash_jax.target import Target
+
+    kind = "target" if isinstance(model, Target) else "drafter" if isinstance(model, Drafter) else None
+    if kind is None:
+        raise TypeError(f"save() takes a Target or a Drafter, got {type(model).__name__}")
+    path = Path(path).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    named = named_leaves(model.params)
+    nvfp4 = {n: list(leaf.shape) for n, leaf in named.items() if isinstance(leaf, NVFP4Array)}
+    meta = {"format": "dflash_jax", "version": 1, "kind": kind, "config": _config_to_json(model.config),
+            "nvfp4": nvfp4}
+    params_dir = path / "params"
+    if params_dir.exists():
+        shutil.rmtree(params_dir)
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(params_dir, model.params)
+    ckptr.wait_until_finished()
+    with open(path / SAVED_MARKER, "w") as f:
+        json.dump(meta, f, indent=1)
+    return path
+
+
+def _abstract_restore_target(abstract, nvfp4: dict[str, list[int]], dtype):
+    from dflash_jax.params import map_named
+
+    def leaf(name, spec):
+        if name in nvfp4:
+            shape = tuple(nvfp4[name])
+            lead, k = shape[:-1], shape[-1]
+            return NVFP4Array(packed=jax.ShapeDtypeStruct(lead + (k // 2,), jnp.uint8),
+                              block_scale=jax.ShapeDtypeStruct(lead + (k // 16,), jnp.float8_e4m3fn),
+                              global_scale=jax.ShapeDtypeStruct((), jnp.float32), shape=shape)
+        return jax.ShapeDtypeStruct(spec.shape, dtype)
+
+    return map_named(leaf, abstract)
+
+
+def _load_saved(path: Path, kind: str):
+    import orbax.checkpoint as ocp
+
+    with open(path / SAVED_MARKER) as f:
+        meta = json.load(f)
+    if meta.get("kind") != kind:
+        raise CheckpointError(f"{path}: holds a {meta.get('kind')}, not a {kind}")
+    cfg = _config_from_json(kind, meta["config"])
+    model_cfg = cfg if kind == "target" else cfg.model
+    abstract = abstract_target(cfg) if kind == "target" else abstract_drafter(cfg)
+    target_tree = _abstract_restore_target(abstract, meta.get("nvfp4", {}), model_cfg.storage_dtype)
+    params = ocp.StandardCheckpointer().restore(path.absolute() / "params", target_tree)
+    return cfg, params
+
+
+# -- public loaders ----------------------------------------------------------------------------------------------
+
+def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dtype: str | None = None):
+    """A Target from an HF Qwen3 folder (optionally ModelOpt NVFP4) or a folder written by `save`."""
+    from dflash_jax.target import Target
+
+    path = Path(path)
+    if (path / SAVED_MARKER).exists():
+        cfg, params = _load_saved(path, "target")
+        if compute_dtype:
+            cfg = cfg.replace(compute_dtype=compute_dtype)
+        return Target(params=params, config=cfg)
+    d = read_config_json(path)
+    arch = d.get("architectures") or []
+    if "DFlashDraftModel" in arch:
+        raise CheckpointError(f"{path}: is a DFlash drafter, not a target (use load_drafter)")
+    if d.get("model_type") not in (None, "qwen3"):
+        raise NotImplementedError(f"{path}: model_type {d.get('model_type')!r} is not supported (qwen3)")
+    cfg = Qwen3Config.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
+    params = _params_from_hf("target", path, abstract_target(cfg), cfg.storage_dtype, read_quant_config(path, d))
+    return Target(params=params, config=cfg)
+
+
+def load_drafter(path: str | Path, *, param_dtype: str | None = None, compute_dtype: str | None = None):
+    """A Drafter from a z-lab DFlash HF folder (optionally ModelOpt NVFP4) or a folder written by `save`."""
+    from dflash_jax.drafter import Drafter
+
+    path = Path(path)
+    if (path / SAVED_MARKER).exists():
+        cfg, params = _load_saved(path, "drafter")
+        if compute_dtype:
+            cfg = cfg.replace(model=cfg.model.replace(compute_dtype=compute_dtype))
+        return Drafter(params=params, config=cfg)
+    d = read_config_json(path)
+    arch = d.get("architectures") or []
+    if arch and "DFlashDraftModel" not in arch:
+        raise CheckpointError(f"{path}: architectures {arch} is not a DFlash drafter (DFlashDraftModel)")
+    cfg = DrafterConfig.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
+    params = _params_from_hf("drafter", path, abstract_drafter(cfg), cfg.model.storage_dtype,
+                             read_quant_config(path, d))
+    fc = params.fc
+    want = cfg.num_taps * cfg.model.hidden_size
+    if fc.shape[-1] != want:  # unreachable through shape checks; kept as a statement of the invariant
+        raise CheckpointError(f"{path}: fc input width {fc.shape[-1]} != len(target_layer_ids) * hidden = {want}")
+    return Drafter(params=params, config=cfg)
+
+
+# -- HF out ------------------------------------------------------------------------------------------------------
+
+def _np_dense(x, dtype_name: str) -> np.ndarray:
+    arr = np.asarray(jax.device_get(x), dtype=np.float32)
+    return arr.astype(ml_dtypes.bfloat16) if dtype_name == "bfloat16" else arr.astype(np.dtype(dtype_name))
+
+
+def save_hf(path: str | Path, model, *, dtype: str | None = None, quant_algo: str | None = None) -> Path:
+    """Write an HF folder: a Qwen3 target (`Qwen3ForCausalLM`) or a z-lab DFlash drafter (`DFlashDraftModel`).
+
+    NVFP4 leaves are written in ModelOpt's export format with `hf_quant_config.json` and a `quantization_config`
+    in config.json; dense leaves in `dtype` (default: the model's storage dtype). Loading the folder back with
+    `load_target` / `load_drafter` gives bit-identical NVFP4 codes and scales.
+    """
+    from dflash_jax.drafter import Drafter
+    from dflash_jax.target import Target
+
+    if isinstance(model, Target):
+        kind, cfg_json, model_cfg = "target", model.config.to_hf_dict(), model.config
+    elif isinstance(model, Drafter):
+        kind, cfg_json, model_cfg = "drafter", model.config.to_hf_dict(), model.config.model
+    else:
+        raise TypeError(f"save_hf() takes a Target or a Drafter, got {type(model).__name__}")
+    dtype = dtype or model_cfg.param_dtype
+    cfg_json["torch_dtype"] = dtype
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, np.ndarray] = {}
+    quantized, excluded = [], []
+    has_input_scale = False
+    for name, leaf in named_leaves(model.params).items():
+        module = _hf_prefix(kind, name)
+        if isinstance(leaf, NVFP4Array):
+            tensors[module + ".weight"] = np.asarray(leaf.packed)
+            tensors[module + ".weight_scale"] = np.asarray(leaf.block_scale)
+            tensors[module + ".weight_scale_2"] = np.asarray(leaf.global_scale, np.float32).reshape(())
+            inp = getattr(leaf, "input_scale", None)
+            if inp is not None:
+                tensors[module + ".input_scale"] = np.asarray(inp, np.float32).reshape(())
+                has_input_scale = True
+            quantized.append(module)
+        else:
+            tensors[module + ".weight"] = _np_dense(leaf, dtype)
+            if is_linear_name(name):
+                excluded.append(module)
+    if quantized:
+        algo = quant_algo or ("NVFP4" if has_input_scale else "W4A16_NVFP4")
+        quant = {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": excluded}
+        with open(path / "hf_quant_config.json", "w") as f:
+            json.dump({"producer": {"name": "dflash_jax", "version": "0.1.0"}, "quantization": quant}, f, indent=1)
+        group = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+        cfg_json["quantization_config"] = {
+            "quant_method": "modelopt", "quant_algo": algo, "group_size": 16,
+            "config_groups": {"group_0": {"weights": group, **({"input_activations": group} if has_input_scale
+                                                                 else {}), "targets": ["Linear"]}},
+            "ignore": excluded, "exclude_modules": excluded, "kv_cache_scheme": None,
+            "producer": {"name": "dflash_jax", "version": "0.1.0"}}
+    else:
+        for stale in ("hf_quant_config.json",):
+            if (path / stale).exists():
+                (path / stale).unlink()
+    with open(path / "config.json", "w") as f:
+        json.dump(cfg_json, f, indent=1)
+    write_safetensors(path / "model.safetensors", tensors, {"format": "pt"})
+    return path
+
+
+__all__ = ["load_target", "load_drafter", "save", "save_hf", "CheckpointError", "read_quant_config", "is_spec",
+           "Any"]

@@ -1,0 +1,288 @@
+"""Frozen, hashable model configs, read from HF `config.json` files.
+
+Configs are static under `jax.jit`: they are registered as static pytree metadata of the model dataclasses, so
+every field must be hashable (tuples, not lists). Storage dtype (how weights live in memory) and compute dtype (what
+the matmuls run in) are separate choices: bf16 weights computed in f32 on CPU, where XLA's bf16 dot is slow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def default_compute_dtype() -> str:
+    # XLA:CPU's bf16 dot is several times slower than f32; GPUs want bf16.
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def _dtype_name(value: Any) -> str:
+    name = jnp.dtype(value).name if not isinstance(value, str) else value
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {value!r}; expected one of {sorted(_DTYPES)}")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """The Qwen3 decoder: GQA, per-head q/k RMSNorm, NeoX RoPE, SwiGLU MLP, no biases."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling_factor: float = 1.0  # "linear" RoPE scaling; 1.0 = none
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    param_dtype: str = "float32"  # storage
+    compute_dtype: str = "float32"  # activations and matmuls
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"config: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"config: head_dim must be even for RoPE, got {self.head_dim}")
+        object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype))
+        object.__setattr__(self, "compute_dtype", _dtype_name(self.compute_dtype))
+
+    @property
+    def dtype(self):
+        return _DTYPES[self.compute_dtype]
+
+    @property
+    def storage_dtype(self):
+        return _DTYPES[self.param_dtype]
+
+    def replace(self, **changes) -> "Qwen3Config":
+        return dataclasses.replace(self, **changes)
+
+    # -- HF config.json ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, d: dict, *, param_dtype: str | None = None, compute_dtype: str | None = None,
+                     **overrides) -> "Qwen3Config":
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in d]
+        if missing:
+            raise ValueError(f"config.json is missing required keys: {missing}")
+        if d.get("attention_bias", False):
+            raise NotImplementedError("config.json: attention_bias=true is not supported (Qwen3 has no biases)")
+        if d.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"config.json: hidden_act={d['hidden_act']!r} is not supported (silu only)")
+        n_heads = int(d["num_attention_heads"])
+        head_dim = int(d.get("head_dim") or d["hidden_size"] // n_heads)
+        rope_theta = d.get("rope_theta")
+        rope_scaling = d.get("rope_scaling")
+        if rope_scaling is None and isinstance(d.get("rope_parameters"), dict):  # newer HF layout
+            rope_scaling = d["rope_parameters"]
+            rope_theta = rope_theta or rope_scaling.get("rope_theta")
+        factor = 1.0
+        if rope_scaling:
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if kind == "linear":
+                factor = float(rope_scaling["factor"])
+            elif kind != "default":
+                raise NotImplementedError(f"config.json: rope_scaling type {kind!r} is not supported "
+                                          "(default and linear are)")
+        layer_types = d.get("layer_types")
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            raise NotImplementedError(f"config.json: layer_types {sorted(set(layer_types))} not supported "
+                                      "(full_attention only)")
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        dtype_in_file = d.get("torch_dtype") or d.get("dtype") or "float32"
+        kwargs = dict(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling_factor=factor,
+            max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+            param_dtype=param_dtype or (dtype_in_file if dtype_in_file in _DTYPES else "float32"),
+            compute_dtype=compute_dtype or default_compute_dtype(),
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_hf_dict(self) -> dict:
+        d = {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": (None if self.rope_scaling_factor == 1.0
+                             else {"rope_type": "linear", "factor": self.rope_scaling_factor}),
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "torch_dtype": self.param_dtype,
+        }
+        if self.bos_token_id is not None:
+            d["bos_token_id"] = self.bos_token_id
+        if self.eos_token_id is not None:
+            d["eos_token_id"] = self.eos_token_id
+        return d
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
+    """The z-lab rule: one tap -> the middle layer; else evenly spaced from layer 1 to layer N-3."""
+    if num_taps < 1:
+        raise ValueError(f"need at least one target layer tap, got {num_taps}")
+    if num_taps == 1:
+        return (num_target_layers // 2,)
+    if num_target_layers < 4:
+        raise ValueError(f"cannot derive target_layer_ids for a {num_target_layers}-layer target "
+                         "(the rule spaces taps from layer 1 to N-3); give dflash_config.target_layer_ids")
+    return tuple(int(round(1 + i * (num_target_layers - 4) / (num_taps - 1))) for i in range(num_taps))
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """A DFlash drafter: a Qwen3 layer stack plus `fc` + `hidden_norm` over concatenated target features.
+
+    The drafter has no embedding and no LM head of its own: it borrows the target's at run time.
+    """
+
+    model: Qwen3Config  # the drafter's own layer stack (vocab/tie fields describe the target it borrows from)
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if self.block_size < 2:
+            raise ValueError(f"drafter config: block_size must be >= 2, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("drafter config: target_layer_ids is empty")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(f"drafter config: target_layer_ids {bad} outside 0..{self.num_target_layers - 1} "
+                             f"(num_target_layers={self.num_target_layers})")
+        if not 0 <= self.mask_token_id < self.model.vocab_size:
+            raise ValueError(f"drafter config: mask_token_id {self.mask_token_id} outside the vocabulary "
+                             f"[0, {self.model.vocab_size})")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.hidden_size
+
+    def replace(self, **changes) -> "DrafterConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, *, param_dtype: str | None = None, compute_dtype: str | None = None
+                     ) -> "DrafterConfig":
+        dcfg = d.get("dflash_config") or {}
+
+        def pick(key):  # z-lab reads dflash_config first, then the top level
+            return dcfg.get(key, d.get(key))
+
+        block_size = pick("block_size")
+        mask_token_id = pick("mask_token_id")
+        if block_size is None:
+            raise ValueError("drafter config.json: missing block_size (top level or dflash_config)")
+        if mask_token_id is None:
+            raise ValueError("drafter config.json: missing dflash_config.mask_token_id")
+        n_target = d.get("num_target_layers")
+        if n_target is None:
+            raise ValueError("drafter config.json: missing num_target_layers")
+        layer_ids = pick("target_layer_ids")
+        if layer_ids is None:
+            layer_ids = default_target_layer_ids(int(n_target), int(d["num_hidden_layers"]))
+            warnings.warn(f"drafter config.json has no target_layer_ids; derived {list(layer_ids)} by the "
+                          "standard rule (check that it matches fc's input width)", stacklevel=2)
+        if pick("is_causal") or pick("causal") or pick("use_swa"):
+            raise NotImplementedError("drafter config.json: causal / sliding-window drafters are not supported")
+        model = Qwen3Config.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        return cls(model=model, block_size=int(block_size), mask_token_id=int(mask_token_id),
+                   target_layer_ids=tuple(int(i) for i in layer_ids), num_target_layers=int(n_target))
+
+    def to_hf_dict(self) -> dict:
+        d = self.model.to_hf_dict()
+        d.update({
+            "architectures": ["DFlashDraftModel"],
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {"mask_token_id": self.mask_token_id,
+                              "target_layer_ids": list(self.target_layer_ids)},
+        })
+        return d
+
+
+def read_config_json(path: str | Path) -> dict:
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.exists():
+        raise FileNotFoundError(f"no config.json in {path}")
+    with open(file) as f:
+        return json.load(f)
+
+
+def check_pair(drafter: DrafterConfig, target: Qwen3Config) -> None:
+    """Every way a drafter can be built for another target, as one clear error."""
+    problems = []
+    if drafter.model.hidden_size != target.hidden_size:
+        problems.append(f"hidden size: drafter {drafter.model.hidden_size} vs target {target.hidden_size}")
+    if drafter.model.vocab_size != target.vocab_size:
+        problems.append(f"vocab size: drafter {drafter.model.vocab_size} vs target {target.vocab_size}")
+    if drafter.num_target_layers != target.num_hidden_layers:
+        problems.append(f"num_target_layers: drafter expects {drafter.num_target_layers}, "
+                        f"target has {target.num_hidden_layers}")
+    bad = [i for i in drafter.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} outside the target's layers 0..{target.num_hidden_layers - 1}")
+    if not 0 <= drafter.mask_token_id < target.vocab_size:
+        problems.append(f"mask_token_id {drafter.mask_token_id} outside the target vocabulary [0, {target.vocab_size})")
+    if problems:
+        raise ValueError("drafter does not match target: " + "; ".join(problems))
+
+
+__all__ = ["Qwen3Config", "DrafterConfig", "default_target_layer_ids", "check_pair", "read_config_json",
+           "default_compute_dtype"]

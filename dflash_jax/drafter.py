@@ -1,0 +1,138 @@
+"""The DFlash drafter: KV injection of target features, and one non-causal pass over a block of mask tokens.
+
+Per layer, the fused context `ctx = hidden_norm(fc(concat of target layer outputs))` is projected with the layer's own
+`k_proj`/`k_norm`/`v_proj` (RoPE at the context tokens' absolute positions) into keys/values that sit in front of the
+block's own keys/values. Context K/V are cached (post-RoPE) with per-row lengths; the block's K/V are scratch and are
+never written, so the cache only ever holds committed positions (< block start).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import DrafterConfig, check_pair
+from dflash_jax.layers import attend, mlp, project_kv, project_q, rms_norm, write_rows
+from dflash_jax.linear import linear
+from dflash_jax.params import DrafterParams, abstract_drafter, init_from_abstract, static_field
+from dflash_jax.target import Target
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    params: DrafterParams
+    config: DrafterConfig = static_field()
+
+    def replace(self, **changes) -> "Drafter":
+        return dataclasses.replace(self, **changes)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftCache:
+    k: tuple[jax.Array, ...]  # per layer [B, S, nKV, hd], context keys after k_norm + RoPE
+    v: tuple[jax.Array, ...]  # per layer [B, S, nKV, hd]
+    lengths: jax.Array  # [B] int32: number of committed context positions held
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+    def replace(self, **changes) -> "DraftCache":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def empty(cls, cfg: DrafterConfig, batch: int, max_len: int) -> "DraftCache":
+        m = cfg.model
+        shape = (batch, max_len, m.num_key_value_heads, m.head_dim)
+        zeros = tuple(jnp.zeros(shape, m.dtype) for _ in range(m.num_hidden_layers))
+        return cls(k=zeros, v=zeros, lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def init_drafter(cfg: DrafterConfig, key: jax.Array) -> Drafter:
+    return Drafter(params=init_from_abstract(abstract_drafter(cfg), key, cfg.model.storage_dtype), config=cfg)
+
+
+def fuse_context(drafter: Drafter, features: jax.Array) -> jax.Array:
+    """[B, C, K*H] target features -> [B, C, H] context, computed once and shared by every layer."""
+    cfg = drafter.config.model
+    return rms_norm(linear(features.astype(cfg.dtype), drafter.params.fc), drafter.params.hidden_norm,
+                    cfg.rms_norm_eps)
+
+
+def append_context(drafter: Drafter, features: jax.Array, n_valid: jax.Array, cache: DraftCache) -> DraftCache:
+    """Append the first n_valid[b] of features [B, C, K*H] to each row's context K/V (a static-width slab)."""
+    cfg = drafter.config.model
+    B, C, _ = features.shape
+    chex.assert_shape(features, (B, C, drafter.config.num_taps * cfg.hidden_size))
+    ctx = fuse_context(drafter, features)
+    offsets = jnp.arange(C, dtype=jnp.int32)[None, :]
+    positions = cache.lengths[:, None] + offsets  # [B, C]
+    # Slots past a row's valid count go to an out-of-range index and are dropped by the scatter.
+    write_pos = jnp.where(offsets < n_valid[:, None], positions, cache.max_len)
+    ks, vs = [], []
+    for i, layer in enumerate(drafter.params.layers):
+        k, v = project_kv(layer.self_attn, ctx, positions, cfg)
+        ks.append(write_rows(cache.k[i], k, write_pos))
+        vs.append(write_rows(cache.v[i], v, write_pos))
+    return DraftCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + n_valid.astype(jnp.int32))
+
+
+def block_hidden(drafter: Drafter, target: Target, block: jax.Array, cache: DraftCache) -> jax.Array:
+    """One non-causal pass over block [B, bs] at positions lengths..lengths+bs-1 -> final hidden [B, bs, H]."""
+    cfg = drafter.config.model
+    B, bs = block.shape
+    start = cache.lengths
+    positions = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]  # [B, bs]
+    ctx_visible = jnp.arange(cache.max_len)[None, :] < start[:, None]  # [B, S]
+    # Every block slot sees all committed context and the whole block: no mask inside the block.
+    mask = jnp.concatenate([ctx_visible, jnp.ones((B, bs), bool)], axis=1)[:, None, :]
+    mask = jnp.broadcast_to(mask, (B, bs, cache.max_len + bs))
+    x = jnp.take(target.params.embed_tokens, block, axis=0).astype(cfg.dtype)  # [B, bs, H]
+    for i, layer in enumerate(drafter.params.layers):
+        with jax.named_scope(f"draft_layer{i}"):
+            h = rms_norm(x, layer.input_layernorm, cfg.rms_norm_eps)
+            q = project_q(layer.self_attn, h, positions, cfg)
+            kb, vb = project_kv(layer.self_attn, h, positions, cfg)
+            k = jnp.concatenate([cache.k[i], kb.astype(cache.k[i].dtype)], axis=1)
+            v = jnp.concatenate([cache.v[i], vb.astype(cache.v[i].dtype)], axis=1)
+            x = x + linear(attend(q, k, v, mask), layer.self_attn.o_proj)
+            x = x + mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm, cfg.rms_norm_eps))
+    return rms_norm(x, drafter.params.norm, cfg.rms_norm_eps)
+
+
+def block_logits(drafter: Drafter, target: Target, block: jax.Array, cache: DraftCache,
+                 num_slots: int | None = None) -> jax.Array:
+    """Logits [B, num_slots, V] f32 for block slots 1..num_slots (slot k predicts position start+k itself)."""
+    num_slots = block.shape[1] - 1 if num_slots is None else num_slots
+    h = block_hidden(drafter, target, block, cache)[:, 1:1 + num_slots]
+    return linear(h, target.lm_head).astype(jnp.float32)
+
+
+def draft_logits(drafter: Drafter, target: Target, features, block) -> jax.Array:
+    """Public call (no cache): logits [B, bs-1, V] for block slots 1..bs-1.
+
+    features [B, C, K*H]: target layer outputs of context positions 0..C-1; block [B, bs] at positions C..C+bs-1.
+    """
+    check_pair(drafter.config, target.config)
+    features, block = jnp.asarray(features), jnp.asarray(block)
+    B, C = features.shape[:2]
+    if block.ndim != 2 or block.shape[0] != B:
+        raise ValueError(f"block must be [B={B}, bs], got {list(block.shape)}")
+    want = drafter.config.num_taps * drafter.config.model.hidden_size
+    if features.ndim != 3 or features.shape[-1] != want:
+        raise ValueError(f"features must be [B, C, {want}] (len(target_layer_ids) * hidden), got "
+                         f"{list(features.shape)}")
+    return _draft_logits_jit(drafter, target, features, block)
+
+
+@jax.jit
+def _draft_logits_jit(drafter, target, features, block):
+    B, C = features.shape[:2]
+    cache = DraftCache.empty(drafter.config, B, C)
+    cache = append_context(drafter, features, jnp.full((B,), C, jnp.int32), cache)
+    return block_logits(drafter, target, block, cache)

@@ -1,0 +1,80 @@
+"""The Qwen3 building blocks shared by the target and the drafter: RMSNorm, RoPE, GQA attention, SwiGLU.
+
+Every linear goes through `dflash_jax.linear.linear`, which dispatches on the weight's leaf type (dense or NVFP4);
+nothing here knows or cares whether a weight is quantized.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import Qwen3Config
+from dflash_jax.linear import linear
+from dflash_jax.params import MLP, Attention
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    # Statistics in f32 whatever the activation dtype (as HF Qwen3RMSNorm does).
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return y.astype(x.dtype) * weight.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, cfg: Qwen3Config) -> jax.Array:
+    """NeoX rotate-half RoPE. x [B, T, n, hd], positions [B, T] (absolute)."""
+    half = cfg.head_dim // 2
+    exponent = jnp.arange(0, half, dtype=jnp.float32) * 2.0 / cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** exponent) / cfg.rope_scaling_factor  # [hd/2]
+    # Angles in f32: bf16 cannot even represent position 257.
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def project_kv(attn: Attention, h: jax.Array, positions: jax.Array, cfg: Qwen3Config):
+    """Keys (normed, rotated) and values of h [B, T, H] -> ([B, T, nKV, hd], [B, T, nKV, hd])."""
+    B, T, _ = h.shape
+    k = linear(h, attn.k_proj).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
+    k = rope(rms_norm(k, attn.k_norm, cfg.rms_norm_eps), positions, cfg)
+    v = linear(h, attn.v_proj).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
+    return k, v
+
+
+def project_q(attn: Attention, h: jax.Array, positions: jax.Array, cfg: Qwen3Config) -> jax.Array:
+    B, T, _ = h.shape
+    q = linear(h, attn.q_proj).reshape(B, T, cfg.num_attention_heads, cfg.head_dim)
+    return rope(rms_norm(q, attn.q_norm, cfg.rms_norm_eps), positions, cfg)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """GQA softmax attention. q [B, T, nH, hd], k/v [B, S, nKV, hd], mask [B, T, S] (True = visible).
+
+    Returns [B, T, nH*hd]. A query that sees no key gets a uniform average instead of NaN.
+    """
+    B, T, nH, hd = q.shape
+    nKV = k.shape[2]
+    qg = q.reshape(B, T, nKV, nH // nKV, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype).reshape(B, T, nH * hd)
+
+
+def mlp(p: MLP, x: jax.Array) -> jax.Array:
+    return linear(jax.nn.silu(linear(x, p.gate_proj)) * linear(x, p.up_proj), p.down_proj)
+
+
+def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """Scatter new [B, T, ...] into cache [B, S, ...] at positions [B, T].
+
+    Out-of-range positions are *dropped*, never clamped: a clamped write would silently overwrite valid entries.
+    Callers mark slots they do not want written with a position >= S.
+    """
+    rows = jnp.arange(cache.shape[0])[:, None]
+    return cache.at[rows, positions].set(new.astype(cache.dtype), mode="drop")

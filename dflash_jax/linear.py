@@ -1,0 +1,116 @@
+"""The one matmul of dflash-jax: `linear(x, w)` for dense and NVFP4 weights.
+
+Every scale of an NVFP4 weight is applied in here, so no model code can forget one
+(the llama.cpp DFlash bug of PR #28000 was exactly a caller dropping `weight_scale_2`).
+
+Backends for NVFP4 weights:
+  portable  W4A16: dequantize the weight to x.dtype inside the traced function, then
+            the same f32-accumulating dot as a dense weight. Runs everywhere.
+  native    W4A4: quantize x to NVFP4 on the fly (dynamic per-call global scale
+            amax/(6*448)) and call `jax.nn.scaled_matmul` (cuDNN block-scaled GEMM on
+            Blackwell; an XLA dequant+dot composite on other CUDA GPUs). Results differ
+            from portable by the activation quantization error.
+Selection: explicit `backend=` > `set_default_backend(...)` > env DFLASH_JAX_NVFP4_BACKEND
+> auto (native only on a GPU with compute capability >= 10.0).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.nvfp4 import NVFP4Array, _quantize, dequantize, unpack_e2m1
+
+BACKENDS = ("portable", "native")
+ENV_VAR = "DFLASH_JAX_NVFP4_BACKEND"
+
+_default_backend: str | None = None
+# Indirection so tests can emulate the native kernel on CPU (jax <= 0.10.2 has no CPU lowering).
+_scaled_matmul = jax.nn.scaled_matmul
+
+
+def set_default_backend(backend: str | None) -> None:
+    """Process-wide NVFP4 backend; None restores env/auto selection."""
+    global _default_backend
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown NVFP4 backend {backend!r}; expected one of {BACKENDS} or None")
+    _default_backend = backend
+
+
+def _compute_capability() -> float | None:
+    try:
+        dev = jax.devices()[0]
+        if dev.platform != "gpu":
+            return None
+        return float(dev.compute_capability)
+    except Exception:  # no GPU, no attribute, odd version string: treat as "not Blackwell"
+        return None
+
+
+def native_supported() -> bool:
+    """scaled_matmul lowers only on GPU backends in jax <= 0.10.2 (never on CPU)."""
+    try:
+        return jax.default_backend() == "gpu"
+    except Exception:
+        return False
+
+
+def resolve_backend(backend: str | None = None) -> str:
+    choice = backend or _default_backend or os.environ.get(ENV_VAR) or None
+    if choice is None:
+        cc = _compute_capability()
+        return "native" if cc is not None and cc >= 10.0 else "portable"
+    if choice not in BACKENDS:
+        raise ValueError(f"unknown NVFP4 backend {choice!r}; expected one of {BACKENDS}")
+    if choice == "native" and not native_supported():
+        raise RuntimeError(
+            f"NVFP4 backend 'native' needs a GPU (jax.nn.scaled_matmul has no lowering on "
+            f"{jax.default_backend()!r}); use backend='portable'"
+        )
+    return choice
+
+
+def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    # x [..., in] . w [out, in] -> [..., out], contracting the last axes (HF layout, no transpose).
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
+    return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+
+
+def _linear_native(x: jax.Array, w: NVFP4Array) -> jax.Array:
+    k = x.shape[-1]
+    m = math.prod(x.shape[:-1])
+    xq = _quantize(x.reshape(1, m, k), None)  # dynamic global scale; unchecked: x may be traced
+    out = _scaled_matmul(
+        unpack_e2m1(xq.packed),  # [1, M, K] f4
+        unpack_e2m1(w.packed)[None],  # [1, N, K] f4
+        xq.block_scale,  # [1, M, K/16] e4m3
+        w.block_scale.astype(jnp.float8_e4m3fn)[None],  # [1, N, K/16] e4m3
+        preferred_element_type=jnp.float32,
+    )  # [1, M, N]
+    # scaled_matmul knows no tensor scales: both go on the result.
+    out = out * (xq.global_scale * w.global_scale.astype(jnp.float32))
+    return out.reshape(x.shape[:-1] + (w.shape[0],))
+
+
+def linear(x: jax.Array, w: Any, *, backend: str | None = None) -> jax.Array:
+    """y = x @ w.T for w [out, in] (dense array or NVFP4Array); returns [..., out] in x.dtype.
+
+    Accumulates in float32. `backend` only matters for NVFP4 weights (see module doc).
+    """
+    w_shape = tuple(w.shape)
+    if len(w_shape) != 2 or x.ndim < 1 or x.shape[-1] != w_shape[1]:
+        raise ValueError(
+            f"linear: x shape {tuple(x.shape)} does not match weight shape {w_shape} "
+            f"(expected x [..., {w_shape[-1] if w_shape else '?'}] and weight [out, in])"
+        )
+    if isinstance(w, NVFP4Array):
+        if resolve_backend(backend) == "native":
+            return _linear_native(x, w).astype(x.dtype)
+        w = dequantize(w, x.dtype)  # [out, in]
+    else:
+        w = jnp.asarray(w).astype(x.dtype)
+    return _dot(x, w).astype(x.dtype)

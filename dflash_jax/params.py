@@ -1,0 +1,199 @@
+"""Weights as pytrees of registered dataclasses, described once abstractly.
+
+Every parameter is first described by a `ParamSpec` (shape, logical axes, initializer). The same abstract tree drives
+`init`, checkpoint shape validation and (later) sharding: logical axes such as ("vocab", "embed") can be mapped onto a
+device mesh by one rules object without touching the model code.
+
+Field names follow HF (`self_attn.q_proj`, `mlp.gate_proj`, ...), so a parameter's path *is* its checkpoint name:
+`layers[3].self_attn.q_proj` <-> `layers.3.self_attn.q_proj.weight`. Linear weights are `[out, in]` (HF layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.nvfp4 import NVFP4Array
+
+
+def _dataclass(cls):
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+def static_field(**kwargs):
+    return dataclasses.field(metadata=dict(static=True), **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    logical_axes: tuple[str, ...]
+    init: str = "normal"  # "normal" (std 0.02) | "ones"
+
+    def __post_init__(self):
+        if len(self.shape) != len(self.logical_axes):
+            raise ValueError(f"ParamSpec: shape {self.shape} vs axes {self.logical_axes}")
+
+
+def is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+@_dataclass
+class Attention:
+    q_proj: Any  # [nH*hd, H]
+    k_proj: Any  # [nKV*hd, H]
+    v_proj: Any  # [nKV*hd, H]
+    o_proj: Any  # [H, nH*hd]
+    q_norm: Any  # [hd]
+    k_norm: Any  # [hd]
+
+
+@_dataclass
+class MLP:
+    gate_proj: Any  # [I, H]
+    up_proj: Any  # [I, H]
+    down_proj: Any  # [H, I]
+
+
+@_dataclass
+class DecoderLayer:
+    input_layernorm: Any  # [H]
+    self_attn: Attention
+    post_attention_layernorm: Any  # [H]
+    mlp: MLP
+
+
+@_dataclass
+class TargetParams:
+    embed_tokens: Any  # [V, H]
+    layers: tuple[DecoderLayer, ...]
+    norm: Any  # [H]
+    lm_head: Any  # [V, H], or None when tied to embed_tokens
+
+
+@_dataclass
+class DrafterParams:
+    fc: Any  # [H, K*H]
+    hidden_norm: Any  # [H]
+    layers: tuple[DecoderLayer, ...]
+    norm: Any  # [H]
+
+
+def abstract_layer(cfg: Qwen3Config) -> DecoderLayer:
+    H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    return DecoderLayer(
+        input_layernorm=ParamSpec((H,), ("embed",), "ones"),
+        self_attn=Attention(
+            q_proj=ParamSpec((q, H), ("q_heads", "embed")),
+            k_proj=ParamSpec((kv, H), ("kv_heads", "embed")),
+            v_proj=ParamSpec((kv, H), ("kv_heads", "embed")),
+            o_proj=ParamSpec((H, q), ("embed", "q_heads")),
+            q_norm=ParamSpec((hd,), ("head_dim",), "ones"),
+            k_norm=ParamSpec((hd,), ("head_dim",), "ones"),
+        ),
+        post_attention_layernorm=ParamSpec((H,), ("embed",), "ones"),
+        mlp=MLP(
+            gate_proj=ParamSpec((I, H), ("mlp", "embed")),
+            up_proj=ParamSpec((I, H), ("mlp", "embed")),
+            down_proj=ParamSpec((H, I), ("embed", "mlp")),
+        ),
+    )
+
+
+def abstract_target(cfg: Qwen3Config) -> TargetParams:
+    V, H = cfg.vocab_size, cfg.hidden_size
+    return TargetParams(
+        embed_tokens=ParamSpec((V, H), ("vocab", "embed")),
+        layers=tuple(abstract_layer(cfg) for _ in range(cfg.num_hidden_layers)),
+        norm=ParamSpec((H,), ("embed",), "ones"),
+        lm_head=None if cfg.tie_word_embeddings else ParamSpec((V, H), ("vocab", "embed")),
+    )
+
+
+def abstract_drafter(cfg: DrafterConfig) -> DrafterParams:
+    H = cfg.model.hidden_size
+    return DrafterParams(
+        fc=ParamSpec((H, cfg.num_taps * H), ("embed", "taps_embed")),
+        hidden_norm=ParamSpec((H,), ("embed",), "ones"),
+        layers=tuple(abstract_layer(cfg.model) for _ in range(cfg.model.num_hidden_layers)),
+        norm=ParamSpec((H,), ("embed",), "ones"),
+    )
+
+
+def init_from_abstract(abstract, key: jax.Array, dtype, std: float = 0.02):
+    """Random init (std 0.02 normal, norms at one), as for HF Qwen3 and the DFlash recipe."""
+    leaves, treedef = jax.tree.flatten(abstract, is_leaf=is_spec)
+    keys = jax.random.split(key, max(len(leaves), 1))
+    out = []
+    for spec, k in zip(leaves, keys):
+        if spec.init == "ones":
+            out.append(jnp.ones(spec.shape, dtype))
+        else:
+            out.append((std * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def logical_axes(abstract):
+    """The logical axes of every parameter, as a tree of tuples (for sharding rules)."""
+    return jax.tree.map(lambda s: s.logical_axes, abstract, is_leaf=is_spec)
+
+
+# -- names <-> paths ---------------------------------------------------------------------------------------------
+
+def path_name(path) -> str:
+    """`(GetAttrKey('layers'), SequenceKey(3), GetAttrKey('mlp'))` -> `layers.3.mlp`."""
+    parts = []
+    for p in path:
+        if isinstance(p, jax.tree_util.GetAttrKey):
+            parts.append(p.name)
+        elif isinstance(p, jax.tree_util.SequenceKey):
+            parts.append(str(p.idx))
+        elif isinstance(p, jax.tree_util.DictKey):
+            parts.append(str(p.key))
+        else:
+            parts.append(str(p))
+    return ".".join(parts)
+
+
+def _is_param_leaf(x) -> bool:
+    return is_spec(x) or isinstance(x, NVFP4Array)
+
+
+def named_leaves(tree) -> dict[str, Any]:
+    """Flatten a params (or abstract) tree to {name: leaf}; NVFP4Array counts as one leaf."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_param_leaf)
+    return {path_name(p): leaf for p, leaf in flat}
+
+
+def from_named(abstract, named: dict[str, Any]):
+    """Inverse of `named_leaves` against an abstract tree (names must match exactly)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_spec)
+    return jax.tree.unflatten(treedef, [named[path_name(p)] for p, _ in flat])
+
+
+def map_named(fn: Callable[[str, Any], Any], tree):
+    """Apply fn(name, leaf) to every parameter leaf (NVFP4Array counts as one leaf)."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: fn(path_name(p), x), tree, is_leaf=_is_param_leaf)
+
+
+def is_linear_name(name: str) -> bool:
+    return bool(re.search(r"(^fc$|_proj$|^lm_head$)", name))
+
+
+def param_bytes(tree) -> int:
+    total = 0
+    for leaf in named_leaves(tree).values():
+        total += leaf.nbytes if isinstance(leaf, NVFP4Array) else int(np.prod(leaf.shape)) * leaf.dtype.itemsize
+    return total
+
+
+def count_params(tree) -> int:
+    return sum(int(np.prod(leaf.shape)) for leaf in named_leaves(tree).values())

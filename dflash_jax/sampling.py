@@ -1,0 +1,146 @@
+"""Token choice inside the loop: greedy, temperature / top-k / top-p sampling, and lossless block acceptance.
+
+At temperature 0 a draft is accepted while it equals the target's argmax. At temperature > 0 this is rejection
+sampling (dflash.md section 4): p = target probs, q = draft probs, both after the same temperature / top-k / top-p;
+draft x_i ~ q_i; accept position i while u_i * q_i(x_i) < p_i(x_i); at the first rejection sample from
+normalize(max(p - q, 0)) (p if that is empty); when every draft is accepted the bonus comes from p of the last
+verify row. Greedy drafts are the point mass q = onehot(argmax), for which the same rule is exact.
+
+`p_min` ends the draft at the first slot whose top draft probability is below p_min: slots from there on are not
+proposed at all, so the token at the cut is sampled from p itself (not from a residual).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    p_min: float = 0.0  # 0 = off
+    draft_sampling: str = "sample"  # "sample": x ~ q ; "greedy": x = argmax q (point-mass proposal)
+
+    @classmethod
+    def make(cls, temperature=0.0, top_k=0, top_p=1.0, p_min=0.0, draft_sampling="sample") -> "SamplingParams":
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+        if int(top_k) < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k!r}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        if not 0 <= p_min < 1:
+            raise ValueError(f"p_min must be in [0, 1), got {p_min!r}")
+        if draft_sampling not in ("sample", "greedy"):
+            raise ValueError(f"draft_sampling must be 'sample' or 'greedy', got {draft_sampling!r}")
+        return cls(float(temperature), int(top_k), float(top_p), float(p_min), draft_sampling)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def processed_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
+    """Probabilities [..., V] f32 after temperature, top-k and top-p (identical for target and drafter)."""
+    x = logits.astype(jnp.float32) / sp.temperature
+    V = x.shape[-1]
+    if 0 < sp.top_k < V:
+        kth = jax.lax.top_k(x, sp.top_k)[0][..., -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    probs = jax.nn.softmax(x, axis=-1)
+    if sp.top_p < 1.0:
+        # Keep the smallest set of highest-probability tokens whose mass reaches top_p (the top token always).
+        order = jnp.argsort(-probs, axis=-1)
+        sorted_p = jnp.take_along_axis(probs, order, axis=-1)
+        mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+        keep_sorted = mass_before < sp.top_p
+        keep = jnp.zeros_like(keep_sorted).at[
+            tuple(jnp.indices(order.shape)[:-1]) + (order,)].set(keep_sorted)
+        probs = jnp.where(keep, probs, 0.0)
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def _split_rows(keys: jax.Array, n: int):
+    """keys [B, 2] raw key data -> (new keys [B, 2], n subkeys per row [B, n, 2])."""
+    def one(k):
+        parts = jax.random.split(jax.random.wrap_key_data(k), n + 1)
+        return jax.random.key_data(parts[0]), jax.random.key_data(parts[1:])
+    return jax.vmap(one)(keys)
+
+
+def _categorical(keys: jax.Array, probs: jax.Array) -> jax.Array:
+    """One sample per leading index; keys [..., 2], probs [..., V]."""
+    logp = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
+    flat_k = keys.reshape(-1, keys.shape[-1])
+    flat_p = logp.reshape(-1, logp.shape[-1])
+    out = jax.vmap(lambda k, l: jax.random.categorical(jax.random.wrap_key_data(k), l))(flat_k, flat_p)
+    return out.reshape(probs.shape[:-1]).astype(jnp.int32)
+
+
+def sample_tokens(logits: jax.Array, keys: jax.Array, sp: SamplingParams, draft: bool = False):
+    """logits [B, V] or [B, D, V] -> (tokens [B] or [B, D], keys). Greedy at temperature 0 or for greedy drafts."""
+    if sp.greedy or (draft and sp.draft_sampling == "greedy"):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), keys
+    n = 1 if logits.ndim == 2 else logits.shape[1]
+    keys, sub = _split_rows(keys, n)
+    probs = processed_probs(logits, sp)
+    if logits.ndim == 2:
+        return _categorical(sub[:, 0], probs), keys
+    return _categorical(sub, probs), keys
+
+
+def _pmin_mask(d_logits: jax.Array, sp: SamplingParams) -> jax.Array:
+    """[B, D] True while the draft's top probability stays >= p_min (then False from the first low slot on)."""
+    if sp.p_min <= 0:
+        return jnp.ones(d_logits.shape[:2], bool)
+    probs = jax.nn.softmax(d_logits.astype(jnp.float32), axis=-1) if sp.greedy else processed_probs(d_logits, sp)
+    confident = probs.max(axis=-1) >= sp.p_min
+    return jnp.cumprod(confident.astype(jnp.int32), axis=1).astype(bool)
+
+
+def accept_block(d_logits: jax.Array, drafts: jax.Array, v_logits: jax.Array, keys: jax.Array, sp: SamplingParams):
+    """Decide how many drafts to keep and what comes after them.
+
+    d_logits [B, D, V] drafter logits for slots 1..D; drafts [B, D]; v_logits [B, D+1, V] target logits of the
+    verify rows (row j predicts the token after slot j). Returns (n_acc [B] in 0..D, committed [B, D+1], keys):
+    committed[:, :n_acc] are the accepted drafts and committed[:, n_acc] is the correction / bonus token.
+    """
+    B, D = drafts.shape
+    proposed = _pmin_mask(d_logits, sp)  # [B, D]
+    if sp.greedy:
+        post = jnp.argmax(v_logits, axis=-1).astype(jnp.int32)  # [B, D+1]
+        ok = (drafts == post[:, :D]) & proposed
+        n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+        return n_acc, post, keys  # accepted drafts equal post there, and post[n_acc] is the bonus
+
+    p = processed_probs(v_logits, sp)  # [B, D+1, V]
+    if sp.draft_sampling == "greedy":
+        q = jax.nn.one_hot(drafts, p.shape[-1], dtype=jnp.float32)  # point-mass proposal
+    else:
+        q = processed_probs(d_logits, sp)  # [B, D, V]
+    keys, sub = _split_rows(keys, 2)
+    u = jax.vmap(lambda k: jax.random.uniform(jax.random.wrap_key_data(k), (D,)))(sub[:, 0])  # [B, D]
+    p_x = jnp.take_along_axis(p[:, :D], drafts[..., None], axis=-1)[..., 0]
+    q_x = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    ok = (u * q_x < p_x) & proposed
+    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B]
+
+    p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]  # [B, V] target row at the stop
+    q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # row D: nothing proposed -> bonus from p
+    q_at = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]
+    was_proposed = jnp.take_along_axis(jnp.concatenate([proposed, jnp.zeros((B, 1), bool)], axis=1),
+                                       n_acc[:, None], axis=1)  # [B, 1]
+    residual = jnp.maximum(p_at - jnp.where(was_proposed, q_at, 0.0), 0.0)
+    mass = residual.sum(axis=-1, keepdims=True)
+    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_at)
+    final = _categorical(sub[:, 1], residual)  # [B]
+    j = jnp.arange(D + 1)[None, :]
+    drafts_pad = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    committed = jnp.where(j < n_acc[:, None], drafts_pad, final[:, None])
+    return n_acc, committed, keys

@@ -1,0 +1,1 @@
+"""Training utilities: stdlib corpus, tokenizer training, and (elsewhere) LM/drafter training."""
