@@ -10,12 +10,11 @@ from dflash_jax.checkpoint import CheckpointError, load_drafter, load_target, sa
 from dflash_jax.config import DrafterConfig, Qwen3Config, default_target_layer_ids
 from dflash_jax.drafter import Drafter, draft_logits, init_drafter
 from dflash_jax.generate import GenerationResult, generate, generate_autoregressive
-from dflash_jax.linear import linear
 from dflash_jax.nvfp4 import NVFP4Array
 from dflash_jax.target import KVCache, Target, init_target, target_forward
 
 __all__ = [
-    "nvfp4", "NVFP4Array", "linear", "audit_scales", "ScaleAudit",
+    "nvfp4", "NVFP4Array", "audit_scales", "ScaleAudit",
     "Qwen3Config", "DrafterConfig", "default_target_layer_ids",
     "Target", "KVCache", "init_target", "target_forward",
     "Drafter", "init_drafter", "draft_logits",

@@ -82,9 +82,33 @@ def append_context(drafter: Drafter, features: jax.Array, n_valid: jax.Array, ca
     return DraftCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + n_valid.astype(jnp.int32))
 
 
+def block_pass(drafter: Drafter, x: jax.Array, positions: jax.Array, ctx_k, ctx_v, mask: jax.Array) -> jax.Array:
+    """The drafter layer stack over block queries x [B, Q, H] at positions [B, Q].
+
+    ctx_k/ctx_v: per layer [B, S, nKV, hd] context keys/values; mask [B, Q, S + Q] says which context keys and which
+    block keys each query sees. Inference (one block, cache) and training (many blocks per sequence, one mask) both
+    call this, so what is trained is exactly what runs. Returns the final-normed hidden states [B, Q, H].
+    """
+    cfg = drafter.config.model
+    for i, layer in enumerate(drafter.params.layers):
+        with jax.named_scope(f"draft_layer{i}"):
+            h = rms_norm(x, layer.input_layernorm, cfg.rms_norm_eps)
+            q = project_q(layer.self_attn, h, positions, cfg)
+            kb, vb = project_kv(layer.self_attn, h, positions, cfg)
+            k = jnp.concatenate([ctx_k[i], kb.astype(ctx_k[i].dtype)], axis=1)
+            v = jnp.concatenate([ctx_v[i], vb.astype(ctx_v[i].dtype)], axis=1)
+            x = x + linear(attend(q, k, v, mask), layer.self_attn.o_proj)
+            x = x + mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm, cfg.rms_norm_eps))
+    return rms_norm(x, drafter.params.norm, cfg.rms_norm_eps)
+
+
+def embed_block(drafter: Drafter, target: Target, block: jax.Array) -> jax.Array:
+    """Block tokens are embedded with the target's (frozen) embedding table."""
+    return jnp.take(target.params.embed_tokens, block, axis=0).astype(drafter.config.model.dtype)
+
+
 def block_hidden(drafter: Drafter, target: Target, block: jax.Array, cache: DraftCache) -> jax.Array:
     """One non-causal pass over block [B, bs] at positions lengths..lengths+bs-1 -> final hidden [B, bs, H]."""
-    cfg = drafter.config.model
     B, bs = block.shape
     start = cache.lengths
     positions = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]  # [B, bs]
@@ -92,17 +116,7 @@ def block_hidden(drafter: Drafter, target: Target, block: jax.Array, cache: Draf
     # Every block slot sees all committed context and the whole block: no mask inside the block.
     mask = jnp.concatenate([ctx_visible, jnp.ones((B, bs), bool)], axis=1)[:, None, :]
     mask = jnp.broadcast_to(mask, (B, bs, cache.max_len + bs))
-    x = jnp.take(target.params.embed_tokens, block, axis=0).astype(cfg.dtype)  # [B, bs, H]
-    for i, layer in enumerate(drafter.params.layers):
-        with jax.named_scope(f"draft_layer{i}"):
-            h = rms_norm(x, layer.input_layernorm, cfg.rms_norm_eps)
-            q = project_q(layer.self_attn, h, positions, cfg)
-            kb, vb = project_kv(layer.self_attn, h, positions, cfg)
-            k = jnp.concatenate([cache.k[i], kb.astype(cache.k[i].dtype)], axis=1)
-            v = jnp.concatenate([cache.v[i], vb.astype(cache.v[i].dtype)], axis=1)
-            x = x + linear(attend(q, k, v, mask), layer.self_attn.o_proj)
-            x = x + mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm, cfg.rms_norm_eps))
-    return rms_norm(x, drafter.params.norm, cfg.rms_norm_eps)
+    return block_pass(drafter, embed_block(drafter, target, block), positions, cache.k, cache.v, mask)
 
 
 def block_logits(drafter: Drafter, target: Target, block: jax.Array, cache: DraftCache,

@@ -80,10 +80,17 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
 
+def quantize_activations(x: jax.Array, input_scale: jax.Array) -> jax.Array:
+    """W4A4 emulation: x rounded through NVFP4 with the calibrated tensor scale (blocks of 16 along in)."""
+    xq = _quantize(x.astype(jnp.float32), jnp.asarray(input_scale, jnp.float32))
+    return dequantize(xq, x.dtype)
+
+
 def _linear_native(x: jax.Array, w: NVFP4Array) -> jax.Array:
     k = x.shape[-1]
     m = math.prod(x.shape[:-1])
-    xq = _quantize(x.reshape(1, m, k), None)  # dynamic global scale; unchecked: x may be traced
+    # Dynamic per-call activation scale, or the calibrated one a W4A4 checkpoint carries.
+    xq = _quantize(x.reshape(1, m, k), w.input_scale)  # unchecked: x may be traced
     out = _scaled_matmul(
         unpack_e2m1(xq.packed),  # [1, M, K] f4
         unpack_e2m1(w.packed)[None],  # [1, N, K] f4
@@ -96,11 +103,17 @@ def _linear_native(x: jax.Array, w: NVFP4Array) -> jax.Array:
     return out.reshape(x.shape[:-1] + (w.shape[0],))
 
 
+# Calibration hook: when set (by quantize.collect_linear_inputs, in eager mode), called with (x, w) for every linear.
+_input_recorder = None
+
+
 def linear(x: jax.Array, w: Any, *, backend: str | None = None) -> jax.Array:
     """y = x @ w.T for w [out, in] (dense array or NVFP4Array); returns [..., out] in x.dtype.
 
     Accumulates in float32. `backend` only matters for NVFP4 weights (see module doc).
     """
+    if _input_recorder is not None:
+        _input_recorder(x, w)
     w_shape = tuple(w.shape)
     if len(w_shape) != 2 or x.ndim < 1 or x.shape[-1] != w_shape[1]:
         raise ValueError(
@@ -110,6 +123,8 @@ def linear(x: jax.Array, w: Any, *, backend: str | None = None) -> jax.Array:
     if isinstance(w, NVFP4Array):
         if resolve_backend(backend) == "native":
             return _linear_native(x, w).astype(x.dtype)
+        if w.input_scale is not None:
+            x = quantize_activations(x, w.input_scale)
         w = dequantize(w, x.dtype)  # [out, in]
     else:
         w = jnp.asarray(w).astype(x.dtype)

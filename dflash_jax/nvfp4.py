@@ -51,6 +51,9 @@ class NVFP4Array:
     block_scale: jax.Array  # float8_e4m3fn [..., K/16] (float32 accepted, see audit.py)
     global_scale: jax.Array  # float32 [] (ModelOpt weight_scale_2)
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    # float32 [] or None. W4A4 only (ModelOpt `input_scale` = calibrated amax_act / (6*448)): when present, linear
+    # quantizes its activations to NVFP4 with this tensor scale, as a Blackwell W4A4 GEMM would; None = W4A16.
+    input_scale: Any = None
 
     def replace(self, **fields: Any) -> NVFP4Array:
         return dataclasses.replace(self, **fields)

@@ -1,0 +1,152 @@
+"""Benchmarks: speculative vs autoregressive decoding, measured in one run, medians over prompts.
+
+Two views:
+- `step_costs`: ms of one decode step (1 token), one verify (D+1 tokens) and one drafter call, timed separately on
+  the same caches, giving r = verify/decode and c = draft/decode; next to the loop's measured ms per step, the rest
+  being bookkeeping (acceptance, commits, rollback). Predicted speedup = tau / (r + c).
+- `compare`: for each prompt (batch 1) the autoregressive and the DFlash tokens/s of the decode loop (prefill
+  excluded, as z-lab's TPOT), tau and acceptance; medians over the prompt set.
+Timings are never asserted anywhere: these machines are noisy, so read the medians.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.drafter import Drafter, DraftCache, append_context, block_logits
+from dflash_jax.generate import generate, generate_autoregressive
+from dflash_jax.target import KVCache, Target, forward_with_cache
+
+
+def _median_ms(fn: Callable, args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def step_costs(target: Target, drafter: Drafter, *, context_len: int = 64, draft_length: int | None = None,
+               batch: int = 1, reps: int = 30, seed: int = 0) -> dict:
+    """ms per decode step, verify and draft at a given context length, and r, c."""
+    dcfg = drafter.config
+    D = dcfg.block_size - 1 if draft_length is None else draft_length
+    tcfg = target.config
+    cache_len = context_len + dcfg.block_size + 64
+    rng = np.random.default_rng(seed)
+    prompt = jnp.asarray(rng.integers(0, tcfg.vocab_size, (batch, context_len)), jnp.int32)
+    layer_ids = dcfg.target_layer_ids
+
+    @jax.jit
+    def prefill(target, drafter, prompt):
+        _, feats, tcache = forward_with_cache(target, prompt, KVCache.empty(tcfg, batch, cache_len), layer_ids)
+        dcache = append_context(drafter, feats, jnp.full((batch,), context_len, jnp.int32),
+                                DraftCache.empty(dcfg, batch, cache_len))
+        return tcache, dcache, feats[:, :D + 1]
+
+    tcache, dcache, pending = prefill(target, drafter, prompt)
+
+    @jax.jit
+    def decode(target, tcache, tok):
+        logits, _, c = forward_with_cache(target, tok, tcache)
+        return jnp.argmax(logits, -1), c.lengths
+
+    @jax.jit
+    def verify(target, tcache, toks):
+        logits, feats, c = forward_with_cache(target, toks, tcache, layer_ids)
+        return jnp.argmax(logits, -1), feats, c.lengths
+
+    @jax.jit
+    def draft(drafter, target, dcache, pending, block):
+        dc = append_context(drafter, pending, jnp.full((batch,), D + 1, jnp.int32), dcache)
+        return jnp.argmax(block_logits(drafter, target, block, dc, num_slots=D), -1)
+
+    tok = prompt[:, -1:]
+    toks = prompt[:, -(D + 1):]
+    block = jnp.full((batch, dcfg.block_size), dcfg.mask_token_id, jnp.int32).at[:, 0].set(prompt[:, -1])
+    out = {"decode_ms": _median_ms(decode, (target, tcache, tok), reps),
+           "verify_ms": _median_ms(verify, (target, tcache, toks), reps),
+           "draft_ms": _median_ms(draft, (drafter, target, dcache, pending, block), reps)}
+    out["r"] = out["verify_ms"] / out["decode_ms"]
+    out["c"] = out["draft_ms"] / out["decode_ms"]
+    out.update(context_len=context_len, draft_length=D, batch=batch)
+    return out
+
+
+def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+            draft_length: int | None = None, eos_ids=(), warmup: bool = True, drafters: dict | None = None) -> dict:
+    """Per prompt (batch 1): AR and DFlash decode tokens/s, tau, acceptance. Medians over prompts.
+
+    `drafters` may name extra drafters (e.g. {"nvfp4": q}) measured on the same prompts in the same run.
+    """
+    drafters = {"dflash": drafter, **(drafters or {})}
+    if warmup:  # compile every program shape before timing
+        generate_autoregressive(target, [list(prompts[0])], max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+        for d in drafters.values():
+            generate(target, d, [list(prompts[0])], max_new_tokens=max_new_tokens, draft_length=draft_length,
+                     eos_ids=eos_ids)
+    ar_tps, rows = [], {name: {"tps": [], "acc": [], "tau_steps": [], "steps": 0} for name in drafters}
+    ar_tokens = []
+    for p in prompts:
+        ar = generate_autoregressive(target, [list(p)], max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+        ar_tps.append(ar.decode_tokens_per_second)
+        ar_tokens.append(ar.tokens[0])
+        for name, d in drafters.items():
+            res = generate(target, d, [list(p)], max_new_tokens=max_new_tokens, draft_length=draft_length,
+                           eos_ids=eos_ids)
+            r = rows[name]
+            r["tps"].append(res.decode_tokens_per_second)
+            acc = res.acceptance_lengths[res.acceptance_lengths > 0]
+            r["tau_steps"].extend(acc.tolist())
+            r["acc"].append(res.acceptance_rate)
+            r.setdefault("exact", []).append(bool(np.array_equal(res.tokens[0], ar.tokens[0])))
+            r.setdefault("position", []).append(res.position_acceptance)
+    D = drafter.config.block_size - 1 if draft_length is None else draft_length
+    out = {"max_new_tokens": max_new_tokens, "draft_length": D, "prompts": len(prompts),
+           "ar_tokens_per_s": statistics.median(ar_tps)}
+    for name, r in rows.items():
+        steps = np.asarray(r["tau_steps"])
+        out[name] = {
+            "tokens_per_s": statistics.median(r["tps"]),
+            "tau": float(steps.mean()),
+            "acceptance_rate": float((steps - 1).sum() / (len(steps) * D)),
+            "speedup": statistics.median(r["tps"]) / statistics.median(ar_tps),
+            "exact_match": f"{sum(r['exact'])}/{len(r['exact'])}",
+            "position_acceptance": np.mean(np.stack(r["position"]), axis=0),
+        }
+    return out
+
+
+def format_compare_table(results: list[dict], names: Sequence[str] = ("dflash",)) -> str:
+    head = f"{'new tok':>8} {'AR tok/s':>9}"
+    for n in names:
+        head += f" | {n + ' tok/s':>14} {'accept':>7} {'tau':>5} {'speedup':>7} {'exact':>6}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        line = f"{r['max_new_tokens']:>8} {r['ar_tokens_per_s']:>9.1f}"
+        for n in names:
+            x = r[n]
+            line += (f" | {x['tokens_per_s']:>14.1f} {100 * x['acceptance_rate']:>6.1f}% {x['tau']:>5.2f} "
+                     f"{x['speedup']:>6.2f}x {x['exact_match']:>6}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def format_step_costs(c: dict, tau: float | None = None, measured_step_ms: float | None = None) -> str:
+    s = (f"context {c['context_len']}, batch {c['batch']}, draft length {c['draft_length']}: "
+         f"decode(1 tok) {c['decode_ms']:.2f} ms | verify({c['draft_length'] + 1} tok) {c['verify_ms']:.2f} ms | "
+         f"draft {c['draft_ms']:.2f} ms | r = {c['r']:.2f}, c = {c['c']:.2f}")
+    if measured_step_ms is not None:
+        book = measured_step_ms - c["verify_ms"] - c["draft_ms"]
+        s += f"\nloop: {measured_step_ms:.2f} ms/step = draft + verify + bookkeeping {book:.2f} ms"
+    if tau is not None:
+        s += f"\ntau {tau:.2f}: predicted speedup tau/(r+c) = {tau / (c['r'] + c['c']):.2f}x"
+    return s

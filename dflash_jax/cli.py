@@ -1,0 +1,133 @@
+"""The `dflash-jax` command. Every subcommand defaults to the embedded models in `checkpoints/`.
+
+    dflash-jax generate "def fibonacci(n):"     text, then tau and tokens/s for DFlash vs autoregressive
+    dflash-jax bench                             128/512/1024 new tokens on held-out prompts (medians)
+    dflash-jax bench --nvfp4                     the same with NVFP4 drafters (with and without scales)
+    dflash-jax bench --random-tiny               ms per step split into draft/verify/bookkeeping, r and c
+    dflash-jax train-target / train-drafter      reproduce the shipped checkpoints (resumable)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _generate(args):
+    from dflash_jax import generate, generate_autoregressive
+    from dflash_jax.defaults import load_default
+
+    target, drafter, tok = load_default()
+    if args.nvfp4:
+        from dflash_jax.quantize import quantize_nvfp4
+        drafter = quantize_nvfp4(drafter)
+    ids = tok.encode(args.prompt)
+    if not ids:
+        raise SystemExit("error: the prompt encodes to no tokens")
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_ids=(tok.eos_id,),
+              seed=args.seed)
+    ar = generate_autoregressive(target, [ids], **kw)
+    sp = generate(target, drafter, [ids], draft_length=args.draft_length, **kw)
+    print(args.prompt + tok.decode(sp.token_lists()[0]))
+    print("-" * 72)
+    same = "identical to" if sp.token_lists() == ar.token_lists() else "differs from (sampling)"
+    print(f"DFlash output {same} autoregressive output; {int(sp.num_tokens[0])} tokens, {sp.num_steps} steps")
+    print(f"tau {sp.tau:.2f} (tokens per draft+verify step, incl. bonus), acceptance rate "
+          f"{100 * sp.acceptance_rate:.1f}% of {sp.draft_length} drafted per step")
+    print(f"decode tokens/s: DFlash {sp.decode_tokens_per_second:.1f} vs autoregressive "
+          f"{ar.decode_tokens_per_second:.1f} -> {sp.decode_tokens_per_second / ar.decode_tokens_per_second:.2f}x"
+          f"  (prefill {1e3 * sp.timings['prefill_s']:.1f} ms; compile excluded)")
+
+
+def _bench(args):
+    import jax
+    import numpy as np
+
+    from dflash_jax import bench
+
+    if args.random_tiny:
+        from dflash_jax.config import DrafterConfig, Qwen3Config
+        from dflash_jax.drafter import init_drafter
+        from dflash_jax.generate import generate
+        from dflash_jax.target import init_target
+        cfg = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=6,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+        dcfg = DrafterConfig(model=cfg.replace(num_hidden_layers=2), block_size=16, mask_token_id=511,
+                             target_layer_ids=(1, 2, 3), num_target_layers=6)
+        target, drafter = init_target(cfg, jax.random.key(0)), init_drafter(dcfg, jax.random.key(1))
+        print(f"random tiny models: target {cfg.num_hidden_layers} layers H={cfg.hidden_size} V={cfg.vocab_size}; "
+              f"drafter {dcfg.model.num_hidden_layers} layers, block {dcfg.block_size}")
+        prompt = [list(np.random.default_rng(0).integers(0, 511, 64))]
+        for D in (args.draft_length or 7, 15):
+            res = generate(target, drafter, prompt, max_new_tokens=256, draft_length=D)
+            res = generate(target, drafter, prompt, max_new_tokens=256, draft_length=D)
+            step_ms = 1e3 * res.timings["decode_s"] / max(res.num_steps, 1)
+            costs = bench.step_costs(target, drafter, context_len=64 + 128, draft_length=D)
+            print(bench.format_step_costs(costs, tau=res.tau, measured_step_ms=step_ms))
+            print()
+        return
+
+    from dflash_jax.defaults import load_default
+    from dflash_jax.train import corpus
+
+    target, drafter, tok = load_default()
+    prompts = [tok.encode(t) for t in corpus.held_out_prompts(args.prompts, seed=args.seed)]
+    extra, names = {}, ["dflash"]
+    if args.nvfp4:
+        from dflash_jax.quantize import drop_global_scales, quantize_nvfp4
+        q = quantize_nvfp4(drafter)
+        extra = {"nvfp4 no-scale": drop_global_scales(q), "nvfp4": q}
+        names += list(extra)
+    print(f"embedded models, {len(prompts)} held-out stdlib prompts, batch 1, greedy, draft length "
+          f"{args.draft_length or drafter.config.block_size - 1} (block {drafter.config.block_size}); "
+          f"decode tokens/s exclude prefill and compile; medians over prompts; one run")
+    results = []
+    for n in args.new_tokens:
+        results.append(bench.compare(target, drafter, prompts, max_new_tokens=n, draft_length=args.draft_length,
+                                     drafters=extra))
+    print(bench.format_compare_table(results, names))
+    costs = bench.step_costs(target, drafter, context_len=256, draft_length=args.draft_length)
+    print()
+    print(bench.format_step_costs(costs, tau=results[0]["dflash"]["tau"]))
+    print("acceptance rate per block position (first table row): "
+          + " ".join(f"{x:.2f}" for x in results[0]["dflash"]["position_acceptance"]))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="dflash-jax", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate from a prompt with the embedded models")
+    g.add_argument("prompt")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--draft-length", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--nvfp4", action="store_true", help="quantize the drafter to NVFP4 first")
+    b = sub.add_parser("bench", help="speculative vs autoregressive, one run, medians")
+    b.add_argument("--new-tokens", type=int, nargs="+", default=[128, 512, 1024])
+    b.add_argument("--prompts", type=int, default=8)
+    b.add_argument("--draft-length", type=int, default=None)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--nvfp4", action="store_true", help="add NVFP4 drafters with and without tensor scales")
+    b.add_argument("--random-tiny", action="store_true", help="random tiny models: per-step cost split")
+    sub.add_parser("train-target", help="reproduce checkpoints/target", add_help=False)
+    sub.add_parser("train-drafter", help="reproduce checkpoints/drafter", add_help=False)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("train-target", "train-drafter"):
+        if argv[0] == "train-target":
+            from dflash_jax.train.target import main as train_main
+        else:
+            from dflash_jax.train.drafter import main as train_main
+        return train_main(argv[1:])
+    args = ap.parse_args(argv)
+    if args.cmd == "generate":
+        _generate(args)
+    elif args.cmd == "bench":
+        if args.nvfp4 and args.draft_length is None:
+            args.draft_length = 7  # the original report's setting
+        _bench(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""Train a DFlash drafter for a frozen target, by the DFlash recipe (dflash.md section 6).
+
+Data: the target's own continuations of corpus prompts (mostly greedy, some sampled), so the drafter learns what
+*this* target says. Per sequence, random anchors a in the continuation; each anchor's block is [x_a, M x (bs-1)] at
+positions a..a+bs-1; it sees the target context strictly before a and its whole block, no other block; slot k
+predicts x_{a+k} (same position) with weight exp(-(k-1)/gamma); slot 0 has no loss. The target, its embedding and
+its LM head stay frozen: only fc, hidden_norm, the layers and norm train.
+
+    dflash-jax train-drafter           # reproduces checkpoints/drafter (resumable: rerun the same command)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.checkpoint import load_target, save
+from dflash_jax.config import DrafterConfig, Qwen3Config, default_target_layer_ids
+from dflash_jax.drafter import Drafter, block_pass, embed_block, fuse_context, init_drafter
+from dflash_jax.generate import generate, generate_autoregressive
+from dflash_jax.layers import project_kv
+from dflash_jax.linear import linear
+from dflash_jax.target import Target, forward_with_cache
+from dflash_jax.tokenizer import Tokenizer
+from dflash_jax.train import corpus
+from dflash_jax.train.loop import OptimConfig, batch_rng, cross_entropy, run
+
+CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
+GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def decay_gamma(block_size: int) -> float:
+    return GAMMA.get(block_size, max(1.0, 7.0 * block_size / 16))
+
+
+def shipped_drafter_config(target_cfg: Qwen3Config, mask_token_id: int, *, layers: int = 2, block_size: int = 16,
+                           taps: int = 3) -> DrafterConfig:
+    model = target_cfg.replace(num_hidden_layers=layers)
+    return DrafterConfig(model=model, block_size=block_size, mask_token_id=mask_token_id,
+                         target_layer_ids=default_target_layer_ids(target_cfg.num_hidden_layers, taps),
+                         num_target_layers=target_cfg.num_hidden_layers)
+
+
+# -- data ----------------------------------------------------------------------------------------------------------
+
+def make_sequences(target: Target, prompts: list[list[int]], *, max_new_tokens: int, seq_len: int,
+                   sampled_fraction: float = 0.2, temperature: float = 0.8, batch: int = 64, seed: int = 0,
+                   eos_ids=()) -> dict[str, np.ndarray]:
+    """The target's continuations of prompts: tokens [N, seq_len] (0-padded), lengths [N], prompt_lens [N]."""
+    n = len(prompts)
+    n_sampled = int(round(n * sampled_fraction))
+    rows, lens, plens = [], [], []
+    for i in range(0, n, batch):
+        chunk = prompts[i:i + batch]
+        temp = temperature if i >= n - n_sampled else 0.0
+        res = generate_autoregressive(target, chunk, max_new_tokens=max_new_tokens, temperature=temp,
+                                      eos_ids=eos_ids, seed=seed + i)
+        for p, out in zip(chunk, res.token_lists()):
+            seq = (list(p) + out)[:seq_len]
+            rows.append(seq + [0] * (seq_len - len(seq)))
+            lens.append(len(seq))
+            plens.append(min(len(p), seq_len))
+    return {"tokens": np.asarray(rows, np.int32), "lengths": np.asarray(lens, np.int32),
+            "prompt_lens": np.asarray(plens, np.int32)}
+
+
+def sample_anchors(lengths: np.ndarray, prompt_lens: np.ndarray, num_anchors: int,
+                   rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Per row up to num_anchors distinct sorted anchors in [prompt_len, length-2]; (anchors [B, N], keep [B, N])."""
+    B = len(lengths)
+    anchors = np.zeros((B, num_anchors), np.int32)
+    keep = np.zeros((B, num_anchors), bool)
+    for b in range(B):
+        lo, hi = int(prompt_lens[b]), int(lengths[b]) - 2  # an anchor needs at least one label after it
+        if hi < lo:
+            continue
+        k = min(num_anchors, hi - lo + 1)
+        pick = np.sort(rng.choice(np.arange(lo, hi + 1), size=k, replace=False))
+        anchors[b, :k], keep[b, :k] = pick, True
+    return anchors, keep
+
+
+# -- loss ----------------------------------------------------------------------------------------------------------
+
+def drafter_loss(cfg: DrafterConfig, target_cfg: Qwen3Config, gamma: float | None = None):
+    """loss_fn(drafter_params, batch) over many blocks per sequence in one forward."""
+    bs = cfg.block_size
+    gamma = decay_gamma(bs) if gamma is None else gamma
+    weights = jnp.exp(-jnp.arange(bs - 1, dtype=jnp.float32) / gamma)  # slot k=1..bs-1 -> exp(-(k-1)/gamma)
+
+    def loss_fn(params, batch):
+        target = Target(params=batch["target"], config=target_cfg)
+        drafter = Drafter(params=params, config=cfg)
+        tokens, lengths, anchors, keep = batch["tokens"], batch["lengths"], batch["anchors"], batch["keep"]
+        B, S = tokens.shape
+        N = anchors.shape[1]
+        _, feats, _ = forward_with_cache(target, tokens, None, cfg.target_layer_ids)
+        feats = jax.lax.stop_gradient(feats)  # [B, S, K*H]: the target is frozen
+        ctx = fuse_context(drafter, feats)
+        ctx_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        ctx_kv = [project_kv(layer.self_attn, ctx, ctx_pos, cfg.model) for layer in params.layers]
+
+        k = jnp.arange(bs, dtype=jnp.int32)
+        positions = (anchors[:, :, None] + k).reshape(B, N * bs)  # [B, N*bs]
+        x_a = jnp.take_along_axis(tokens, anchors, axis=1)  # [B, N]
+        block = jnp.where(k[None, None, :] == 0, x_a[:, :, None], cfg.mask_token_id).reshape(B, N * bs)
+        block_id = jnp.repeat(jnp.arange(N), bs)  # [N*bs]
+        anchor_of_q = jnp.repeat(anchors, bs, axis=1)  # [B, N*bs]
+        keep_q = jnp.repeat(keep, bs, axis=1)
+        # Context strictly before the anchor (the anchor's own feature is not visible, as at inference);
+        # the whole own block; no other block; dropped anchors see nothing.
+        sees_ctx = jnp.arange(S)[None, None, :] < anchor_of_q[:, :, None]  # [B, Q, S]
+        sees_blk = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (B, N * bs, N * bs))
+        mask = jnp.concatenate([sees_ctx, sees_blk], axis=2) & keep_q[:, :, None]
+
+        h = block_pass(drafter, embed_block(drafter, target, block), positions,
+                       [kv[0] for kv in ctx_kv], [kv[1] for kv in ctx_kv], mask)
+        h = h.reshape(B, N, bs, -1)[:, :, 1:]  # slots 1..bs-1
+        logits = linear(h, target.lm_head).astype(jnp.float32)  # [B, N, bs-1, V]
+        label_pos = anchors[:, :, None] + k[None, None, 1:]  # [B, N, bs-1]
+        valid = keep[:, :, None] & (label_pos < lengths[:, None, None])
+        labels = jnp.take_along_axis(tokens, jnp.minimum(label_pos, S - 1).reshape(B, -1), axis=1).reshape(
+            label_pos.shape)
+        ce = cross_entropy(logits, labels)
+        w = weights[None, None, :] * valid
+        loss = jnp.sum(w * ce) / (jnp.sum(w) + 1e-6)
+        correct = (jnp.argmax(logits, axis=-1) == labels) & valid
+        acc = jnp.sum(correct) / jnp.maximum(jnp.sum(valid), 1)
+        acc1 = jnp.sum(correct[:, :, 0]) / jnp.maximum(jnp.sum(valid[:, :, 0]), 1)
+        return loss, {"acc": acc, "acc_slot1": acc1}
+
+    return loss_fn
+
+
+def make_batch_fn(data: dict[str, np.ndarray], target_params, *, batch: int, num_anchors: int, seed: int):
+    def batch_fn(step):
+        rng = batch_rng(seed, step)
+        idx = rng.choice(len(data["tokens"]), size=batch, replace=False)
+        anchors, keep = sample_anchors(data["lengths"][idx], data["prompt_lens"][idx], num_anchors, rng)
+        return {"tokens": jnp.asarray(data["tokens"][idx]), "lengths": jnp.asarray(data["lengths"][idx]),
+                "anchors": jnp.asarray(anchors), "keep": jnp.asarray(keep), "target": target_params}
+    return batch_fn
+
+
+def measure_tau(target: Target, drafter: Drafter, prompts: list[list[int]], *, max_new_tokens: int = 128,
+                draft_length: int | None = None) -> dict:
+    res = generate(target, drafter, prompts, max_new_tokens=max_new_tokens, draft_length=draft_length)
+    return {"tau": res.tau, "acceptance_rate": res.acceptance_rate,
+            "position_acceptance": [round(float(x), 4) for x in res.position_acceptance]}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Train the shipped DFlash drafter for the shipped target")
+    ap.add_argument("--target", default=str(CHECKPOINTS / "target"))
+    ap.add_argument("--tokenizer", default=str(CHECKPOINTS / "tokenizer.json"))
+    ap.add_argument("--out", default=str(CHECKPOINTS / "drafter"))
+    ap.add_argument("--work-dir", default=".train/drafter")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--taps", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=1536)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=384)
+    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--anchors", type=int, default=24)
+    ap.add_argument("--lr", type=float, default=1.5e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    t_start = time.perf_counter()
+    tok = Tokenizer.from_file(args.tokenizer)
+    target = load_target(args.target)
+    cfg = shipped_drafter_config(target.config, tok.mask_id, layers=args.layers, block_size=args.block_size,
+                                 taps=args.taps)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    data_file = work / f"sequences_{args.prompts}_{args.new_tokens}_{args.seed}.npz"
+    if data_file.exists():
+        data = dict(np.load(data_file))
+    else:
+        t0 = time.perf_counter()
+        texts = corpus.train_prompts(args.prompts, seed=args.seed)
+        prompts = [tok.encode(t) for t in texts]
+        max_prompt = args.seq_len - args.new_tokens
+        prompts = [p[-max_prompt:] for p in prompts]
+        data = make_sequences(target, prompts, max_new_tokens=args.new_tokens, seq_len=args.seq_len,
+                              seed=args.seed, eos_ids=(tok.eos_id,))
+        np.savez(data_file, **data)
+        print(f"drafter data: {len(prompts)} target continuations, "
+              f"{int((data['lengths'] - data['prompt_lens']).sum()):,} generated tokens in "
+              f"{time.perf_counter() - t0:.0f}s")
+    eval_prompts = [tok.encode(t) for t in corpus.held_out_prompts(8, seed=1)]
+
+    def eval_fn(params):
+        return {k: v for k, v in measure_tau(target, Drafter(params=params, config=cfg), eval_prompts,
+                                             max_new_tokens=96).items() if k != "position_acceptance"}
+
+    params = init_drafter(cfg, jax.random.key(args.seed + 1)).params
+    optim = OptimConfig(steps=args.steps, lr=args.lr, weight_decay=0.0)
+    params, history = run(params=params, loss_fn=drafter_loss(cfg, target.config),
+                          batch_fn=make_batch_fn(data, target.params, batch=args.batch, num_anchors=args.anchors,
+                                                 seed=args.seed),
+                          optim=optim, ckpt_dir=work / "ckpt", eval_fn=eval_fn, eval_every=200, desc="drafter",
+                          log_file=work / "log.jsonl")
+    drafter = Drafter(params=params, config=cfg)
+    save(args.out, drafter)
+    final = history[-1]
+    report = {"command": "dflash-jax train-drafter " + " ".join(argv or []), "steps": args.steps,
+              "batch": args.batch, "anchors_per_sequence": args.anchors, "prompts": args.prompts,
+              "new_tokens": args.new_tokens, "gamma": decay_gamma(args.block_size),
+              "train_loss": final["loss"], "train_acc": final.get("acc"), "tau_eval_8_prompts": final.get("tau"),
+              "wall_time_s": round(time.perf_counter() - t_start, 1),
+              "params": int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)))}
+    with open(Path(args.out) / "train_report.json", "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""The shared training loop: AdamW + warmup/cosine + clipping, orbax checkpoints, resume, progress with ETA.
+
+Batches are a pure function of the step number (`batch_fn(step)`), so a resumed run sees exactly the batches the
+interrupted one would have seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    steps: int
+    lr: float = 1e-3
+    warmup_ratio: float = 0.04
+    final_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    b2: float = 0.95
+    clip_norm: float = 1.0
+
+
+def make_optimizer(cfg: OptimConfig, trainable_mask: Any = None) -> optax.GradientTransformation:
+    warmup = max(1, int(cfg.steps * cfg.warmup_ratio))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
+                                                  end_value=cfg.lr * cfg.final_lr_ratio)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                       optax.adamw(schedule, b1=0.9, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                                   mask=trainable_mask))
+
+
+def run(*, params, loss_fn: Callable, batch_fn: Callable[[int], Any], optim: OptimConfig, ckpt_dir: str | Path,
+        eval_fn: Callable[[Any], dict] | None = None, eval_every: int = 0, ckpt_every: int = 200,
+        desc: str = "train", log_file: str | Path | None = None) -> tuple[Any, list[dict]]:
+    """Minimise loss_fn(params, batch) -> (loss, metrics dict); resumes from the newest checkpoint in ckpt_dir."""
+    import orbax.checkpoint as ocp
+
+    tx = make_optimizer(optim)
+    opt_state = tx.init(params)
+    ckpt_dir = Path(ckpt_dir).absolute()
+    manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    start = 0
+    if manager.latest_step() is not None:
+        start = manager.latest_step()
+        restored = manager.restore(start, args=ocp.args.StandardRestore({"params": params, "opt": opt_state}))
+        params, opt_state = restored["params"], restored["opt"]
+        print(f"[{desc}] resumed from step {start} in {ckpt_dir}")
+
+    @jax.jit
+    def step_fn(params, opt_state, batch):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+        return params, opt_state, metrics
+
+    history: list[dict] = []
+    log = open(log_file, "a") if log_file else None
+    bar = tqdm(range(start, optim.steps), initial=start, total=optim.steps, desc=desc, mininterval=5.0)
+    t0, running = time.perf_counter(), None
+    for step in bar:
+        params, opt_state, metrics = step_fn(params, opt_state, batch_fn(step))
+        if step % 10 == 0 or step == optim.steps - 1:
+            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            running = m["loss"] if running is None else 0.9 * running + 0.1 * m["loss"]
+            bar.set_postfix(loss=f"{running:.3f}")
+            rec = {"step": step, "elapsed_s": round(time.perf_counter() - t0, 1), **m}
+            if eval_fn is not None and eval_every and (step % eval_every == 0 or step == optim.steps - 1) and step:
+                rec.update(eval_fn(params))
+                tqdm.write(f"[{desc}] step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in rec.items()
+                                                                 if isinstance(v, float)))
+            history.append(rec)
+            if log:
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+        if (step + 1) % ckpt_every == 0 or step == optim.steps - 1:
+            manager.save(step + 1, args=ocp.args.StandardSave({"params": params, "opt": opt_state}))
+    manager.wait_until_finished()
+    if log:
+        log.close()
+    return params, history
+
+
+def batch_rng(seed: int, step: int) -> np.random.Generator:
+    return np.random.default_rng([seed, step])
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-position CE [..] in f32."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
