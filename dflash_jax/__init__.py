@@ -11,7 +11,10 @@ from dflash_jax.config import DrafterConfig, Qwen3Config, default_target_layer_i
 from dflash_jax.drafter import Drafter, draft_logits, init_drafter
 from dflash_jax.generate import GenerationResult, generate, generate_autoregressive
 from dflash_jax.nvfp4 import NVFP4Array
+from dflash_jax.quantize import drop_global_scales, quantize_nvfp4
 from dflash_jax.target import KVCache, Target, init_target, target_forward
+from dflash_jax.defaults import load_default
+from dflash_jax.tokenizer import Tokenizer
 
 __all__ = [
     "nvfp4", "NVFP4Array", "audit_scales", "ScaleAudit",
@@ -20,4 +23,5 @@ __all__ = [
     "Drafter", "init_drafter", "draft_logits",
     "generate", "generate_autoregressive", "GenerationResult",
     "load_target", "load_drafter", "save", "save_hf", "CheckpointError",
+    "quantize_nvfp4", "drop_global_scales", "load_default", "Tokenizer",
 ]

@@ -145,8 +145,11 @@ def cache_target():
     return random_target(CACHE_CFG, seed=7)
 
 
+_FWD = jax.jit(forward_with_cache, static_argnums=(3,))  # few distinct shapes below: compiles are the cost
+
+
 def _fwd(target, tokens, cache):
-    return forward_with_cache(target, jnp.asarray(tokens, jnp.int32), cache, TAPS)
+    return _FWD(target, jnp.asarray(tokens, jnp.int32), cache, TAPS)
 
 
 def _tokens(shape, seed=0):
@@ -155,6 +158,14 @@ def _tokens(shape, seed=0):
 
 def _set_lengths(cache: KVCache, lengths) -> KVCache:
     return cache.replace(lengths=jnp.asarray(lengths, jnp.int32))
+
+
+def _right_padded(seqs, width):
+    """Rows of different lengths as one [B, width] batch; causal no-cache outputs of a row's prefix ignore padding."""
+    out = np.zeros((len(seqs), width), np.int32)
+    for b, s in enumerate(seqs):
+        out[b, :len(s)] = s
+    return out
 
 
 def test_prefill_chunks_equal_one_call_equal_no_cache(cache_target):
@@ -167,7 +178,7 @@ def test_prefill_chunks_equal_one_call_equal_no_cache(cache_target):
     assert rel_err(one_feats, ref_feats) < CACHE_RTOL
 
     cache, logits, feats = KVCache.empty(CACHE_CFG, 2, 16), [], []
-    for a, b in ((0, 5), (5, 6), (6, 13)):  # 5 + 1 + 7
+    for a, b in ((0, 6), (6, 7), (7, 13)):  # 6 + 1 + 6
         lg, ft, cache = _fwd(cache_target, tok[:, a:b], cache)
         logits.append(lg)
         feats.append(ft)
@@ -179,59 +190,61 @@ def test_prefill_chunks_equal_one_call_equal_no_cache(cache_target):
 
 
 def test_ragged_batch_equals_rows_alone(cache_target):
-    lengths = [7, 3, 10]
-    prompt = _tokens((3, 10), 2)
-    step = _tokens((3, 4), 3)
-    # Batch: prefill a padded [3, 10], set per-row lengths, extend every row by the same 4 new slots.
-    _, _, cache = _fwd(cache_target, prompt, KVCache.empty(CACHE_CFG, 3, 16))
+    lengths = [7, 3]
+    prompt = _tokens((2, 10), 2)
+    step = _tokens((2, 4), 3)
+    # Batch: prefill a padded [2, 10], set per-row lengths, extend every row by the same 4 new slots.
+    _, _, cache = _fwd(cache_target, prompt, KVCache.empty(CACHE_CFG, 2, 16))
     logits, feats, cache = _fwd(cache_target, step, _set_lengths(cache, lengths))
     np.testing.assert_array_equal(np.asarray(cache.lengths), [n + 4 for n in lengths])
+    seqs = [np.concatenate([prompt[b, :n], step[b]]) for b, n in enumerate(lengths)]
+    ref_logits, ref_feats, _ = _fwd(cache_target, _right_padded(seqs, 13), None)
     for b, n in enumerate(lengths):
-        seq = np.concatenate([prompt[b, :n], step[b]])[None]
-        ref_logits, ref_feats, _ = _fwd(cache_target, seq, None)
-        assert rel_err(logits[b], ref_logits[0, n:]) < CACHE_RTOL, b
-        assert rel_err(feats[b], ref_feats[0, n:]) < CACHE_RTOL, b
-        # Row alone, through the cache path too.
-        _, _, c1 = _fwd(cache_target, prompt[b:b + 1, :n], KVCache.empty(CACHE_CFG, 1, 16))
-        l1, _, c1 = _fwd(cache_target, step[b:b + 1], c1)
+        assert rel_err(logits[b], ref_logits[b, n:n + 4]) < CACHE_RTOL, b
+        assert rel_err(feats[b], ref_feats[b, n:n + 4]) < CACHE_RTOL, b
+        # The row alone (batch 1) through the same cache path, padded prompt + its own length.
+        _, _, c1 = _fwd(cache_target, prompt[b:b + 1], KVCache.empty(CACHE_CFG, 1, 16))
+        l1, _, c1 = _fwd(cache_target, step[b:b + 1], _set_lengths(c1, [n]))
         assert rel_err(logits[b], l1[0]) < CACHE_RTOL, b
         for kb, k1 in zip(cache.k + cache.v, c1.k + c1.v):
             assert rel_err(kb[b, :n + 4], k1[0, :n + 4]) < CACHE_RTOL, b
 
 
 def test_rollback_then_reextend_equals_fresh_run(cache_target):
-    prompt, draft, fix = _tokens((2, 8), 4), _tokens((2, 5), 5), _tokens((2, 5), 6)
-    _, _, cache = _fwd(cache_target, prompt, KVCache.empty(CACHE_CFG, 2, 24))
-    _, _, cache = _fwd(cache_target, draft, cache)  # lengths 13
-    accepted = np.array([2, 0])  # row 0 keeps 2 draft tokens, row 1 none
+    prompt, draft, fix, nxt = _tokens((2, 8), 4), _tokens((2, 4), 5), _tokens((2, 4), 6), _tokens((2, 1), 7)
+    _, _, cache = _fwd(cache_target, prompt, KVCache.empty(CACHE_CFG, 2, 16))
+    _, _, cache = _fwd(cache_target, draft, cache)  # lengths 12
+    accepted = np.array([3, 0])  # row 0 keeps 3 draft tokens, row 1 none
     cache = _set_lengths(cache, 8 + accepted)
     logits, _, cache = _fwd(cache_target, fix, cache)
-    np.testing.assert_array_equal(np.asarray(cache.lengths), 8 + accepted + 5)
-    for b in range(2):
-        seq = np.concatenate([prompt[b], draft[b, :accepted[b]], fix[b]])[None]
-        ref, _, _ = _fwd(cache_target, seq, None)
-        assert rel_err(logits[b], ref[0, -5:]) < CACHE_RTOL, b
+    np.testing.assert_array_equal(np.asarray(cache.lengths), 8 + accepted + 4)
     # The stale draft K/V beyond the new length are still in memory but masked: a further step agrees too.
-    nxt = _tokens((2, 1), 7)
     lg, _, _ = _fwd(cache_target, nxt, cache)
+    seqs = [np.concatenate([prompt[b], draft[b, :accepted[b]], fix[b], nxt[b]]) for b in range(2)]
+    ref, _, _ = _fwd(cache_target, _right_padded(seqs, 16), None)
     for b in range(2):
-        seq = np.concatenate([prompt[b], draft[b, :accepted[b]], fix[b], nxt[b]])[None]
-        ref, _, _ = _fwd(cache_target, seq, None)
-        assert rel_err(lg[b, 0], ref[0, -1]) < CACHE_RTOL, b
+        n = 8 + accepted[b]
+        assert rel_err(logits[b], ref[b, n:n + 4]) < CACHE_RTOL, b
+        assert rel_err(lg[b, 0], ref[b, n + 4]) < CACHE_RTOL, b
+    # Negative control: without the rollback, row 1 would see the rejected draft and differ.
+    _, _, c2 = _fwd(cache_target, prompt, KVCache.empty(CACHE_CFG, 2, 16))
+    _, _, c2 = _fwd(cache_target, draft, c2)
+    bad, _, _ = _fwd(cache_target, fix, c2)
+    assert rel_err(bad[1], ref[1, 8:12]) > 1e-3
 
 
 def test_writes_beyond_cache_are_dropped_not_clamped(cache_target):
-    tok = _tokens((1, 10), 8)
-    _, _, big = _fwd(cache_target, tok, KVCache.empty(CACHE_CFG, 1, 16))  # reference K/V for positions 0..9
-    _, _, small = _fwd(cache_target, tok[:, :6], KVCache.empty(CACHE_CFG, 1, 8))
+    tok = _tokens((2, 10), 8)
+    _, _, big = _fwd(cache_target, tok, KVCache.empty(CACHE_CFG, 2, 16))  # reference K/V for positions 0..9
+    _, _, small = _fwd(cache_target, tok[:, :6], KVCache.empty(CACHE_CFG, 2, 8))
     logits, _, small = _fwd(cache_target, tok[:, 6:], small)  # positions 6..9; 8 and 9 do not fit
     ref_logits, _, _ = _fwd(cache_target, tok, None)
     # Positions that fit are exact; slot 7 holds position 7's key, not position 9's (what a clamp would leave).
     for ks, kb in zip(small.k + small.v, big.k + big.v):
         assert ks.shape[1] == 8
-        assert rel_err(ks[0, :8], kb[0, :8]) < CACHE_RTOL
-        assert rel_err(ks[0, 7], kb[0, 9]) > 1e-2
-    assert rel_err(logits[0, :2], ref_logits[0, 6:8]) < CACHE_RTOL
+        assert rel_err(ks[:, :8], kb[:, :8]) < CACHE_RTOL
+        assert rel_err(ks[:, 7], kb[:, 9]) > 1e-2
+    assert rel_err(logits[:, :2], ref_logits[:, 6:8]) < CACHE_RTOL
 
     # The primitive itself, with distinguishable values.
     cache = jnp.zeros((2, 4, 1))
@@ -267,9 +280,9 @@ def test_decode_steps_do_not_retrace(cache_target):
     """A jitted cache step reused across growing lengths and new tokens traces once."""
     chex.clear_trace_counter()
     step = jax.jit(chex.assert_max_traces(forward_with_cache, n=1), static_argnums=(3,))
-    _, _, cache = _fwd(cache_target, _tokens((2, 4), 1), KVCache.empty(CACHE_CFG, 2, 16))
+    _, _, cache = _fwd(cache_target, _tokens((2, 8), 1), KVCache.empty(CACHE_CFG, 2, 16))
     for i in range(4):
-        _, _, cache = step(cache_target, jnp.asarray(_tokens((2, 2), 10 + i)), cache, TAPS)
+        _, _, cache = step(cache_target, jnp.asarray(_tokens((2, 1), 10 + i)), cache, TAPS)
     np.testing.assert_array_equal(np.asarray(cache.lengths), [12, 12])
 
 
@@ -286,8 +299,8 @@ class ForwardVariantsTest(chex.TestCase):
         chex.assert_trees_all_close(logits, ref_logits, rtol=1e-5, atol=1e-6)
         chex.assert_trees_all_close(feats, ref_feats, rtol=1e-5, atol=1e-6)
         cache = KVCache.empty(CACHE_CFG, 2, 8)
-        l1, _, cache = fwd(target, tok[:, :4], cache, TAPS)
-        l2, _, cache = fwd(target, tok[:, 4:], cache, TAPS)
+        l1, _, cache = fwd(target, tok[:, :3], cache, TAPS)  # equal halves: one set of shapes to compile eagerly
+        l2, _, cache = fwd(target, tok[:, 3:], cache, TAPS)
         chex.assert_trees_all_close(jnp.concatenate([l1, l2], 1), ref_logits, rtol=1e-5, atol=1e-6)
         chex.assert_trees_all_equal(cache.lengths, jnp.array([6, 6], jnp.int32))
         chex.assert_shape(cache.k, [(2, 8, CACHE_CFG.num_key_value_heads, CACHE_CFG.head_dim)] * 2)
