@@ -8,7 +8,7 @@ multiples of 16 so every linear can be NVFP4), no forward passes: this file is n
 from __future__ import annotations
 
 import json
-import shutil
+import re
 import struct
 from pathlib import Path
 
@@ -349,7 +349,7 @@ def test_corrupt_file_is_a_checkpoint_error(tmp_path):
 def test_malformed_json_files_name_the_file(tmp_path, name, text):
     dj.save_hf(tmp_path, _target())
     (tmp_path / name).write_text(text)
-    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(name)):
         dj.load_target(tmp_path)
 
 
@@ -599,7 +599,7 @@ def test_nvfp4_missing_weight_scale_names_the_module(nvfp4_folder):
     tensors = _read(folder)
     del tensors[Q + ".weight_scale"]
     _write(folder, tensors)
-    with pytest.raises(CheckpointError, match=Q + ".weight_scale"):
+    with pytest.raises(CheckpointError, match=Q + ".*weight_scale"):
         dj.load_target(folder)
 
 

@@ -89,45 +89,62 @@ def sample_anchors(lengths: np.ndarray, prompt_lens: np.ndarray, num_anchors: in
 
 # -- loss ----------------------------------------------------------------------------------------------------------
 
+def training_logits(params, batch, cfg: DrafterConfig, target_cfg: Qwen3Config) -> jax.Array:
+    """Logits [B, N, bs-1, V] of block slots 1..bs-1 for every anchor, all blocks in one forward.
+
+    For anchor a this equals inference's `draft_logits(drafter, target, features[:, :a], [x_a, M, ...])`
+    (tests check it): context strictly before the anchor, the whole own block, no other block.
+    """
+    bs = cfg.block_size
+    target = Target(params=batch["target"], config=target_cfg)
+    drafter = Drafter(params=params, config=cfg)
+    tokens, anchors, keep = batch["tokens"], batch["anchors"], batch["keep"]
+    B, S = tokens.shape
+    N = anchors.shape[1]
+    _, feats, _ = forward_with_cache(target, tokens, None, cfg.target_layer_ids)
+    feats = jax.lax.stop_gradient(feats)  # [B, S, K*H]: the target is frozen
+    ctx = fuse_context(drafter, feats)
+    ctx_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    ctx_kv = [project_kv(layer.self_attn, ctx, ctx_pos, cfg.model) for layer in params.layers]
+
+    k = jnp.arange(bs, dtype=jnp.int32)
+    positions = (anchors[:, :, None] + k).reshape(B, N * bs)  # [B, N*bs]
+    x_a = jnp.take_along_axis(tokens, anchors, axis=1)  # [B, N]
+    block = jnp.where(k[None, None, :] == 0, x_a[:, :, None], cfg.mask_token_id).reshape(B, N * bs)
+    block_id = jnp.repeat(jnp.arange(N), bs)  # [N*bs]
+    anchor_of_q = jnp.repeat(anchors, bs, axis=1)  # [B, N*bs]
+    keep_q = jnp.repeat(keep, bs, axis=1)
+    # Context strictly before the anchor (the anchor's own feature is not visible, as at inference);
+    # the whole own block; no other block; dropped anchors see nothing.
+    sees_ctx = jnp.arange(S)[None, None, :] < anchor_of_q[:, :, None]  # [B, Q, S]
+    sees_blk = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (B, N * bs, N * bs))
+    mask = jnp.concatenate([sees_ctx, sees_blk], axis=2) & keep_q[:, :, None]
+
+    h = block_pass(drafter, embed_block(drafter, target, block), positions,
+                   [kv[0] for kv in ctx_kv], [kv[1] for kv in ctx_kv], mask)
+    h = h.reshape(B, N, bs, -1)[:, :, 1:]  # slots 1..bs-1
+    return linear(h, target.lm_head).astype(jnp.float32)  # [B, N, bs-1, V]
+
+
+def training_labels(batch, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """Same-position labels: slot k of anchor a predicts x_{a+k}. Returns (labels, valid) [B, N, bs-1]."""
+    tokens, lengths, anchors, keep = batch["tokens"], batch["lengths"], batch["anchors"], batch["keep"]
+    B, S = tokens.shape
+    label_pos = anchors[:, :, None] + jnp.arange(1, block_size, dtype=jnp.int32)[None, None, :]
+    valid = keep[:, :, None] & (label_pos < lengths[:, None, None])
+    labels = jnp.take_along_axis(tokens, jnp.minimum(label_pos, S - 1).reshape(B, -1), axis=1)
+    return labels.reshape(label_pos.shape), valid
+
+
 def drafter_loss(cfg: DrafterConfig, target_cfg: Qwen3Config, gamma: float | None = None):
-    """loss_fn(drafter_params, batch) over many blocks per sequence in one forward."""
+    """loss_fn(drafter_params, batch): decay-weighted CE over many blocks per sequence in one forward."""
     bs = cfg.block_size
     gamma = decay_gamma(bs) if gamma is None else gamma
     weights = jnp.exp(-jnp.arange(bs - 1, dtype=jnp.float32) / gamma)  # slot k=1..bs-1 -> exp(-(k-1)/gamma)
 
     def loss_fn(params, batch):
-        target = Target(params=batch["target"], config=target_cfg)
-        drafter = Drafter(params=params, config=cfg)
-        tokens, lengths, anchors, keep = batch["tokens"], batch["lengths"], batch["anchors"], batch["keep"]
-        B, S = tokens.shape
-        N = anchors.shape[1]
-        _, feats, _ = forward_with_cache(target, tokens, None, cfg.target_layer_ids)
-        feats = jax.lax.stop_gradient(feats)  # [B, S, K*H]: the target is frozen
-        ctx = fuse_context(drafter, feats)
-        ctx_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-        ctx_kv = [project_kv(layer.self_attn, ctx, ctx_pos, cfg.model) for layer in params.layers]
-
-        k = jnp.arange(bs, dtype=jnp.int32)
-        positions = (anchors[:, :, None] + k).reshape(B, N * bs)  # [B, N*bs]
-        x_a = jnp.take_along_axis(tokens, anchors, axis=1)  # [B, N]
-        block = jnp.where(k[None, None, :] == 0, x_a[:, :, None], cfg.mask_token_id).reshape(B, N * bs)
-        block_id = jnp.repeat(jnp.arange(N), bs)  # [N*bs]
-        anchor_of_q = jnp.repeat(anchors, bs, axis=1)  # [B, N*bs]
-        keep_q = jnp.repeat(keep, bs, axis=1)
-        # Context strictly before the anchor (the anchor's own feature is not visible, as at inference);
-        # the whole own block; no other block; dropped anchors see nothing.
-        sees_ctx = jnp.arange(S)[None, None, :] < anchor_of_q[:, :, None]  # [B, Q, S]
-        sees_blk = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (B, N * bs, N * bs))
-        mask = jnp.concatenate([sees_ctx, sees_blk], axis=2) & keep_q[:, :, None]
-
-        h = block_pass(drafter, embed_block(drafter, target, block), positions,
-                       [kv[0] for kv in ctx_kv], [kv[1] for kv in ctx_kv], mask)
-        h = h.reshape(B, N, bs, -1)[:, :, 1:]  # slots 1..bs-1
-        logits = linear(h, target.lm_head).astype(jnp.float32)  # [B, N, bs-1, V]
-        label_pos = anchors[:, :, None] + k[None, None, 1:]  # [B, N, bs-1]
-        valid = keep[:, :, None] & (label_pos < lengths[:, None, None])
-        labels = jnp.take_along_axis(tokens, jnp.minimum(label_pos, S - 1).reshape(B, -1), axis=1).reshape(
-            label_pos.shape)
+        logits = training_logits(params, batch, cfg, target_cfg)
+        labels, valid = training_labels(batch, bs)
         ce = cross_entropy(logits, labels)
         w = weights[None, None, :] * valid
         loss = jnp.sum(w * ce) / (jnp.sum(w) + 1e-6)
@@ -165,13 +182,13 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--taps", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=1536)
+    ap.add_argument("--prompts", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--seq-len", type=int, default=384)
-    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--anchors", type=int, default=24)
-    ap.add_argument("--lr", type=float, default=1.5e-3)
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 

@@ -61,7 +61,7 @@ def run(*, params, loss_fn: Callable, batch_fn: Callable[[int], Any], optim: Opt
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
         return params, opt_state, metrics
 
     history: list[dict] = []

@@ -58,7 +58,7 @@ def heldout_loss_fn(cfg: Qwen3Config, eval_stream: np.ndarray, seq_len: int, n_w
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Train the shipped target on the stdlib corpus")
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=2e-3)

@@ -1,0 +1,54 @@
+"""Keeps `python -m dflash_jax.microbench` from rotting: a tiny run, and the HLO inspector on hand-written HLO."""
+
+from dflash_jax import microbench
+
+FUSED_HLO = """
+%fused_dot (param_0: f32[4,32], param_1: bf16[32,32]) -> f32[4,32] {
+  %param_0 = f32[4,32]{1,0} parameter(0)
+  %param_1 = bf16[32,32]{1,0} parameter(1)
+  %convert.1 = f32[32,32]{1,0} convert(%param_1)
+  %multiply.2 = f32[32,32]{1,0} multiply(%convert.1, %convert.1)
+  %bitcast.3 = f32[32,32]{1,0} bitcast(%multiply.2)
+  ROOT %dot.0 = f32[4,32]{1,0} dot(%param_0, %bitcast.3), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+ENTRY %main (x: f32[4,32], w: bf16[32,32]) -> f32[4,32] {
+  %x = f32[4,32]{1,0} parameter(0)
+  %w = bf16[32,32]{1,0} parameter(1)
+  ROOT %f = f32[4,32]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot
+}
+"""
+
+MATERIALISED_HLO = """
+%deq (param_0: bf16[32,32]) -> f32[32,32] {
+  %param_0 = bf16[32,32]{1,0} parameter(0)
+  ROOT %convert.1 = f32[32,32]{1,0} convert(%param_0)
+}
+
+ENTRY %main (x: f32[4,32], w: bf16[32,32]) -> f32[4,32] {
+  %x = f32[4,32]{1,0} parameter(0)
+  %w = bf16[32,32]{1,0} parameter(1)
+  %wide = f32[32,32]{1,0} fusion(%w), kind=kLoop, calls=%deq
+  ROOT %dot = f32[4,32]{1,0} dot(%x, %wide), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+"""
+
+
+def test_inspector_on_handwritten_hlo():
+    fused = microbench.inspect_hlo(FUSED_HLO, (32, 32))
+    assert fused.weight_source == "fused" and "kOutput" in fused.dot_in and fused.materialised == []
+    mat = microbench.inspect_hlo(MATERIALISED_HLO, (32, 32))
+    assert mat.weight_source == "materialised" and mat.dot_in == "top level"
+    assert "wide" in mat.detail and "kLoop" in mat.detail and len(mat.materialised) == 1
+
+
+def test_microbench_small_run(capsys):
+    out = microbench.main(["--size", "256", "--tokens", "4", "--reps", "2", "--warmup", "1"])
+    text = capsys.readouterr().out
+    for name in ("nvfp4 W . f32 x", "bf16 W . f32 x", "f32 W . f32 x", "bf16 W . bf16 x"):
+        assert text.count(name) >= 2, name  # table row + HLO line
+    assert "NVFP4 finding:" in text
+    assert len(out["timings"]) == 4 and all(t.median_ms > 0 for t in out["timings"])
+    hlo = out["hlo"]
+    assert hlo[(microbench.BASELINE, 4)].weight_source == "argument"
+    assert hlo[("nvfp4 W . f32 x", 4)].weight_source in ("fused", "materialised")

@@ -1,0 +1,109 @@
+"""The trainers on tiny configs: losses fall, and the drafter's training forward is exactly its inference forward."""
+
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from dflash_jax.train import drafter as td
+from dflash_jax.train.loop import OptimConfig, run
+from dflash_jax.train.target import lm_loss, random_windows
+
+CFG = dj.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=10000.0)
+
+
+def test_target_training_loss_falls():
+    rng = np.random.default_rng(0)
+    # A learnable stream: a repeated random "vocabulary" of 8-token phrases.
+    phrases = rng.integers(0, 64, (12, 8))
+    stream = phrases[rng.integers(0, 12, 800)].ravel().astype(np.int32)
+    params = dj.init_target(CFG, jax.random.key(0)).params
+    _, hist = run(params=params, loss_fn=lm_loss(CFG),
+                  batch_fn=lambda s: jnp.asarray(random_windows(stream, 8, 33, np.random.default_rng(s))),
+                  optim=OptimConfig(steps=60, lr=3e-3), ckpt_dir=tempfile.mkdtemp(), ckpt_every=10 ** 9,
+                  desc="tiny-target")
+    assert hist[-1]["loss"] < 0.7 * hist[0]["loss"], (hist[0]["loss"], hist[-1]["loss"])
+
+
+def test_training_resumes_from_checkpoint(tmp_path):
+    stream = np.arange(2000, dtype=np.int32) % 64
+    params = dj.init_target(CFG, jax.random.key(0)).params
+    kw = dict(loss_fn=lm_loss(CFG), ckpt_dir=tmp_path, ckpt_every=5,
+              batch_fn=lambda s: jnp.asarray(random_windows(stream, 4, 17, np.random.default_rng(s))))
+    straight, _ = run(params=params, optim=OptimConfig(steps=10, lr=1e-3), **kw, desc="a")
+    # a second run with the same directory resumes at step 10 and has nothing left to do
+    again, hist = run(params=params, optim=OptimConfig(steps=10, lr=1e-3), **kw, desc="b")
+    assert hist == []
+    chex_equal = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), straight, again)
+    assert all(jax.tree.leaves(chex_equal))
+
+
+def test_sample_anchors():
+    rng = np.random.default_rng(0)
+    lengths = np.array([40, 12, 9])
+    plens = np.array([10, 10, 9])
+    anchors, keep = td.sample_anchors(lengths, plens, 6, rng)
+    assert anchors.shape == keep.shape == (3, 6)
+    a0 = anchors[0][keep[0]]
+    assert len(a0) == 6 and np.all(np.diff(a0) > 0) and a0.min() >= 10 and a0.max() <= 38
+    assert keep[1].sum() == 1 and anchors[1][keep[1]][0] == 10  # only position 10 has a label after it
+    assert keep[2].sum() == 0  # no continuation at all
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    target = dj.init_target(CFG, jax.random.key(0))
+    dcfg = dj.DrafterConfig(model=CFG.replace(num_hidden_layers=1), block_size=6, mask_token_id=63,
+                            target_layer_ids=(1, 2), num_target_layers=4)
+    drafter = dj.init_drafter(dcfg, jax.random.key(1))
+    return target, drafter
+
+
+def test_training_forward_equals_inference_forward(tiny_pair):
+    """Pins the three known DFlash training pitfalls: same-position labels, context strictly before the anchor,
+    and no attention between blocks: training logits for anchor a equal inference's draft_logits there."""
+    target, drafter = tiny_pair
+    cfg = drafter.config
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 63, (2, 30)).astype(np.int32)
+    anchors = np.array([[3, 4, 11, 20], [5, 12, 13, 24]], np.int32)
+    batch = {"tokens": jnp.asarray(tokens), "lengths": jnp.asarray([30, 26], jnp.int32),
+             "anchors": jnp.asarray(anchors), "keep": jnp.ones((2, 4), bool), "target": target.params}
+    logits = td.training_logits(drafter.params, batch, cfg, target.config)
+    _, feats = dj.target_forward(target, tokens, cfg.target_layer_ids)
+    for b in range(2):
+        for n, a in enumerate(anchors[b]):
+            block = np.full((1, cfg.block_size), cfg.mask_token_id)
+            block[0, 0] = tokens[b, a]
+            ref = dj.draft_logits(drafter, target, feats[b:b + 1, :a], block)
+            np.testing.assert_allclose(np.asarray(logits[b, n]), np.asarray(ref[0]), atol=2e-5, rtol=2e-5)
+    labels, valid = td.training_labels(batch, cfg.block_size)
+    assert int(labels[0, 0, 0]) == tokens[0, 4] and int(labels[0, 0, 4]) == tokens[0, 8]  # slot k -> x_{a+k}
+    assert not bool(valid[1, 3, 2])  # 24 + 3 >= length 26 is out of the sequence
+
+
+def test_drafter_training_loss_falls_and_accepts(tiny_pair):
+    target, drafter = tiny_pair
+    cfg = drafter.config
+    rng = np.random.RandomState(0)
+    prompts = [list(rng.randint(0, 63, rng.randint(3, 10))) for _ in range(48)]
+    data = td.make_sequences(target, prompts, max_new_tokens=30, seq_len=40, batch=48)
+    assert data["tokens"].shape == (48, 40) and np.all(data["lengths"] > data["prompt_lens"])
+    params, hist = run(params=drafter.params, loss_fn=td.drafter_loss(cfg, target.config),
+                       batch_fn=td.make_batch_fn(data, target.params, batch=8, num_anchors=8, seed=0),
+                       optim=OptimConfig(steps=150, lr=3e-3), ckpt_dir=tempfile.mkdtemp(), ckpt_every=10 ** 9,
+                       desc="tiny-drafter")
+    assert hist[-1]["loss"] < hist[0]["loss"] - 0.2, (hist[0]["loss"], hist[-1]["loss"])
+    trained = drafter.replace(params=params)
+    before = dj.generate(target, drafter, prompts[:6], max_new_tokens=30)
+    after = dj.generate(target, trained, prompts[:6], max_new_tokens=30)
+    assert after.tau > before.tau
+    np.testing.assert_array_equal(after.tokens, before.tokens)  # lossless either way
+
+
+def test_decay_gamma():
+    assert td.decay_gamma(16) == 7.0 and td.decay_gamma(10) == 5.0 and td.decay_gamma(8) == 4.0
