@@ -12,7 +12,6 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,7 @@ import numpy as np
 
 from dflash_jax.config import DrafterConfig, Qwen3Config, read_config_json
 from dflash_jax.nvfp4 import NVFP4Array
-from dflash_jax.params import (abstract_drafter, abstract_target, from_named, is_linear_name, is_spec, named_leaves)
+from dflash_jax.params import abstract_drafter, abstract_target, from_named, is_linear_name, named_leaves
 from dflash_jax.safetensors_io import read_safetensors, write_safetensors
 
 SAVED_MARKER = "dflash_jax.json"
@@ -120,7 +119,10 @@ def _nvfp4_from_hf(module: str, t: dict[str, np.ndarray], shape: tuple[int, int]
     fields = dict(packed=jnp.asarray(w), block_scale=jnp.asarray(s), global_scale=jnp.asarray(s2v),
                   shape=(out_f, in_f))
     inp = t.get(module + ".input_scale")
-    if inp is not None and "input_scale" in {f.name for f in dataclasses.fields(NVFP4Array)}:
+    if inp is not None:
+        if inp.dtype != np.float32 or inp.size != 1 or not np.isfinite(inp).all() or float(inp.reshape(())) <= 0:
+            raise CheckpointError(f"{module}.input_scale: must be a finite positive float32 scalar, got "
+                                  f"{inp.dtype}{list(inp.shape)}")
         fields["input_scale"] = jnp.asarray(np.float32(inp.reshape(())))
     return NVFP4Array(**fields)
 
@@ -193,7 +195,8 @@ def save(path: str | Path, model) -> Path:
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
     named = named_leaves(model.params)
-    nvfp4 = {n: list(leaf.shape) for n, leaf in named.items() if isinstance(leaf, NVFP4Array)}
+    nvfp4 = {n: {"shape": list(leaf.shape), "input_scale": leaf.input_scale is not None}
+             for n, leaf in named.items() if isinstance(leaf, NVFP4Array)}
     meta = {"format": "dflash_jax", "version": 1, "kind": kind, "config": _config_to_json(model.config),
             "nvfp4": nvfp4}
     params_dir = path / "params"
@@ -207,16 +210,18 @@ def save(path: str | Path, model) -> Path:
     return path
 
 
-def _abstract_restore_target(abstract, nvfp4: dict[str, list[int]], dtype):
+def _abstract_restore_target(abstract, nvfp4: dict[str, dict], dtype):
     from dflash_jax.params import map_named
 
     def leaf(name, spec):
         if name in nvfp4:
-            shape = tuple(nvfp4[name])
+            shape = tuple(nvfp4[name]["shape"])
             lead, k = shape[:-1], shape[-1]
+            scalar = jax.ShapeDtypeStruct((), jnp.float32)
             return NVFP4Array(packed=jax.ShapeDtypeStruct(lead + (k // 2,), jnp.uint8),
                               block_scale=jax.ShapeDtypeStruct(lead + (k // 16,), jnp.float8_e4m3fn),
-                              global_scale=jax.ShapeDtypeStruct((), jnp.float32), shape=shape)
+                              global_scale=scalar, shape=shape,
+                              input_scale=scalar if nvfp4[name]["input_scale"] else None)
         return jax.ShapeDtypeStruct(spec.shape, dtype)
 
     return map_named(leaf, abstract)
@@ -351,5 +356,4 @@ def save_hf(path: str | Path, model, *, dtype: str | None = None, quant_algo: st
     return path
 
 
-__all__ = ["load_target", "load_drafter", "save", "save_hf", "CheckpointError", "read_quant_config", "is_spec",
-           "Any"]
+__all__ = ["load_target", "load_drafter", "save", "save_hf", "CheckpointError", "read_quant_config"]

@@ -104,6 +104,16 @@ def _pmin_mask(d_logits: jax.Array, sp: SamplingParams) -> jax.Array:
     return jnp.cumprod(confident.astype(jnp.int32), axis=1).astype(bool)
 
 
+def residual_probs(p: jax.Array, q: jax.Array) -> jax.Array:
+    """normalize(max(p - q, 0)) over the last axis, or p itself where that is all zero (p <= q everywhere).
+
+    With a point-mass q = onehot(x) this is p with x removed, renormalised; with q = 0 it is p.
+    """
+    residual = jnp.maximum(p - q, 0.0)
+    mass = residual.sum(axis=-1, keepdims=True)
+    return jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p)
+
+
 def accept_block(d_logits: jax.Array, drafts: jax.Array, v_logits: jax.Array, keys: jax.Array, sp: SamplingParams):
     """Decide how many drafts to keep and what comes after them.
 
@@ -136,10 +146,8 @@ def accept_block(d_logits: jax.Array, drafts: jax.Array, v_logits: jax.Array, ke
     q_at = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]
     was_proposed = jnp.take_along_axis(jnp.concatenate([proposed, jnp.zeros((B, 1), bool)], axis=1),
                                        n_acc[:, None], axis=1)  # [B, 1]
-    residual = jnp.maximum(p_at - jnp.where(was_proposed, q_at, 0.0), 0.0)
-    mass = residual.sum(axis=-1, keepdims=True)
-    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_at)
-    final = _categorical(sub[:, 1], residual)  # [B]
+    # Not proposed (p_min cut, or past the last draft): nothing to correct for, so sample from p itself.
+    final = _categorical(sub[:, 1], residual_probs(p_at, jnp.where(was_proposed, q_at, 0.0)))  # [B]
     j = jnp.arange(D + 1)[None, :]
     drafts_pad = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
     committed = jnp.where(j < n_acc[:, None], drafts_pad, final[:, None])

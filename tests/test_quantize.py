@@ -219,3 +219,14 @@ def test_shipped_nvfp4_keeps_acceptance(shipped, draft_length):
     assert q.tau >= 0.97 * base.tau, (q.tau, base.tau)
     np.testing.assert_array_equal(q.tokens, base.tokens)  # lossless whatever the drafter
     assert broken.acceptance_rate < 0.25 * base.acceptance_rate, (broken.acceptance_rate, base.acceptance_rate)
+
+
+def test_orbax_round_trip_keeps_w4a4_input_scales(pair, tmp_path):
+    target, drafter, feats, block = pair
+    cal = collect_linear_inputs(_drafter_forward(target), drafter, feats, block)
+    q4 = quantize_nvfp4(drafter, activations="w4a4", calibration=cal)
+    dj.save(tmp_path / "d", q4)
+    back = dj.load_drafter(tmp_path / "d")
+    assert back.params.layers[1].mlp.up_proj.input_scale is not None
+    np.testing.assert_array_equal(np.asarray(dj.draft_logits(q4, target, feats, block)),
+                                  np.asarray(dj.draft_logits(back, target, feats, block)))

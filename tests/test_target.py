@@ -376,3 +376,28 @@ def test_logical_axes_rank_and_consistency(tied):
     t = init_target(cfg, jax.random.key(0))
     for name, spec in named_leaves(abstract_target(cfg)).items():
         assert named_leaves(t.params)[name].shape == spec.shape, name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bugs found (strict xfail: they start failing loudly once fixed, so the marker gets removed)
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason="BUG: target_forward does not validate token ids: id >= vocab gives NaN "
+                                       "logits at every position (jnp.take fill mode), id < 0 silently wraps")
+@pytest.mark.parametrize("bad", [CACHE_CFG.vocab_size, -1])
+def test_target_forward_rejects_out_of_vocab_ids(cache_target, bad):
+    tok = np.array([[1, bad, 3]])
+    with pytest.raises(ValueError, match=str(bad)):
+        target_forward(cache_target, tok)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG (low severity): masked cache slots are excluded by probability 0, but "
+                                       "0 * NaN = NaN in probs @ v, so a non-finite stale slot beyond `lengths` "
+                                       "poisons every query of that row")
+def test_nonfinite_stale_slots_beyond_length_are_ignored(cache_target):
+    tok = _tokens((2, 8), 13)
+    _, _, cache = _fwd(cache_target, tok[:, :6], KVCache.empty(CACHE_CFG, 2, 16))
+    ref, _, _ = _fwd(cache_target, tok[:, 6:], cache)
+    poisoned = cache.replace(v=tuple(v.at[:, 12].set(jnp.nan) for v in cache.v))  # slot 12 > any position used
+    got, _, _ = _fwd(cache_target, tok[:, 6:], poisoned)
+    assert rel_err(got, ref) < CACHE_RTOL

@@ -1,0 +1,69 @@
+"""The embedded default models: they load from checkpoints/, stay exact, accept well, and export to HF formats."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from dflash_jax.params import named_leaves
+from dflash_jax.train import corpus
+
+
+@pytest.fixture(scope="module")
+def default():
+    target, drafter, tok = dj.load_default()
+    prompts = [tok.encode(t) for t in corpus.held_out_prompts(3, seed=7)]
+    return target, drafter, tok, prompts
+
+
+def test_shipped_files_and_size():
+    from dflash_jax.defaults import checkpoints_dir
+    root = checkpoints_dir()
+    for part in ("tokenizer.json", "target/dflash_jax.json", "drafter/dflash_jax.json", "README.md",
+                 "target/train_report.json", "drafter/train_report.json"):
+        assert (root / part).exists(), part
+    size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    assert size < 50 * 2 ** 20, size
+
+
+def test_default_pair_matches(default):
+    target, drafter, tok, _ = default
+    assert tok.vocab_size == target.config.vocab_size
+    assert drafter.config.mask_token_id == tok.mask_id
+    assert drafter.config.block_size == 16
+    assert 5e6 <= sum(int(np.prod(x.shape)) for x in jax.tree.leaves(target.params)) <= 8e6
+
+
+def test_default_generation_is_exact_and_accepts(default):
+    target, drafter, tok, prompts = default
+    kw = dict(max_new_tokens=64, eos_ids=(tok.eos_id,))
+    ar = dj.generate_autoregressive(target, prompts, **kw)
+    sp = dj.generate(target, drafter, prompts, **kw)
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
+    # tau is a corruption detector (wrong taps, positions or scales drive it to ~1): keep a floor
+    assert sp.tau > 2.0, sp.tau
+    assert tok.decode(sp.token_lists()[0])  # decodes to text
+
+
+def test_hf_export_round_trip_and_transformers_parity(default, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    target, drafter, _, prompts = default
+    dj.save_hf(tmp_path / "target", target)
+    dj.save_hf(tmp_path / "drafter", drafter)
+    cfg = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 16
+    assert cfg["dflash_config"]["target_layer_ids"] == list(drafter.config.target_layer_ids)
+    t2, d2 = dj.load_target(tmp_path / "target"), dj.load_drafter(tmp_path / "drafter")
+    for a, b in ((target, t2), (drafter, d2)):
+        for (n, x), y in zip(named_leaves(a.params).items(), named_leaves(b.params).values()):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=n)
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "target", dtype=torch.float32,
+                                                       attn_implementation="eager")
+    toks = np.asarray([prompts[0][:24]])
+    with torch.no_grad():
+        ref = hf(torch.tensor(toks)).logits.numpy()
+    out, _ = dj.target_forward(target, toks)
+    assert np.abs(np.asarray(out) - ref).max() <= 1e-4 * np.abs(ref).max()
