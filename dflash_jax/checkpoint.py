@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from dflash_jax.config import DrafterConfig, Qwen3Config, read_config_json
+from dflash_jax.config import DrafterConfig, Qwen3Config, read_config_json, read_json_object
 from dflash_jax.nvfp4 import NVFP4Array
 from dflash_jax.params import abstract_drafter, abstract_target, from_named, is_linear_name, named_leaves
-from dflash_jax.safetensors_io import read_safetensors, write_safetensors
+from dflash_jax.safetensors_io import SafetensorsError, read_safetensors, write_safetensors
 
 SAVED_MARKER = "dflash_jax.json"
 NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
@@ -43,15 +43,25 @@ def _hf_prefix(kind: str, name: str) -> str:
 # -- HF tensors in ---------------------------------------------------------------------------------------------
 
 def _read_tensors(path: Path) -> dict[str, np.ndarray]:
+    try:
+        return _read_tensors_unchecked(path)
+    except (SafetensorsError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(str(e)) from e
+
+
+def _read_tensors_unchecked(path: Path) -> dict[str, np.ndarray]:
     index = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
     if index.exists():
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no weight_map")
         tensors: dict[str, np.ndarray] = {}
         for shard in sorted(set(weight_map.values())):
+            if not isinstance(shard, str) or Path(shard).name != shard:
+                raise CheckpointError(f"{index}: shard name {shard!r} must be a file name inside the folder")
             if not (path / shard).exists():
                 raise CheckpointError(f"{index}: shard {shard} is missing")
             part = read_safetensors(path / shard)
@@ -73,8 +83,7 @@ def read_quant_config(path: Path, cfg_json: dict) -> dict | None:
     q = None
     hf_q = path / "hf_quant_config.json"
     if hf_q.exists():
-        with open(hf_q) as f:
-            q = json.load(f).get("quantization")
+        q = read_json_object(hf_q).get("quantization")
     elif cfg_json.get("quantization_config"):
         qc = cfg_json["quantization_config"]
         group = (qc.get("config_groups", {}).get("group_0", {}).get("weights", {}) or {}).get("group_size")
@@ -101,6 +110,8 @@ def _nvfp4_from_hf(module: str, t: dict[str, np.ndarray], shape: tuple[int, int]
     w, s, s2 = t.get(module + ".weight"), t.get(module + ".weight_scale"), t.get(module + ".weight_scale_2")
     if s2 is None:
         raise CheckpointError(f"{module}: NVFP4 weight without weight_scale_2 (the per-tensor scale)")
+    if s is None:
+        raise CheckpointError(f"{module}: NVFP4 weight without weight_scale (the per-block scales)")
     if w is None:
         raise CheckpointError(f"{module}: NVFP4 scales without a packed weight")
     if w.dtype != np.uint8 or w.shape != (out_f, in_f // 2):
@@ -160,7 +171,13 @@ def _params_from_hf(kind: str, path: Path, abstract, dtype, quant: dict | None):
             raise CheckpointError(f"{path}: tensor {key!r} contains NaN or Inf")
         named[name] = jnp.asarray(arr32, dtype=dtype)
         used.add(key)
-    # A tied target may still carry a copy of the embedding as lm_head.weight.
+    # A tied target may still carry a copy of the embedding as lm_head.weight; it must be that copy.
+    if kind == "target" and "lm_head.weight" in tensors and "lm_head.weight" not in used:
+        head = np.asarray(tensors["lm_head.weight"], np.float32)
+        emb = tensors.get("model.embed_tokens.weight")
+        if emb is None or head.shape != emb.shape or not np.array_equal(head, np.asarray(emb, np.float32)):
+            raise CheckpointError(f"{path}: tie_word_embeddings is true but lm_head.weight differs from "
+                                  "model.embed_tokens.weight")
     extra = sorted(k for k in tensors if k not in used and not (kind == "target" and k == "lm_head.weight"))
     if extra:
         raise CheckpointError(f"{path}: unexpected tensors {extra[:10]}{' ...' if len(extra) > 10 else ''} "
@@ -242,6 +259,11 @@ def _load_saved(path: Path, kind: str):
     return cfg, params
 
 
+def _cast_dense(params, dtype):
+    from dflash_jax.params import map_named
+    return map_named(lambda n, x: x if isinstance(x, NVFP4Array) else x.astype(dtype), params)
+
+
 # -- public loaders ----------------------------------------------------------------------------------------------
 
 def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dtype: str | None = None):
@@ -251,9 +273,8 @@ def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dty
     path = Path(path)
     if (path / SAVED_MARKER).exists():
         cfg, params = _load_saved(path, "target")
-        if compute_dtype:
-            cfg = cfg.replace(compute_dtype=compute_dtype)
-        return Target(params=params, config=cfg)
+        cfg = cfg.replace(**{k: v for k, v in (("param_dtype", param_dtype), ("compute_dtype", compute_dtype)) if v})
+        return Target(params=_cast_dense(params, cfg.storage_dtype), config=cfg)
     d = read_config_json(path)
     arch = d.get("architectures") or []
     if "DFlashDraftModel" in arch:
@@ -272,9 +293,10 @@ def load_drafter(path: str | Path, *, param_dtype: str | None = None, compute_dt
     path = Path(path)
     if (path / SAVED_MARKER).exists():
         cfg, params = _load_saved(path, "drafter")
-        if compute_dtype:
-            cfg = cfg.replace(model=cfg.model.replace(compute_dtype=compute_dtype))
-        return Drafter(params=params, config=cfg)
+        model = cfg.model.replace(**{k: v for k, v in (("param_dtype", param_dtype), ("compute_dtype", compute_dtype))
+                                     if v})
+        cfg = cfg.replace(model=model)
+        return Drafter(params=_cast_dense(params, model.storage_dtype), config=cfg)
     d = read_config_json(path)
     arch = d.get("architectures") or []
     if arch and "DFlashDraftModel" not in arch:

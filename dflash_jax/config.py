@@ -261,8 +261,19 @@ def read_config_json(path: str | Path) -> dict:
     file = path / "config.json" if path.is_dir() else path
     if not file.exists():
         raise FileNotFoundError(f"no config.json in {path}")
-    with open(file) as f:
-        return json.load(f)
+    return read_json_object(file)
+
+
+def read_json_object(file: str | Path) -> dict:
+    """A JSON file that must hold an object; errors name the file."""
+    try:
+        with open(file) as f:
+            d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(d).__name__}")
+    return d
 
 
 def check_pair(drafter: DrafterConfig, target: Qwen3Config) -> None:

@@ -96,10 +96,10 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
 def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
     header, offset, blobs = {}, 0, []
     for name in sorted(tensors):
-        arr = np.ascontiguousarray(np.asarray(tensors[name]))
+        arr = np.asarray(tensors[name])  # not ascontiguousarray: it turns 0-d scalars into shape [1]
         if arr.dtype not in _NAMES:
             raise SafetensorsError(f"cannot write tensor {name!r} of dtype {arr.dtype}")
-        data = arr.tobytes()
+        data = arr.tobytes(order="C")
         header[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape),
                         "data_offsets": [offset, offset + len(data)]}
         offset += len(data)

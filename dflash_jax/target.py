@@ -13,6 +13,7 @@ from typing import Sequence
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax.config import Qwen3Config
 from dflash_jax.layers import attend, mlp, project_kv, project_q, rms_norm, write_rows
@@ -117,6 +118,12 @@ def target_forward(target: Target, tokens, layer_ids: Sequence[int] = ()) -> tup
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be an int array [B, T], got {tokens.dtype}{list(tokens.shape)}")
+    if not isinstance(tokens, jax.core.Tracer):
+        bad = np.argwhere((np.asarray(tokens) < 0) | (np.asarray(tokens) >= target.config.vocab_size))
+        if len(bad):
+            b, t = bad[0]
+            raise ValueError(f"token id {int(tokens[b, t])} at row {b}, position {t} is outside the vocabulary "
+                             f"[0, {target.config.vocab_size})")
     logits, features, _ = _target_forward_jit(target, tokens, tuple(int(i) for i in layer_ids))
     return logits, features
 

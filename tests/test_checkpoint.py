@@ -332,8 +332,6 @@ def test_corrupt_file_in_folder_names_the_file(tmp_path, corrupt):
     assert str(tmp_path / "model.safetensors") in str(e.value)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: load_target lets SafetensorsError escape unwrapped; it is not a "
-                                       "CheckpointError, so `except dj.CheckpointError` misses corrupt files")
 def test_corrupt_file_is_a_checkpoint_error(tmp_path):
     dj.save_hf(tmp_path, _target())
     _c_truncated(tmp_path / "model.safetensors")
@@ -341,8 +339,6 @@ def test_corrupt_file_is_a_checkpoint_error(tmp_path):
         dj.load_target(tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a malformed config.json / index.json raises a bare JSONDecodeError "
-                                       "(or AttributeError for a non-object index) that does not name the file")
 @pytest.mark.parametrize("name,text", [("model.safetensors.index.json", "{bad"),
                                        ("model.safetensors.index.json", "[1]"),
                                        ("config.json", "{bad")], ids=["index_json", "index_list", "config_json"])
@@ -417,8 +413,6 @@ def test_orbax_round_trip_drafter_bf16_nvfp4(tmp_path):
     assert_bit_exact(d3, dj.load_drafter(tmp_path))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: load_target/load_drafter silently ignore param_dtype for folders "
-                                       "written by save (orbax); the HF path honours it")
 def test_orbax_load_honours_param_dtype(tmp_path):
     dj.save(tmp_path, _target())
     t = dj.load_target(tmp_path, param_dtype="bfloat16")
@@ -453,7 +447,7 @@ def test_modelopt_export_layout(nvfp4_folder):
         assert got["weight"] == (np.dtype(np.uint8), (out_f, in_f // 2)), module
         assert got["weight_scale"] == (F8, (out_f, in_f // 16)), module
         dt, shape = got["weight_scale_2"]
-        assert dt == np.float32 and int(np.prod(shape)) == 1, module  # shape: see the xfail test below
+        assert dt == np.float32 and int(np.prod(shape)) == 1, module  # and 0-d: see test_modelopt_weight_scale_2_is_0d
     dense_linears = sorted(("" if n == "lm_head" else "model.") + n for n, leaf in named_leaves(t.params).items()
                            if is_linear_name(n.split(".")[-1]) and not isinstance(leaf, NVFP4Array))
     assert len(dense_linears) == 7
@@ -474,8 +468,6 @@ def test_modelopt_export_layout(nvfp4_folder):
     assert sorted(qc["ignore"]) == dense_linears
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: write_safetensors uses np.ascontiguousarray, which turns 0-d arrays "
-                                       "into shape [1]; ModelOpt's weight_scale_2 must be a 0-d scalar")
 def test_modelopt_weight_scale_2_is_0d(nvfp4_folder):
     _, folder = nvfp4_folder
     header, _ = read_header(folder / "model.safetensors")
@@ -591,9 +583,6 @@ def test_nvfp4_errors_name_the_module(nvfp4_folder, mutate):
         dj.load_target(folder)
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="BUG: weight_scale missing (weight + weight_scale_2 present) -> AttributeError "
-                          "'NoneType' object has no attribute 'dtype' in checkpoint._nvfp4_from_hf")
 def test_nvfp4_missing_weight_scale_names_the_module(nvfp4_folder):
     _, folder = nvfp4_folder
     tensors = _read(folder)

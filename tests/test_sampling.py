@@ -1,0 +1,588 @@
+"""Lossless sampling at temperature > 0: accept_block units, and the distribution proof on tiny models.
+
+Conventions: float32 on CPU. "TV" = total variation between an empirical histogram of N samples and an EXACT
+distribution. Its expected value is about 0.5 * sqrt(2 / (pi N)) * sum_i sqrt(p_i (1 - p_i)) (<= 0.5 sqrt(2V / (pi N)));
+a check passes when TV < 4x that ("thr" in the printed lines). A negative control must exceed 2x thr.
+
+The proof (`test_speculative_output_has_target_distribution` and friends): one `generate` call over N rows of the same
+prompt (each row has its own PRNG stream) with a tiny vocab-8 Qwen3 target and a DFlash drafter, block size 4
+(3 drafts per step), 6 new tokens, so positions 1..5 come after rejections, partial acceptances and fully accepted
+blocks. The exact target law of the first 6 new tokens is computed by enumerating all 8^5 continuations in a single
+`target_forward` call (the model is causal, so the logits of the long sequences give every conditional). Output
+index 0 comes from prefill and is checked too, but only as a sanity check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import sampling
+from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.drafter import Drafter
+from dflash_jax.params import abstract_drafter, abstract_target, map_named
+from dflash_jax.sampling import SamplingParams, accept_block, processed_probs, residual_probs, sample_tokens
+from dflash_jax.target import Target, target_forward
+
+gen = importlib.import_module("dflash_jax.generate")  # the module (the package exports a function of that name)
+
+V = 8  # vocabulary
+PROMPT = [1, 2, 3]
+NEW = 6  # new tokens per row: positions 0..5
+L = NEW - 1  # enumeration depth: all V**L continuations
+N = 6_000  # samples (rows) per distribution test
+TV_FACTOR = 4.0  # pass: TV < 4x its expected value
+CONTROL_MARGIN = 2.0  # negative control: TV > 2x the pass threshold
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference math (numpy float64, written independently of dflash_jax.sampling)
+# ---------------------------------------------------------------------------------------------------------------
+
+def ref_probs(logits, temperature=1.0, top_k=0, top_p=1.0) -> np.ndarray:
+    """Temperature, then top-k (ties at the k-th value kept), then top-p: keep the smallest set of most likely
+    tokens whose mass reaches top_p, renormalise."""
+    x = np.asarray(logits, np.float64) / temperature
+    if 0 < top_k < x.shape[-1]:
+        kth = np.sort(x, axis=-1)[..., -top_k][..., None]
+        x = np.where(x < kth, -np.inf, x)
+    p = np.exp(x - x.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    if top_p < 1.0:
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, axis=-1)
+        keep_sorted = np.cumsum(sorted_p, axis=-1) - sorted_p < top_p
+        keep = np.zeros(p.shape, bool)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        p = np.where(keep, p, 0.0)
+        p /= p.sum(axis=-1, keepdims=True)
+    return p
+
+
+def tv(a, b) -> float:
+    return 0.5 * float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).sum())
+
+
+def tv_threshold(exact, n: int) -> float:
+    exact = np.asarray(exact, np.float64).reshape(-1)
+    expected = 0.5 * np.sqrt(2.0 / (np.pi * n)) * np.sqrt(exact * (1 - exact)).sum()
+    return TV_FACTOR * float(expected)
+
+
+def histogram(tokens, n_cells) -> np.ndarray:
+    tokens = np.asarray(tokens).reshape(-1)
+    assert tokens.min() >= 0 and tokens.max() < n_cells, (tokens.min(), tokens.max())
+    return np.bincount(tokens, minlength=n_cells) / tokens.size
+
+
+def compare(label: str, samples: np.ndarray, checks: dict[str, np.ndarray]) -> list[tuple[str, float, float]]:
+    """samples [N, T] tokens; checks: name -> exact law of positions named like "pos3" or "pos1,2" (a joint).
+
+    Prints one line per check and returns (name, TV, threshold)."""
+    n = samples.shape[0]
+    rows = []
+    for name, exact in checks.items():
+        pos = [int(i) for i in name[3:].split(",")]
+        cells = np.zeros(n, np.int64)
+        for i in pos:
+            cells = cells * V + samples[:, i]
+        got = histogram(cells, V ** len(pos))
+        rows.append((name, tv(got, exact.reshape(-1)), tv_threshold(exact, n)))
+    print(f"\n[{label}] N={n} " + "  ".join(f"{nm}: TV={t:.4f} thr={b:.4f}" for nm, t, b in rows))
+    return rows
+
+
+def assert_matches(rows):
+    bad = [r for r in rows if not r[1] <= r[2]]  # (= only for a point mass: TV 0, threshold 0)
+    assert not bad, f"TV over threshold: {bad}"
+
+
+def _ratio(row):
+    return row[1] / max(row[2], 1e-12)
+
+
+def assert_fails(rows):
+    worst = max(rows, key=_ratio)
+    assert worst[1] > CONTROL_MARGIN * worst[2], f"negative control not detected: {rows}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Deliberately wrong acceptance rules (negative controls). BUGS[0] is the real rule, re-derived; a test checks it
+# equals `accept_block` bit for bit, so each control differs from the real sampler only by its one bug. `bug` may be
+# traced: one compiled program serves every mode (compiles are the expensive part of this file on CPU).
+# ---------------------------------------------------------------------------------------------------------------
+
+BUGS = ("none", "always_accept", "u_lt_q_over_p", "resample_from_p", "residual_at_pmin_cut")
+
+
+def accept_with_bug(d_logits, drafts, v_logits, keys, sp, bug):
+    B, D = drafts.shape
+    proposed = sampling._pmin_mask(d_logits, sp)
+    p = processed_probs(v_logits, sp)
+    q = (jax.nn.one_hot(drafts, p.shape[-1], dtype=jnp.float32) if sp.draft_sampling == "greedy"
+         else processed_probs(d_logits, sp))
+    keys, sub = sampling._split_rows(keys, 2)
+    u = jax.vmap(lambda k: jax.random.uniform(jax.random.wrap_key_data(k), (D,)))(sub[:, 0])
+    p_x = jnp.take_along_axis(p[:, :D], drafts[..., None], axis=-1)[..., 0]
+    q_x = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    ok = jnp.select([bug == BUGS.index("always_accept"), bug == BUGS.index("u_lt_q_over_p")],
+                    [jnp.ones_like(proposed), u * p_x < q_x], u * q_x < p_x) & proposed
+    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]
+    q_at = jnp.take_along_axis(jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1),
+                               n_acc[:, None, None], axis=1)[:, 0]
+    was_proposed = jnp.take_along_axis(jnp.concatenate([proposed, jnp.zeros((B, 1), bool)], axis=1),
+                                       n_acc[:, None], axis=1)
+    # residual_at_pmin_cut: the cut slot is treated as proposed and rejected.
+    q_at = jnp.where(was_proposed | ((bug == BUGS.index("residual_at_pmin_cut")) & (n_acc < D))[:, None],
+                     q_at, 0.0)
+    dist = jnp.where(bug == BUGS.index("resample_from_p"), p_at, residual_probs(p_at, q_at))
+    final = sampling._categorical(sub[:, 1], dist)
+    j = jnp.arange(D + 1)[None, :]
+    drafts_pad = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    return n_acc, jnp.where(j < n_acc[:, None], drafts_pad, final[:, None]), keys
+
+
+def row_keys(seed: int, n: int) -> jax.Array:
+    return gen._row_keys(seed, n)
+
+
+jit_accept = jax.jit(accept_block, static_argnums=4)
+jit_accept_with_bug = jax.jit(accept_with_bug, static_argnums=4)
+
+
+@jax.jit(static_argnums=2)
+def jit_drafts(d_logits, keys, sp):
+    """Drafts as the loop samples them (p_min does not change sampling: dropped so programs are shared)."""
+    return sample_tokens(d_logits, keys, dataclasses.replace(sp, p_min=0.0), draft=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# accept_block units with hand-built logits
+# ---------------------------------------------------------------------------------------------------------------
+
+def _logits_from_probs(p) -> jnp.ndarray:
+    p = np.asarray(p, np.float64)
+    return jnp.asarray(np.where(p > 0, np.log(np.maximum(p, 1e-300)), -1e4).astype(np.float32))
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5),
+                                 dict(p_min=1.0), dict(p_min=-0.1), dict(draft_sampling="argmax")])
+def test_sampling_params_reject_bad_values(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams.make(**bad)
+
+
+def test_greedy_accept_block_zero_partial_full_and_pmin():
+    """B=3 rows accept 0 / 2 / all 4 drafts; committed = target argmax row by row (bonus at n_acc)."""
+    post = np.array([[5, 1, 2, 3, 4], [6, 0, 1, 2, 3], [2, 3, 4, 5, 6]], np.int32)  # target argmax per verify row
+    v_logits = jnp.asarray(np.eye(V, dtype=np.float32)[post] * 3.0)
+    drafts = np.array([[4, 1, 2, 3], [6, 0, 7, 2], [2, 3, 4, 5]], np.int32)  # row 0: slot 1 wrong; row 1: slot 3
+    confident = np.eye(V, dtype=np.float32)[drafts] * 20.0  # drafter top prob ~1
+    unsure = confident.copy()
+    unsure[2, 2] = 0.0  # row 2, slot 3: top prob 1/V
+    keys = row_keys(0, 3)
+    for d_logits, p_min, want in [(confident, 0.0, [0, 2, 4]), (unsure, 0.0, [0, 2, 4]), (unsure, 0.5, [0, 2, 2])]:
+        n_acc, committed, keys_out = jit_accept(jnp.asarray(d_logits), jnp.asarray(drafts), v_logits, keys,
+                                                SamplingParams.make(p_min=p_min))
+        np.testing.assert_array_equal(n_acc, want)  # p_min: row 2's draft ends at the unsure slot though it matches
+        np.testing.assert_array_equal(committed, post)  # accepted drafts equal post there; post[n_acc] = bonus
+        np.testing.assert_array_equal(keys_out, keys)  # greedy consumes no randomness
+
+
+# Three hand-built rows (target p for D+1 = 4 verify rows, drafter q for 3 slots), vocab 6.
+_P = np.array([
+    [[.40, .25, .15, .10, .06, .04], [.05, .05, .30, .30, .20, .10], [.50, .10, .10, .10, .10, .10],
+     [.10, .10, .10, .10, .10, .50]],
+    [[.05, .55, .05, .05, .25, .05], [.30, .30, .10, .10, .10, .10], [.02, .02, .02, .02, .02, .90],
+     [.20, .20, .20, .20, .10, .10]],
+    [[.16, .16, .17, .17, .17, .17], [.60, .20, .10, .05, .03, .02], [.10, .20, .30, .20, .10, .10],
+     [.05, .15, .25, .25, .15, .15]],
+])
+_Q = np.array([
+    [[.10, .10, .50, .10, .10, .10], [.05, .05, .30, .30, .20, .10], [.10, .50, .10, .10, .10, .10]],
+    [[.05, .55, .05, .05, .25, .05], [.10, .10, .10, .10, .10, .50], [.02, .02, .02, .02, .42, .50]],
+    [[.70, .10, .05, .05, .05, .05], [.40, .30, .10, .10, .05, .05], [.05, .05, .05, .05, .05, .75]],
+])
+# Same, except that every row's slot-2 draft is unsure (top prob < 0.45) and slot 1 is sure.
+_Q_CUT = _Q.copy()
+_Q_CUT[:, 0] = [[.05, .05, .75, .05, .05, .05], [.05, .55, .05, .05, .25, .05], [.70, .10, .05, .05, .05, .05]]
+_Q_CUT[:, 1] = [[.05, .05, .30, .30, .20, .10], [.10, .10, .10, .10, .20, .40], [.40, .30, .10, .10, .05, .05]]
+M = 20_000  # Monte Carlo replicas of each hand-built row
+SP_T1 = SamplingParams.make(temperature=1.0)
+SP_PMIN = SamplingParams.make(temperature=1.0, p_min=0.45)
+
+
+def _replicate(x, m=M):
+    return jnp.asarray(np.repeat(np.asarray(x), m, axis=0))
+
+
+def _untied(x):
+    """Hand-built laws with ties broken (top-k / top-p supports are then unambiguous)."""
+    x = np.asarray(x) * (1 + 0.037 * np.arange(x.shape[-1]))
+    return x / x.sum(-1, keepdims=True)
+
+
+def _block(q, sp, bug=None, seed=0, p=_P):
+    """One block for M replicas of each of the 3 rows: drafts x ~ q as in the loop, then accept_block (or the
+    variant with `bug`). Returns (drafts, n_acc, committed), rows b*M..(b+1)*M-1 being hand-built row b."""
+    d_logits, v_logits = _replicate(_logits_from_probs(q)), _replicate(_logits_from_probs(p))
+    keys = row_keys(seed, 3 * M)
+    drafts, keys = jit_drafts(d_logits, keys, sp)
+    if bug is None:
+        out = jit_accept(d_logits, drafts, v_logits, keys, sp)
+    else:
+        out = jit_accept_with_bug(d_logits, drafts, v_logits, keys, sp, BUGS.index(bug))
+    return (np.asarray(drafts),) + tuple(np.asarray(o) for o in out)
+
+
+def _block_positions(n_acc, committed, sp, seed=0, p=_P):
+    """Output tokens [3, M, D+1] at positions 0..D. The hand-built target ignores the prefix, so where a block stops
+    early the output at a later position is what the next step would give: a fresh draw from that position's p. A
+    lossless rule makes position t ~ p_t, all positions independent."""
+    p = ref_probs(np.log(p), 1.0, sp.top_k, sp.top_p)
+    rng = np.random.default_rng(seed)
+    out = committed.copy()
+    for b in range(3):
+        rows = slice(b * M, (b + 1) * M)
+        for t in range(committed.shape[1]):
+            fresh = rng.choice(p.shape[-1], size=M, p=p[b, t])
+            out[rows, t] = np.where(t <= n_acc[rows], committed[rows, t], fresh)
+    return out.reshape(3, M, -1)
+
+
+def _block_checks(tokens, sp: SamplingParams, label, p=_P):
+    p = ref_probs(np.log(p), 1.0, sp.top_k, sp.top_p)
+    rows = []
+    for b in range(3):
+        for t in range(tokens.shape[-1]):
+            got = histogram(tokens[b, :, t], p.shape[-1])
+            rows.append((f"row{b}pos{t}", tv(got, p[b, t]), tv_threshold(p[b, t], M)))
+        joint = np.outer(p[b, 0], p[b, 1]).reshape(-1)
+        got = histogram(tokens[b, :, 0] * p.shape[-1] + tokens[b, :, 1], p.shape[-1] ** 2)
+        rows.append((f"row{b}pos0,1", tv(got, joint), tv_threshold(joint, M)))
+    worst = max(rows, key=_ratio)
+    print(f"\n[{label}] N={M} per row, worst of {len(rows)} checks {worst[0]}: TV={worst[1]:.4f} "
+          f"thr={worst[2]:.4f}")
+    return rows
+
+
+def test_variant_without_bug_equals_accept_block():
+    """The negative controls are the real rule plus one bug: with no bug the re-derivation is bit-identical
+    (p_min on: rows 0 and 2 are cut at slot 2, row 1 is not)."""
+    mask = np.asarray(sampling._pmin_mask(_logits_from_probs(_Q), SP_PMIN))
+    assert mask.tolist() == [[True, False, False], [True, True, True], [True, False, False]]
+    real = _block(_Q, SP_PMIN, seed=4)
+    variant = _block(_Q, SP_PMIN, bug="none", seed=4)
+    for a, b in zip(real, variant):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_block_rejection_sampling_is_lossless():
+    """Sampled drafts x ~ q: every output position is exactly p_t, positions independent. Row 1 is never cut by
+    p_min (plain rejection sampling: it stops at every slot and keeps full blocks); rows 0 and 2 are cut at slot 2
+    (p_min = 0.45 shares one compiled program with the controls)."""
+    _, n_acc, committed, _ = _block(_Q, SP_PMIN)
+    assert_matches(_block_checks(_block_positions(n_acc, committed, SP_PMIN), SP_PMIN, "block T=1 p_min=0.45"))
+    counts = np.bincount(n_acc, minlength=4)  # stops at slots 1, 2, 3 and full blocks + bonus all occur
+    assert counts.min() > 0.02 * n_acc.size, counts
+    assert n_acc[:M].max() == n_acc[2 * M:].max() == 1
+
+
+@pytest.mark.parametrize("bug", BUGS[1:])
+def test_block_negative_controls_fail(bug):
+    """Each wrong rule fails the same check."""
+    _, n_acc, committed, _ = _block(_Q, SP_PMIN, bug=bug)
+    assert_fails(_block_checks(_block_positions(n_acc, committed, SP_PMIN), SP_PMIN, f"block BUG {bug}"))
+
+
+def test_block_pmin_cut_samples_from_p():
+    """p_min cuts every row at slot 2: the token there comes from p itself, so the output stays exact. (Taking the
+    residual normalize(max(p - q, 0)) there instead is the residual_at_pmin_cut control, caught above.)"""
+    assert np.asarray(sampling._pmin_mask(_logits_from_probs(_Q_CUT), SP_PMIN)).tolist() == [[True, False, False]] * 3
+    _, n_acc, committed, _ = _block(_Q_CUT, SP_PMIN)
+    assert_matches(_block_checks(_block_positions(n_acc, committed, SP_PMIN), SP_PMIN, "block p_min cut at slot 2"))
+    assert n_acc.max() == 1 and (n_acc == 1).mean() > 0.2
+
+
+def test_point_mass_residual_analytic():
+    p = jnp.asarray(_P[:, 0], jnp.float32)  # [3, 6]
+    x = np.array([0, 1, 5])
+    residual = jax.jit(residual_probs)
+    r = np.asarray(residual(p, jax.nn.one_hot(x, 6)))
+    want = _P[:, 0].copy()
+    want[np.arange(3), x] = 0
+    np.testing.assert_allclose(r, want / want.sum(-1, keepdims=True), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(residual(p, p)), _P[:, 0], rtol=1e-6)  # empty residual -> p
+    np.testing.assert_allclose(np.asarray(residual(p, 0 * p)), _P[:, 0], rtol=1e-6)  # q = 0 -> p
+    q = jnp.asarray(_Q[:, 0], jnp.float32)  # row 1: q = p, so the residual is empty -> p
+    want = np.maximum(_P[:, 0] - _Q[:, 0], 0)
+    want[1] = _P[1, 0]
+    np.testing.assert_allclose(np.asarray(residual(p, q)), want / want.sum(-1, keepdims=True), rtol=1e-5,
+                               atol=1e-7)
+
+
+def test_point_mass_acceptance_is_p_of_x_and_residual_is_p_without_x():
+    """draft_sampling="greedy": x = argmax q. P(accept slot j+1 | reached) = p_j(x_{j+1}); after a rejection the
+    token is p_j with x removed, renormalised; the bonus after a full block is p_D."""
+    sp = SamplingParams.make(temperature=1.0, draft_sampling="greedy")
+    drafts, n_acc, committed, _ = _block(_Q, sp, seed=1)
+    x = np.argmax(_Q, -1)  # [3, D]
+    np.testing.assert_array_equal(drafts, np.repeat(x, M, axis=0))
+    n_acc, committed = n_acc.reshape(3, M), committed.reshape(3, M, -1)
+    D = x.shape[1]
+    checked = {"residual": 0, "bonus": 0}
+    for b in range(3):
+        for j in range(D + 1):
+            reached, stopped = n_acc[b] >= j, n_acc[b] == j
+            if j < D and reached.sum() > 100:
+                acc, want = (n_acc[b][reached] > j).mean(), _P[b, j, x[b, j]]
+                assert abs(acc - want) < 5 * np.sqrt(want * (1 - want) / reached.sum()) + 1e-9, (b, j, acc, want)
+            if stopped.sum() > 500:
+                law = _P[b, j].copy()
+                if j < D:
+                    law[x[b, j]] = 0
+                    law /= law.sum()
+                got = histogram(committed[b, stopped, j], 6)
+                assert tv(got, law) < tv_threshold(law, int(stopped.sum())), (b, j, got, law)
+                checked["bonus" if j == D else "residual"] += 1
+    assert checked["residual"] >= 6 and checked["bonus"] >= 1, checked
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 3, 1.0), (1.3, 0, 0.8), (1.0, 5, 0.6), (0.5, 1, 1.0)])
+def test_processed_probs_matches_reference(temperature, top_k, top_p):
+    logits = jnp.asarray(np.random.default_rng(7).standard_normal((4, 5, 12)).astype(np.float32) * 2.0)
+    sp = SamplingParams.make(temperature, top_k, top_p)
+    got = np.asarray(jax.jit(processed_probs, static_argnums=1)(logits, sp), np.float64)
+    want = ref_probs(logits, temperature, top_k, top_p)
+    np.testing.assert_allclose(got.sum(-1), 1.0, rtol=1e-5)
+    np.testing.assert_array_equal(got > 0, want > 0)  # same support
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
+    if top_k:
+        assert ((got > 0).sum(-1) <= top_k).all()
+
+
+def test_top_p_keeps_smallest_prefix_reaching_the_mass():
+    logits = _logits_from_probs([[0.5, 0.3, 0.15, 0.05]])
+    for top_p, keep in [(0.45, 1), (0.55, 2), (0.79, 2), (0.81, 3), (0.94, 3), (0.96, 4), (1.0, 4)]:
+        got = np.asarray(processed_probs(logits, SamplingParams.make(1.0, top_p=top_p)))[0]
+        assert (got > 0).sum() == keep, (top_p, got)
+        np.testing.assert_allclose(got[:keep], np.array([0.5, 0.3, 0.15, 0.05])[:keep] /
+                                   [0.5, 0.8, 0.95, 1.0][keep - 1], rtol=1e-5)
+    # The top token is always kept, however small top_p is.
+    assert np.asarray(processed_probs(logits, SamplingParams.make(1.0, top_p=1e-6)))[0].tolist() == [1, 0, 0, 0]
+
+
+def test_top_k_top_p_block_stays_in_support_and_is_lossless():
+    """top_k=4 then top_p=0.7 on both p and q: drafts and committed tokens stay in the allowed sets, and the output
+    law is the processed p."""
+    sp = SamplingParams.make(1.0, top_k=4, top_p=0.7)
+    q, p = _untied(_Q), _untied(_P)
+    for law in (q, p):  # no tie at the k-th value and no cumulative mass near top_p: the support is unambiguous
+        srt = -np.sort(-law, axis=-1)
+        assert (srt[..., 3] - srt[..., 4] > 1e-3).all()
+        assert (np.abs(np.cumsum(ref_probs(np.log(law), 1.0, 4), -1) - 0.7) > 1e-3).all()
+    drafts, n_acc, committed, _ = _block(q, sp, seed=2, p=p)
+    q_ok = np.repeat(ref_probs(np.log(q), 1.0, 4, 0.7) > 0, M, axis=0)
+    p_ok = np.repeat(ref_probs(np.log(p), 1.0, 4, 0.7) > 0, M, axis=0)
+    assert (p_ok.sum(-1) < 4).any() and (q_ok.sum(-1) < 4).any()  # top_p really cuts
+    assert np.take_along_axis(q_ok, drafts[..., None], -1).all()
+    written = np.arange(committed.shape[1])[None, :] <= n_acc[:, None]
+    assert np.take_along_axis(p_ok, committed[..., None], -1)[..., 0][written].all()
+    tokens = _block_positions(n_acc, committed, sp, seed=2, p=p)
+    assert_matches(_block_checks(tokens, sp, "block top_k=4 top_p=0.7", p=p))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tiny models and the exact target law
+# ---------------------------------------------------------------------------------------------------------------
+
+CFG = Qwen3Config(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8, rope_theta=10000.0, param_dtype="float32",
+                  compute_dtype="float32")
+DCFG = DrafterConfig(model=CFG, block_size=4, mask_token_id=V - 1, target_layer_ids=(0,), num_target_layers=1)
+
+
+def _random_params(abstract, seed, std):
+    """Numpy draws straight into the parameter tree (no jax init: its per-shape compiles cost seconds here)."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(name, spec):
+        shape = spec.shape
+        v = 1.0 + 0.3 * rng.standard_normal(shape) if len(shape) == 1 else std * rng.standard_normal(shape)
+        return jnp.asarray(v.astype(np.float32))
+
+    return map_named(leaf, abstract)
+
+
+def _close(model, layer_scale, norm=None):
+    """Shrink what the layers add to the residual stream; the target's embedding gets a large constant direction
+    (dim 0) whose lm_head column favours a fixed ranking, so target and drafter share a base distribution and the
+    target still depends on the previous token."""
+    base = np.log([0.3, 0.25, 0.15, 0.1, 0.08, 0.06, 0.04, 0.02])
+
+    def leaf(name, x):
+        x = np.array(x)
+        if name.endswith(("o_proj", "down_proj")):
+            x = x * layer_scale
+        elif name == "embed_tokens":
+            x[:, 0] = 4.0
+        elif name == "lm_head":
+            x[:, 0] = base - base.mean()
+        elif name == "norm" and norm is not None:
+            x = np.asarray(norm)
+        return jnp.asarray(x)
+
+    return model.replace(params=map_named(leaf, model.params))
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Two pairs sharing one compiled program (weights are arguments): "rejecting" (independent random drafter:
+    most steps reject at slot 1) and "close" (drafter near the target: about half the blocks fully accepted)."""
+    target = Target(params=_random_params(abstract_target(CFG), 0, 0.6), config=CFG)
+    drafter = Drafter(params=_random_params(abstract_drafter(DCFG), 1, 0.6), config=DCFG)
+    close_target = _close(target, 0.05)
+    close_drafter = _close(drafter, 0.05, norm=close_target.params.norm)
+    return {"rejecting": (target, drafter), "close": (close_target, close_drafter)}
+
+
+@pytest.fixture(scope="module")
+def enumeration(models):
+    """Target logits [V**L, len(PROMPT)+L, V] for every continuation of PROMPT, per pair (one forward each)."""
+    combos = np.array(list(itertools.product(range(V), repeat=L)), np.int32)
+    tokens = np.concatenate([np.tile(np.asarray(PROMPT, np.int32), (len(combos), 1)), combos], axis=1)
+    return {name: np.asarray(target_forward(t, tokens)[0]) for name, (t, _) in models.items()}
+
+
+def exact_law(logits, temperature=1.0, top_k=0, top_p=1.0) -> dict[str, np.ndarray]:
+    """Exact marginals of new tokens 0..L and the joint of tokens 1 and 2 under ancestral sampling."""
+    joint = np.ones(())
+    laws = {}
+    for t in range(L + 1):
+        cond = ref_probs(logits[:, len(PROMPT) - 1 + t], temperature, top_k, top_p).reshape((V,) * L + (V,))
+        cond = cond[(slice(None),) * t + (0,) * (L - t)]  # p(x_t | x_<t), shape [V]*t + [V]
+        joint = joint[..., None] * cond  # law of (x_0..x_t)
+        laws[f"pos{t}"] = joint.reshape(-1, V).sum(0)
+        if t == 2:
+            laws["pos1,2"] = joint.sum(0)
+    return laws
+
+
+_RUNS: dict = {}
+
+
+def _generate(models, pair, **kw):
+    """generate over N rows of PROMPT at T=1 (memoised: several tests read the same run)."""
+    key = (pair, tuple(sorted(kw.items())))
+    if key not in _RUNS:
+        target, drafter = models[pair]
+        kw = {"temperature": 1.0, "seed": 0, **kw}
+        _RUNS[key] = gen.generate(target, drafter, [PROMPT] * N, max_new_tokens=NEW, draft_length=3, **kw)
+    return _RUNS[key]
+
+
+def _path_counts(res):
+    """Fractions of steps that stopped at slot 1 (0 drafts kept) and that kept the full block."""
+    hist = res.tau_histogram
+    return hist[1] / hist.sum(), hist[-1] / hist.sum()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# THE PROOF: speculative output has the target's distribution
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pair", ["rejecting", "close"])
+def test_speculative_output_has_target_distribution(models, enumeration, pair):
+    res = _generate(models, pair)
+    assert (res.num_tokens == NEW).all()
+    rows = compare(f"speculative T=1 {pair} drafter", res.tokens, exact_law(enumeration[pair]))
+    rejected_at_1, full = _path_counts(res)
+    print(f"  tau={res.tau:.3f} steps stopping at slot 1: {rejected_at_1:.2f}, full blocks: {full:.2f}")
+    assert_matches(rows)
+    if pair == "rejecting":
+        assert rejected_at_1 > 0.5 and full > 0.01  # the residual path dominates
+    else:
+        assert full > 0.4  # the bonus-from-the-last-row path dominates
+
+
+def test_autoregressive_output_has_target_distribution(models, enumeration):
+    target, _ = models["rejecting"]
+    res = gen.generate_autoregressive(target, [PROMPT] * N, max_new_tokens=NEW, temperature=1.0, seed=0)
+    assert_matches(compare("autoregressive T=1", res.tokens, exact_law(enumeration["rejecting"])))
+
+
+def test_top_k_top_p_output_has_target_distribution(models, enumeration):
+    res = _generate(models, "rejecting", top_k=6, top_p=0.8)
+    law = exact_law(enumeration["rejecting"], top_k=6, top_p=0.8)
+    rows = compare("speculative T=1 top_k=6 top_p=0.8", res.tokens, law)
+    for t in range(L + 1):  # nothing outside the allowed set (where the exact marginal is 0)
+        assert law[f"pos{t}"][res.tokens[:, t]].min() > 0
+    assert_matches(rows)
+
+
+def test_pmin_sampling_output_has_target_distribution(models, enumeration):
+    res = _generate(models, "rejecting", p_min=0.5)
+    rows = compare("speculative T=1 p_min=0.5", res.tokens, exact_law(enumeration["rejecting"]))
+    base = _generate(models, "rejecting")
+    print(f"  tau p_min=0.5: {res.tau:.3f} vs {base.tau:.3f} without")
+    assert res.tau < base.tau  # the cut happens
+    assert_matches(rows)
+
+
+def test_negative_control_resample_from_p_fails(models, enumeration, monkeypatch):
+    """Sampling the token after a rejection from p instead of the residual must fail the same test."""
+    saved = dict(gen._COMPILED)  # programs built with the real rule; put back afterwards (saves recompiles)
+    gen._COMPILED.clear()
+    try:
+        monkeypatch.setattr(gen, "accept_block", functools.partial(accept_with_bug, bug=BUGS.index("resample_from_p")))
+        target, drafter = models["rejecting"]
+        res = gen.generate(target, drafter, [PROMPT] * N, max_new_tokens=NEW, draft_length=3, temperature=1.0,
+                           seed=0)
+    finally:
+        gen._COMPILED.clear()
+        gen._COMPILED.update(saved)
+    assert_fails(compare("NEGATIVE CONTROL resample from p", res.tokens, exact_law(enumeration["rejecting"])))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reproducibility, per-row streams, p_min with greedy decoding
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_reproducible_and_rows_independent_of_the_batch(models):
+    target, drafter = models["rejecting"]
+    base = _generate(models, "rejecting")
+    assert len({tuple(r) for r in base.tokens[:200]}) > 100  # rows use different streams
+    rng = np.random.default_rng(0)
+    others = [list(rng.integers(0, V, rng.integers(1, 12))) for _ in range(N)]
+    mixed = [PROMPT if b % 3 == 0 else others[b] for b in range(N)]  # same shape bucket: no recompile
+    res = gen.generate(target, drafter, mixed, max_new_tokens=NEW, draft_length=3, temperature=1.0, seed=0)
+    same = np.arange(N) % 3 == 0
+    np.testing.assert_array_equal(res.tokens[same], base.tokens[same])  # same seed: same tokens, whatever the batch
+    alone = [gen.generate(target, drafter, [PROMPT], max_new_tokens=NEW, draft_length=3, temperature=1.0,
+                          seed=s).tokens[0] for s in range(6)]
+    np.testing.assert_array_equal(alone[0], base.tokens[0])  # row 0 alone == row 0 of the batch
+    np.testing.assert_array_equal(alone[0], res.tokens[0])
+    assert len({tuple(a) for a in alone}) >= 4  # other seeds give other samples
+
+
+def test_greedy_exact_with_and_without_pmin(models):
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(0, V, rng.integers(2, 12))) for _ in range(16)]
+    for pair in ("rejecting", "close"):
+        target, drafter = models[pair]
+        ref = gen.generate_autoregressive(target, prompts, max_new_tokens=10).tokens
+        plain = gen.generate(target, drafter, prompts, max_new_tokens=10, draft_length=3)
+        cut = gen.generate(target, drafter, prompts, max_new_tokens=10, draft_length=3, p_min=0.7)
+        np.testing.assert_array_equal(plain.tokens, ref)
+        np.testing.assert_array_equal(cut.tokens, ref)
+        print(f"\n[greedy {pair}] tau {plain.tau:.3f} -> {cut.tau:.3f} with p_min=0.7")
+        if pair == "close":
+            assert cut.tau < plain.tau
