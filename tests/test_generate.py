@@ -256,6 +256,19 @@ def test_greedy_equals_autoregressive_random_drafter(random_runs, setup):
     assert distinct > setup.target.vocab_size // 3, "greedy text too repetitive to be a meaningful comparison"
 
 
+def test_autoregressive_oracle_equals_cache_free_greedy(random_runs):
+    """The oracle itself: generate_autoregressive (KV cache, one token per step) == argmax of a fresh cache-free
+    target_forward over the whole sequence at every step (one batch of the untied GQA 4:1 setup)."""
+    target, prompts, ar, _ = random_runs[SETUPS[2].name][0]
+    width = 16 + MAX_NEW  # right padding never changes earlier positions of a causal model: one compile
+    for b, p in enumerate(prompts):
+        seq = list(p)
+        for _ in range(MAX_NEW):
+            logits, _ = dj.target_forward(target, _pad_to(seq, width))
+            seq.append(int(np.argmax(np.asarray(logits)[0, len(seq) - 1])))
+        assert seq[len(p):] == ar.tokens[b].tolist(), f"row {b}"
+
+
 def test_greedy_equals_autoregressive_perfect_drafter(copy_runs):
     r = copy_runs
     assert_same(r["target"], COPY_PROMPTS, r["ar"], r["sp"], "perfect")
@@ -420,8 +433,21 @@ def test_acceptance_lengths_match_cache_free_reference_loop(trained):
         np.testing.assert_array_equal(sp.tokens[b, :len(ref_out)], ref_out)
         compared += len(ref_acc)
         seen += ref_acc
-    STATS["reference-loop"] = dict(steps_compared=compared, acceptance=seen)
+    STATS["reference-loop/trained"] = dict(steps_compared=compared, acceptance=seen)
     assert any(a > 1 for a in seen), "the reference check saw no accepted draft"
+
+
+def test_acceptance_lengths_match_reference_loop_position_sensitive(copy_runs):
+    """The same reference check on the flawed copy drafter (row 0), whose drafts depend on exact context positions:
+    an off-by-one in the drafter's context bookkeeping (e.g. appending a accepted rows instead of a + 1) changes its
+    acceptance from the second step on, which the trained drafter above is too position-blind to show."""
+    r = copy_runs
+    ref_acc, ref_out = reference_acceptance(r["target"], r["flawed"], COPY_PROMPTS[0], max_new=COPY_MAX_NEW,
+                                            max_steps=4)
+    got = r["flawed_sp"].acceptance_lengths[0, :len(ref_acc)].tolist()
+    assert got == ref_acc, f"generate {got} vs reference {ref_acc}"
+    np.testing.assert_array_equal(r["flawed_sp"].tokens[0, :len(ref_out)], ref_out)
+    STATS["reference-loop/copy-flawed"] = dict(steps_compared=len(ref_acc), acceptance=ref_acc)
 
 
 # -- 3. one generate call = one compiled program ---------------------------------------------------------------------
@@ -577,6 +603,9 @@ def test_generation_result_fields(copy_runs):
                    "end of prefill may run on a runtime thread (seen on CPU ~1 call in 30; the norm for GPU host "
                    "callbacks): the main thread then reads no stamp and reports prefill_s = 0, decode_s = total_s")
 def test_prefill_timing_survives_callback_on_another_thread(sampled_runs):
+    t0, t1, _ = sampled_runs["traces"]
+    if t1 == t0:
+        pytest.skip("program was compiled before the fixture installed its thread-switching stamp wrapper")
     for r in sampled_runs["res"]:
         assert r.timings["prefill_s"] > 0, r.timings
 
@@ -629,7 +658,7 @@ def test_float_token_in_list_message_says_integer(pair, no_work):
 
 def test_float_token_in_list_is_rejected(pair, no_work):
     target, drafter = pair
-    with pytest.raises(ValueError, match=r"token id 2.0 at row 0, position 1"):
+    with pytest.raises(ValueError, match=r"2\.0 at row 0, position 1"):  # rejected today, wording aside
         dj.generate(target, drafter, [[1, 2.0, 3]], max_new_tokens=4)
 
 
