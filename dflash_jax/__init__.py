@@ -9,7 +9,7 @@ from dflash_jax.audit import ScaleAudit, audit_scales
 from dflash_jax.checkpoint import CheckpointError, load_drafter, load_target, save, save_hf
 from dflash_jax.config import DrafterConfig, Qwen3Config, default_target_layer_ids
 from dflash_jax.drafter import Drafter, draft_logits, init_drafter
-from dflash_jax.generate import GenerationResult, generate, generate_autoregressive
+from dflash_jax.decoding import GenerationResult, generate, generate_autoregressive
 from dflash_jax.nvfp4 import NVFP4Array
 from dflash_jax.quantize import drop_global_scales, quantize_nvfp4
 from dflash_jax.target import KVCache, Target, init_target, target_forward

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.drafter import Drafter, DraftCache, append_context, block_logits
-from dflash_jax.generate import generate, generate_autoregressive
+from dflash_jax.decoding import generate, generate_autoregressive
 from dflash_jax.target import KVCache, Target, forward_with_cache
 
 

@@ -48,7 +48,7 @@ def _bench(args):
     if args.random_tiny:
         from dflash_jax.config import DrafterConfig, Qwen3Config
         from dflash_jax.drafter import init_drafter
-        from dflash_jax.generate import generate
+        from dflash_jax.decoding import generate
         from dflash_jax.target import init_target
         cfg = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=6,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=32)

@@ -31,7 +31,7 @@ from dflash_jax.params import abstract_drafter, abstract_target, map_named
 from dflash_jax.sampling import SamplingParams, accept_block, processed_probs, residual_probs, sample_tokens
 from dflash_jax.target import Target, target_forward
 
-gen = importlib.import_module("dflash_jax.generate")  # the module (the package exports a function of that name)
+gen = importlib.import_module("dflash_jax.decoding")  # the module (the package exports a function of that name)
 
 V = 8  # vocabulary
 PROMPT = [1, 2, 3]

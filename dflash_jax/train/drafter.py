@@ -24,7 +24,7 @@ import numpy as np
 from dflash_jax.checkpoint import load_target, save
 from dflash_jax.config import DrafterConfig, Qwen3Config, default_target_layer_ids
 from dflash_jax.drafter import Drafter, block_pass, embed_block, fuse_context, init_drafter
-from dflash_jax.generate import generate, generate_autoregressive
+from dflash_jax.decoding import generate, generate_autoregressive
 from dflash_jax.layers import project_kv
 from dflash_jax.linear import linear
 from dflash_jax.target import Target, forward_with_cache

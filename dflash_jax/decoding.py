@@ -11,8 +11,8 @@ Everything is on device inside one `lax.while_loop`; rows that finish are frozen
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
+import warnings
 from typing import Sequence
 
 import chex
@@ -148,11 +148,12 @@ def _prefill(target: Target, prompt: jax.Array, lens: jax.Array, cache_len: int,
     return first, feats, cache, keys
 
 
-_STAMPS = threading.local()
+# Process-wide, not thread-local: the runtime may run host callbacks on its own threads.
+_STAMPS = {"prefill_done": None}
 
 
 def _stamp(x):
-    _STAMPS.t = time.perf_counter()
+    _STAMPS["prefill_done"] = time.perf_counter()
     return np.zeros((), np.int32)
 
 
@@ -267,8 +268,10 @@ def prepare_prompt(prompt, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
         if len(r) == 0:
             raise ValueError(f"empty prompt: row {b} has no tokens")
         for t, tok in enumerate(r):
-            if isinstance(tok, (float, np.floating)) or not (0 <= int(tok) < vocab_size):
-                raise ValueError(f"token id {tok!r} at row {b}, position {t} is outside the vocabulary "
+            if not isinstance(tok, (int, np.integer)) or isinstance(tok, bool):
+                raise ValueError(f"token ids must be integers, got {tok!r} at row {b}, position {t}")
+            if not 0 <= int(tok) < vocab_size:
+                raise ValueError(f"token id {int(tok)} at row {b}, position {t} is outside the vocabulary "
                                  f"[0, {vocab_size})")
     lens = np.array([len(r) for r in rows], np.int32)
     Tp = _round_up(int(lens.max()), 16)  # bucket prompt lengths to bound recompiles
@@ -291,6 +294,17 @@ def _check_budget(target: Target, lens: np.ndarray, max_new_tokens: int, extra: 
     # The last verify writes up to `extra` slots past the committed text; the scatter drops out-of-range writes,
     # so the cache needs room for them only to keep them, never for correctness.
     return _round_up(need + extra, 64)
+
+
+def _warn_short_drafter_context(drafter: Drafter, prompt, max_new_tokens) -> None:
+    try:
+        longest = max(len(r) for r in prompt) + int(max_new_tokens)
+    except TypeError:
+        return
+    limit = drafter.config.model.max_position_embeddings
+    if longest > limit:
+        warnings.warn(f"context of up to {longest} tokens exceeds the drafter's max_position_embeddings ({limit}): "
+                      "acceptance may degrade (output stays exact)", stacklevel=3)
 
 
 def _eos_tuple(eos_ids, vocab_size) -> tuple[int, ...]:
@@ -334,11 +348,11 @@ def _row_keys(seed: int, batch: int) -> jax.Array:
 
 def _run(name, fn, static, args, max_new, draft_length, eos) -> GenerationResult:
     compiled, compile_s = _compile(name, fn, static, *args)
-    _STAMPS.t = None
+    _STAMPS["prefill_done"] = None
     t0 = time.perf_counter()
     out, n_out, acc, steps, done = jax.block_until_ready(compiled(*args))
     t1 = time.perf_counter()
-    t_prefill = _STAMPS.t if _STAMPS.t is not None else t0
+    t_prefill = _STAMPS["prefill_done"] if _STAMPS["prefill_done"] is not None else t0
     out, n_out, acc, steps = map(np.asarray, jax.device_get((out, n_out, acc, steps)))
     steps = int(steps)
     acc = acc[:, :steps]
@@ -358,6 +372,7 @@ def generate(target: Target, drafter: Drafter, prompt, *, max_new_tokens: int, d
     `generate_autoregressive` token for token; at temperature > 0 rejection sampling keeps the target's distribution.
     """
     check_pair(drafter.config, target.config)
+    _warn_short_drafter_context(drafter, prompt, max_new_tokens)
     bs = drafter.config.block_size
     D = bs - 1 if draft_length is None else draft_length
     if not isinstance(D, (int, np.integer)) or not 1 <= D <= bs - 1:
