@@ -182,12 +182,12 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--taps", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=1024)
+    ap.add_argument("--prompts", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--seq-len", type=int, default=384)
-    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--steps", type=int, default=2400)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--anchors", type=int, default=24)
+    ap.add_argument("--anchors", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -225,7 +225,7 @@ def main(argv=None):
     params, history = run(params=params, loss_fn=drafter_loss(cfg, target.config),
                           batch_fn=make_batch_fn(data, target.params, batch=args.batch, num_anchors=args.anchors,
                                                  seed=args.seed),
-                          optim=optim, ckpt_dir=work / "ckpt", eval_fn=eval_fn, eval_every=200, desc="drafter",
+                          optim=optim, ckpt_dir=work / "ckpt", eval_fn=eval_fn, eval_every=400, desc="drafter",
                           log_file=work / "log.jsonl")
     drafter = Drafter(params=params, config=cfg)
     save(args.out, drafter)
