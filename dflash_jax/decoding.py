@@ -296,11 +296,7 @@ def _check_budget(target: Target, lens: np.ndarray, max_new_tokens: int, extra: 
     return _round_up(need + extra, 64)
 
 
-def _warn_short_drafter_context(drafter: Drafter, prompt, max_new_tokens) -> None:
-    try:
-        longest = max(len(r) for r in prompt) + int(max_new_tokens)
-    except TypeError:
-        return
+def _warn_short_drafter_context(drafter: Drafter, longest: int) -> None:
     limit = drafter.config.model.max_position_embeddings
     if longest > limit:
         warnings.warn(f"context of up to {longest} tokens exceeds the drafter's max_position_embeddings ({limit}): "
@@ -372,7 +368,6 @@ def generate(target: Target, drafter: Drafter, prompt, *, max_new_tokens: int, d
     `generate_autoregressive` token for token; at temperature > 0 rejection sampling keeps the target's distribution.
     """
     check_pair(drafter.config, target.config)
-    _warn_short_drafter_context(drafter, prompt, max_new_tokens)
     bs = drafter.config.block_size
     D = bs - 1 if draft_length is None else draft_length
     if not isinstance(D, (int, np.integer)) or not 1 <= D <= bs - 1:
@@ -380,6 +375,7 @@ def generate(target: Target, drafter: Drafter, prompt, *, max_new_tokens: int, d
     sampling = SamplingParams.make(temperature, top_k, top_p, p_min, draft_sampling)
     padded, lens = prepare_prompt(prompt, target.config.vocab_size)
     cache_len = _check_budget(target, lens, max_new_tokens, D + 1, max_cache_len)
+    _warn_short_drafter_context(drafter, int(lens.max()) + int(max_new_tokens))
     eos = _eos_tuple(eos_ids, target.config.vocab_size)
     static = dict(max_new=int(max_new_tokens), draft_length=int(D), eos_ids=eos, cache_len=cache_len,
                   sampling=sampling)
