@@ -102,7 +102,7 @@ class LoopState:
     last: jax.Array  # [B] int32 last committed token, not yet run through the target
     start: jax.Array  # [B] int32 position of `last` == target cache length
     tcache: KVCache
-    dcache: DraftCache | None
+    dcache: KVCache | None  # the drafter's context cache
     pending: jax.Array | None  # [B, W, K*H] target features not yet in the draft cache
     n_pending: jax.Array | None  # [B] int32 valid rows of `pending`
     acc: jax.Array  # [B, max_steps] int32 committed tokens per step (incl. bonus)

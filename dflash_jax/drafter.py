@@ -18,7 +18,7 @@ from dflash_jax.config import DrafterConfig, check_pair
 from dflash_jax.layers import attend, mlp, project_kv, project_q, rms_norm, write_rows
 from dflash_jax.linear import linear
 from dflash_jax.params import DrafterParams, abstract_drafter, init_from_abstract, static_field
-from dflash_jax.target import Target
+from dflash_jax.target import KVCache, Target
 
 
 @jax.tree_util.register_dataclass
@@ -31,26 +31,13 @@ class Drafter:
         return dataclasses.replace(self, **changes)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
 class DraftCache:
-    k: tuple[jax.Array, ...]  # per layer [B, S, nKV, hd], context keys after k_norm + RoPE
-    v: tuple[jax.Array, ...]  # per layer [B, S, nKV, hd]
-    lengths: jax.Array  # [B] int32: number of committed context positions held
+    """The drafter's context cache is a `KVCache` (per layer [B, S, nKV, hd] keys after k_norm + RoPE, and values;
+    lengths [B] = committed context positions held). This only builds an empty one from a DrafterConfig."""
 
-    @property
-    def max_len(self) -> int:
-        return self.k[0].shape[1]
-
-    def replace(self, **changes) -> "DraftCache":
-        return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def empty(cls, cfg: DrafterConfig, batch: int, max_len: int) -> "DraftCache":
-        m = cfg.model
-        shape = (batch, max_len, m.num_key_value_heads, m.head_dim)
-        zeros = tuple(jnp.zeros(shape, m.dtype) for _ in range(m.num_hidden_layers))
-        return cls(k=zeros, v=zeros, lengths=jnp.zeros((batch,), jnp.int32))
+    @staticmethod
+    def empty(cfg: DrafterConfig, batch: int, max_len: int) -> KVCache:
+        return KVCache.empty(cfg.model, batch, max_len)
 
 
 def init_drafter(cfg: DrafterConfig, key: jax.Array) -> Drafter:
@@ -64,7 +51,7 @@ def fuse_context(drafter: Drafter, features: jax.Array) -> jax.Array:
                     cfg.rms_norm_eps)
 
 
-def append_context(drafter: Drafter, features: jax.Array, n_valid: jax.Array, cache: DraftCache) -> DraftCache:
+def append_context(drafter: Drafter, features: jax.Array, n_valid: jax.Array, cache: KVCache) -> KVCache:
     """Append the first n_valid[b] of features [B, C, K*H] to each row's context K/V (a static-width slab)."""
     cfg = drafter.config.model
     B, C, _ = features.shape
@@ -79,7 +66,7 @@ def append_context(drafter: Drafter, features: jax.Array, n_valid: jax.Array, ca
         k, v = project_kv(layer.self_attn, ctx, positions, cfg)
         ks.append(write_rows(cache.k[i], k, write_pos))
         vs.append(write_rows(cache.v[i], v, write_pos))
-    return DraftCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + n_valid.astype(jnp.int32))
+    return KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + n_valid.astype(jnp.int32))
 
 
 def block_pass(drafter: Drafter, x: jax.Array, positions: jax.Array, ctx_k, ctx_v, mask: jax.Array) -> jax.Array:
@@ -107,7 +94,7 @@ def embed_block(drafter: Drafter, target: Target, block: jax.Array) -> jax.Array
     return jnp.take(target.params.embed_tokens, block, axis=0).astype(drafter.config.model.dtype)
 
 
-def block_hidden(drafter: Drafter, target: Target, block: jax.Array, cache: DraftCache) -> jax.Array:
+def block_hidden(drafter: Drafter, target: Target, block: jax.Array, cache: KVCache) -> jax.Array:
     """One non-causal pass over block [B, bs] at positions lengths..lengths+bs-1 -> final hidden [B, bs, H]."""
     B, bs = block.shape
     start = cache.lengths
@@ -119,7 +106,7 @@ def block_hidden(drafter: Drafter, target: Target, block: jax.Array, cache: Draf
     return block_pass(drafter, embed_block(drafter, target, block), positions, cache.k, cache.v, mask)
 
 
-def block_logits(drafter: Drafter, target: Target, block: jax.Array, cache: DraftCache,
+def block_logits(drafter: Drafter, target: Target, block: jax.Array, cache: KVCache,
                  num_slots: int | None = None) -> jax.Array:
     """Logits [B, num_slots, V] f32 for block slots 1..num_slots (slot k predicts position start+k itself)."""
     num_slots = block.shape[1] - 1 if num_slots is None else num_slots
