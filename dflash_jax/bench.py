@@ -82,26 +82,26 @@ def step_costs(target: Target, drafter: Drafter, *, context_len: int = 64, draft
 
 
 def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-            draft_length: int | None = None, eos_ids=(), warmup: bool = True, drafters: dict | None = None) -> dict:
+            draft_length: int | None = None, eos_ids=(), warmup: bool = True, drafters: dict | None = None,
+            temperature: float = 0.0, seed: int = 0) -> dict:
     """Per prompt (batch 1): AR and DFlash decode tokens/s, tau, acceptance. Medians over prompts.
 
     `drafters` may name extra drafters (e.g. {"nvfp4": q}) measured on the same prompts in the same run.
     """
     drafters = {"dflash": drafter, **(drafters or {})}
+    kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=temperature, seed=seed)
     if warmup:  # compile every program shape before timing
-        generate_autoregressive(target, [list(prompts[0])], max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+        generate_autoregressive(target, [list(prompts[0])], **kw)
         for d in drafters.values():
-            generate(target, d, [list(prompts[0])], max_new_tokens=max_new_tokens, draft_length=draft_length,
-                     eos_ids=eos_ids)
+            generate(target, d, [list(prompts[0])], draft_length=draft_length, **kw)
     ar_tps, rows = [], {name: {"tps": [], "acc": [], "tau_steps": [], "steps": 0} for name in drafters}
     ar_tokens = []
     for p in prompts:
-        ar = generate_autoregressive(target, [list(p)], max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+        ar = generate_autoregressive(target, [list(p)], **kw)
         ar_tps.append(ar.decode_tokens_per_second)
         ar_tokens.append(ar.tokens[0])
         for name, d in drafters.items():
-            res = generate(target, d, [list(p)], max_new_tokens=max_new_tokens, draft_length=draft_length,
-                           eos_ids=eos_ids)
+            res = generate(target, d, [list(p)], draft_length=draft_length, **kw)
             r = rows[name]
             r["tps"].append(res.decode_tokens_per_second)
             acc = res.acceptance_lengths[res.acceptance_lengths > 0]
@@ -110,7 +110,7 @@ def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], 
             r.setdefault("exact", []).append(bool(np.array_equal(res.tokens[0], ar.tokens[0])))
             r.setdefault("position", []).append(res.position_acceptance)
     D = drafter.config.block_size - 1 if draft_length is None else draft_length
-    out = {"max_new_tokens": max_new_tokens, "draft_length": D, "prompts": len(prompts),
+    out = {"max_new_tokens": max_new_tokens, "draft_length": D, "prompts": len(prompts), "temperature": temperature,
            "ar_tokens_per_s": statistics.median(ar_tps)}
     for name, r in rows.items():
         steps = np.asarray(r["tau_steps"])
@@ -150,3 +150,26 @@ def format_step_costs(c: dict, tau: float | None = None, measured_step_ms: float
     if tau is not None:
         s += f"\ntau {tau:.2f}: predicted speedup tau/(r+c) = {tau / (c['r'] + c['c']):.2f}x"
     return s
+
+
+def tau_table(target: Target, drafters: dict, prompts: Sequence[Sequence[int]], *, draft_lengths=(3, 7, 15),
+              max_new_tokens: int = 128, eos_ids=(), temperature: float = 0.0) -> list[dict]:
+    """tau, acceptance rate and per-position acceptance for each drafter and draft length (one batched call each)."""
+    rows = []
+    for name, d in drafters.items():
+        for D in draft_lengths:
+            res = generate(target, d, [list(p) for p in prompts], max_new_tokens=max_new_tokens, draft_length=D,
+                           eos_ids=eos_ids, temperature=temperature)
+            rows.append({"drafter": name, "draft_length": D, "tau": res.tau, "acceptance_rate": res.acceptance_rate,
+                         "position_acceptance": res.position_acceptance, "steps": int((res.acceptance_lengths > 0).sum())})
+    return rows
+
+
+def format_tau_table(rows: list[dict]) -> str:
+    lines = [f"{'drafter':>16} {'D':>3} {'tau':>6} {'accept':>7} {'steps':>6}  per-position acceptance (k = 1..D)",
+             "-" * 100]
+    for r in rows:
+        pos = " ".join(f"{x:.2f}" for x in r["position_acceptance"])
+        lines.append(f"{r['drafter']:>16} {r['draft_length']:>3} {r['tau']:>6.2f} {100 * r['acceptance_rate']:>6.1f}% "
+                     f"{r['steps']:>6}  {pos}")
+    return "\n".join(lines)

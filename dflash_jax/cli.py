@@ -41,7 +41,7 @@ def _generate(args):
 
 def _bench(args):
     import jax
-    import numpy as np
+    import numpy as np  # noqa: F401
 
     from dflash_jax import bench
 
@@ -72,6 +72,9 @@ def _bench(args):
 
     target, drafter, tok = load_default()
     prompts = [tok.encode(t) for t in corpus.held_out_prompts(args.prompts, seed=args.seed)]
+    if args.tau_table:
+        _tau_table(args, target, drafter, tok, prompts)
+        return
     extra, names = {}, ["dflash"]
     if args.nvfp4:
         from dflash_jax.quantize import drop_global_scales, quantize_nvfp4
@@ -81,16 +84,49 @@ def _bench(args):
     print(f"embedded models, {len(prompts)} held-out stdlib prompts, batch 1, greedy, draft length "
           f"{args.draft_length or drafter.config.block_size - 1} (block {drafter.config.block_size}); "
           f"decode tokens/s exclude prefill and compile; medians over prompts; one run")
+    if args.temperature:
+        print(f"temperature {args.temperature}: rejection sampling; 'exact' compares with one AR sample (not expected "
+              "to match)")
     results = []
     for n in args.new_tokens:
         results.append(bench.compare(target, drafter, prompts, max_new_tokens=n, draft_length=args.draft_length,
-                                     drafters=extra))
+                                     drafters=extra, temperature=args.temperature, seed=args.seed))
     print(bench.format_compare_table(results, names))
     costs = bench.step_costs(target, drafter, context_len=256, draft_length=args.draft_length)
     print()
     print(bench.format_step_costs(costs, tau=results[0]["dflash"]["tau"]))
     print("acceptance rate per block position (first table row): "
           + " ".join(f"{x:.2f}" for x in results[0]["dflash"]["position_acceptance"]))
+
+
+def _tau_table(args, target, drafter, tok, prompts):
+    import jax
+    import numpy as np
+
+    from dflash_jax import bench
+    from dflash_jax.params import param_bytes
+    from dflash_jax.quantize import calibrate_drafter, drop_global_scales, quantize_nvfp4
+    from dflash_jax.train import corpus
+
+    drafters = {"bf16 (dense)": drafter}
+    if args.nvfp4:
+        train_text = corpus.read_texts(corpus.split_files(corpus.stdlib_files())[0][:64])
+        stream = corpus.token_stream(tok, train_text, tok.eos_id)
+        rng = np.random.default_rng(args.seed)
+        windows = [stream[s:s + 96] for s in rng.integers(0, len(stream) - 96, 16)]
+        cal = calibrate_drafter(target, drafter, windows)
+        rtn = quantize_nvfp4(drafter)
+        drafters.update({"nvfp4 rtn": rtn, "nvfp4 calibrated": quantize_nvfp4(drafter, method="calibrated",
+                                                                              calibration=cal),
+                         "nvfp4 w4a4": quantize_nvfp4(drafter, activations="w4a4", calibration=cal),
+                         "nvfp4 no-scale": drop_global_scales(rtn)})
+        dense_bf16 = sum(int(np.prod(x.shape)) * 2 for x in jax.tree.leaves(drafter.params))
+        print(f"drafter weight bytes: bf16 {dense_bf16:,}; NVFP4 {param_bytes(rtn.params):,} "
+              f"({param_bytes(rtn.params) / dense_bf16:.3f} of bf16; norms stay dense)")
+    rows = bench.tau_table(target, drafters, prompts, draft_lengths=(3, 7, 15),
+                           max_new_tokens=args.new_tokens[0], temperature=args.temperature)
+    print(f"{len(prompts)} held-out prompts, {args.new_tokens[0]} new tokens, temperature {args.temperature}")
+    print(bench.format_tau_table(rows))
 
 
 def main(argv=None):
@@ -111,6 +147,8 @@ def main(argv=None):
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--nvfp4", action="store_true", help="add NVFP4 drafters with and without tensor scales")
     b.add_argument("--random-tiny", action="store_true", help="random tiny models: per-step cost split")
+    b.add_argument("--tau-table", action="store_true", help="tau at draft lengths 3/7/15 (+ NVFP4 with --nvfp4)")
+    b.add_argument("--temperature", type=float, default=0.0)
     sub.add_parser("train-target", help="reproduce checkpoints/target", add_help=False)
     sub.add_parser("train-drafter", help="reproduce checkpoints/drafter", add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -124,7 +162,7 @@ def main(argv=None):
     if args.cmd == "generate":
         _generate(args)
     elif args.cmd == "bench":
-        if args.nvfp4 and args.draft_length is None:
+        if args.nvfp4 and args.draft_length is None and not args.tau_table:
             args.draft_length = 7  # the original report's setting
         _bench(args)
 
