@@ -218,7 +218,12 @@ def test_shipped_nvfp4_keeps_acceptance(shipped, draft_length):
     broken = dj.generate(target, drop_global_scales(quantize_nvfp4(drafter)), prompts, **kw)
     assert q.tau >= 0.97 * base.tau, (q.tau, base.tau)
     np.testing.assert_array_equal(q.tokens, base.tokens)  # lossless whatever the drafter
-    assert broken.acceptance_rate < 0.25 * base.acceptance_rate, (broken.acceptance_rate, base.acceptance_rate)
+    # The missing-scale collapse. In f32 nothing overflows (llama.cpp's F16 path did), so the first draft slot keeps
+    # some signal; measured: acceptance x0.15-0.27 and tau x0.31-0.39 of the real drafter's (D = 7 and 15).
+    assert broken.acceptance_rate < 0.35 * base.acceptance_rate, (broken.acceptance_rate, base.acceptance_rate)
+    assert broken.tau < 0.5 * base.tau, (broken.tau, base.tau)
+    # Beyond the first slot the broken drafter is essentially never right.
+    assert broken.position_acceptance[1:].mean() < 0.25 * base.position_acceptance[1:].mean()
 
 
 def test_orbax_round_trip_keeps_w4a4_input_scales(pair, tmp_path):
