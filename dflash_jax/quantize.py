@@ -146,53 +146,25 @@ def collect_linear_inputs(forward, model, *args, max_rows: int = 4096, seed: int
     return out
 
 
+def _without_global_scales(params, patterns: Sequence[str]):
+    def drop(name, leaf):
+        if isinstance(leaf, NVFP4Array) and _matches(name, patterns):
+            return leaf.replace(global_scale=jnp.ones((), jnp.float32))
+        return leaf
+    return map_named(drop, params)
+
+
 def drop_global_scales(model, patterns: Sequence[str] = ATTENTION_PROJECTIONS):
     """The missing-scale bug, on purpose: NVFP4 leaves matching `patterns` get global_scale := 1.
 
     This is what an engine that forgets to multiply `weight_scale_2` computes. dflash-jax cannot do it by accident
     (linear always applies the scales the value carries); here the value itself is falsified.
     """
-    def drop(name, leaf):
-        if isinstance(leaf, NVFP4Array) and _matches(name, patterns):
-            return leaf.replace(global_scale=jnp.ones((), jnp.float32))
-        return leaf
-    return model.replace(params=map_named(drop, model.params))
+    return model.replace(params=_without_global_scales(model.params, patterns))
 
 
 def ablated_forward(forward, patterns: Sequence[str] = ATTENTION_PROJECTIONS):
     """forward(params, ...) -> a forward that ignores the tensor scales of `patterns` (for `audit_scales`)."""
     def fn(params, *args, **kwargs):
-        def drop(name, leaf):
-            if isinstance(leaf, NVFP4Array) and _matches(name, patterns):
-                return leaf.replace(global_scale=jnp.ones((), jnp.float32))
-            return leaf
-        return forward(map_named(drop, params), *args, **kwargs)
+        return forward(_without_global_scales(params, patterns), *args, **kwargs)
     return fn
-
-
-def calibrate_drafter(target, drafter, token_windows, *, anchors_per_window: int = 8, seed: int = 0,
-                      max_rows: int = 4096) -> dict[str, np.ndarray]:
-    """Calibration activations for every drafter linear, from real text: for each token window [T], the target's
-    features of the whole window and drafter blocks anchored at random positions (as at inference)."""
-    from dflash_jax.drafter import draft_logits
-    from dflash_jax.target import target_forward
-
-    cfg = drafter.config
-    rng = np.random.default_rng(seed)
-    windows = np.asarray(token_windows, np.int32)
-    _, feats = target_forward(target, windows, cfg.target_layer_ids)
-    feats_list, blocks = [], []
-    for i, w in enumerate(windows):
-        for a in np.sort(rng.choice(np.arange(8, len(w) - 1), size=anchors_per_window, replace=False)):
-            f = np.zeros_like(np.asarray(feats[i]))
-            f[:a] = np.asarray(feats[i, :a])  # context strictly before the anchor; zero rows are ignored
-            feats_list.append(f[:a])
-            blk = np.full((cfg.block_size,), cfg.mask_token_id, np.int32)
-            blk[0] = w[a]
-            blocks.append(blk)
-
-    def forward(d, feats_list, blocks):
-        for f, b in zip(feats_list, blocks):
-            draft_logits(d, target, f[None], b[None])
-
-    return collect_linear_inputs(forward, drafter, feats_list, blocks, max_rows=max_rows, seed=seed)
