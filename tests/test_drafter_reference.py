@@ -23,42 +23,17 @@ import pytest
 import torch
 
 import dflash_jax as dj
+from random_models import make_drafter, make_target
 from dflash_jax.config import DrafterConfig, Qwen3Config, check_pair
 from dflash_jax.drafter import DraftCache, append_context, block_logits
 from dflash_jax.layers import rms_norm
-from dflash_jax.params import abstract_drafter, abstract_target, is_spec, named_leaves, path_name
+from dflash_jax.params import named_leaves
 
 REL_TOL = 1e-4
 _ERRORS: dict[str, float] = {}  # test name -> measured max error relative to the logit scale (printed at the end)
 
 
-# -- random tiny models with O(1) activations -------------------------------------------------------------------
-
-def _random_params(abstract, seed: int):
-    """Draw every weight with numpy (no per-leaf XLA compiles) so that activations and logits are O(1): the std-0.02
-    init makes every layer ~identity, which would hide tap off-by-ones and norm mix-ups. Norms: 1 + 0.3 N(0, 1)."""
-    rng = np.random.default_rng(seed)
-
-    def draw(path, spec):
-        name = path_name(path)
-        if len(spec.shape) == 1:
-            w = 1.0 + 0.3 * rng.standard_normal(spec.shape)
-        elif name in ("embed_tokens", "lm_head"):
-            w = rng.standard_normal(spec.shape)
-        else:
-            w = rng.standard_normal(spec.shape) / np.sqrt(spec.shape[1])
-        return jnp.asarray(w, jnp.float32)
-
-    return jax.tree_util.tree_map_with_path(draw, abstract, is_leaf=is_spec)
-
-
-def make_target(cfg: Qwen3Config, seed: int) -> dj.Target:
-    return dj.Target(params=_random_params(abstract_target(cfg), seed), config=cfg)
-
-
-def make_drafter(cfg: DrafterConfig, seed: int) -> dj.Drafter:
-    return dj.Drafter(params=_random_params(abstract_drafter(cfg), seed), config=cfg)
-
+# -- cases (random tiny models with O(1) activations: see random_models.py) ----------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Case:

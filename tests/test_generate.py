@@ -27,8 +27,9 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
+from random_models import make_drafter, make_target, random_params
 from dflash_jax.config import DrafterConfig, Qwen3Config
-from dflash_jax.params import abstract_drafter, abstract_target, is_spec, path_name
+from dflash_jax.params import abstract_drafter, abstract_target
 from dflash_jax.sampling import SamplingParams
 
 G = importlib.import_module("dflash_jax.decoding")  # the package re-exports the function under the same name
@@ -37,34 +38,6 @@ STATS: dict[str, object] = {}  # figures for the report (printed by test_zz_repo
 
 
 # -- models --------------------------------------------------------------------------------------------------------
-
-def _params(abstract, seed: int, std: float | None = None):
-    """numpy-drawn weights (no per-leaf XLA compiles). std=None: O(1) activations (linears N(0, 1/in), embeddings
-    N(0, 1), norms 1 + 0.3 N(0, 1)) -> diverse greedy text; std=s: the usual N(0, s^2) init with unit norms."""
-    rng = np.random.default_rng(seed)
-
-    def draw(path, spec):
-        name = path_name(path)
-        if len(spec.shape) == 1:
-            w = np.ones(spec.shape) if std is not None else 1.0 + 0.3 * rng.standard_normal(spec.shape)
-        elif std is not None:
-            w = std * rng.standard_normal(spec.shape)
-        elif name in ("embed_tokens", "lm_head"):
-            w = rng.standard_normal(spec.shape)
-        else:
-            w = rng.standard_normal(spec.shape) / np.sqrt(spec.shape[1])
-        return jnp.asarray(w, jnp.float32)
-
-    return jax.tree_util.tree_map_with_path(draw, abstract, is_leaf=is_spec)
-
-
-def make_target(cfg, seed, std=None):
-    return dj.Target(params=_params(abstract_target(cfg), seed, std), config=cfg)
-
-
-def make_drafter(dcfg, seed, std=None):
-    return dj.Drafter(params=_params(abstract_drafter(dcfg), seed, std), config=dcfg)
-
 
 def _cfg(**kw) -> Qwen3Config:
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -161,7 +134,7 @@ def build_copy_pair(flaw: tuple[tuple[int, int], ...] = ()):
     emb = u[None, :] + W
     inv = np.empty(PV, int)
     inv[cycle_next(np.arange(PV))] = np.arange(PV)
-    tp = _params(abstract_target(PCFG), 5)
+    tp = random_params(abstract_target(PCFG), 5)
     layers = tuple(dataclasses.replace(
         l, self_attn=dataclasses.replace(l.self_attn, o_proj=0.01 * l.self_attn.o_proj),
         mlp=dataclasses.replace(l.mlp, down_proj=0.01 * l.mlp.down_proj)) for l in tp.layers)
@@ -179,7 +152,7 @@ def build_copy_pair(flaw: tuple[tuple[int, int], ...] = ()):
     for x, y in flaw:  # swap the value directions of tokens x and y
         a, b = W[x], W[y]
         v = v - np.outer(a, a) - np.outer(b, b) + np.outer(b, a) + np.outer(a, b)
-    dp = _params(abstract_drafter(PDCFG), 6, std=0.02)
+    dp = random_params(abstract_drafter(PDCFG), 6, std=0.02)
     l0 = dp.layers[0]
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     attn = dataclasses.replace(l0.self_attn, q_proj=f32(np.outer(np.ones(nH * hd), u)),
