@@ -29,6 +29,7 @@ splits whole files, no eval text (or a near-duplicate chunk of it) is in trainin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -123,6 +124,156 @@ def manifest(train: Sequence[Path], held: Sequence[Path], *, root: Path | None =
         "file_list_sha256": digest,
         "eval_files": eval_rel,
     }
+
+
+# --------------------------------------------------------------------------------------
+# Third-party pure-Python packages (the `[corpus]` extra)
+
+# Distribution -> pinned version. pyproject.toml's `corpus` extra pins exactly these (a test checks), so the corpus
+# is the same on every machine that installs it. All are permissively licensed (the manifest records each licence).
+# WHY these: well-known, mostly pure-Python libraries of many kinds (web, parsing, data structures, numerics, CLI,
+# async networking, ORMs); none ships a data set of coding problems.
+CORPUS_PACKAGES: dict[str, str] = {
+    "attrs": "26.1.0", "beautifulsoup4": "4.15.0", "boltons": "26.2.0", "click": "8.5.1", "django": "5.2.19",
+    "docutils": "0.23", "flask": "3.1.3", "html5lib": "1.1", "idna": "3.20", "itsdangerous": "2.2.0",
+    "jedi": "0.20.1", "jinja2": "3.1.6", "marshmallow": "4.4.0", "more-itertools": "11.2.1", "mpmath": "1.3.0",
+    "networkx": "3.6.1", "openpyxl": "3.1.5", "packaging": "26.4", "parso": "0.8.7", "pexpect": "4.9.0",
+    "ply": "3.11", "prompt-toolkit": "3.0.53", "pycparser": "3.12", "pygments": "2.21.0", "pyparsing": "3.3.3",
+    "python-dateutil": "4.0.0", "pyyaml": "6.0.4", "requests": "2.34.2", "rich": "15.0.0", "setuptools": "84.2.1",
+    "six": "1.17.0", "sortedcontainers": "2.4.0", "soupsieve": "4.1.3", "sqlalchemy": "2.1.9",
+    "sqlparse": "0.6.1", "sympy": "1.14.0", "tabulate": "0.10.0", "toolz": "1.2.0", "tornado": "6.6.1",
+    "twisted": "26.10.0", "urllib3": "2.8.0", "webencodings": "0.6.1", "werkzeug": "3.1.9",
+}
+# Directories left out of package sources: test suites (as for the stdlib), vendored copies of other packages (they
+# duplicate what is listed above at other versions) and generated database migrations.
+_PACKAGE_EXCLUDED_DIRS = _EXCLUDED_DIRS | {"testing", "_vendor", "vendor", "vendored", "migrations"}
+# Lines longer than this mark generated tables (unicode maps, lexer name tables), not code anyone writes.
+MAX_LINE_CHARS = 400
+# Refuse coding-benchmark data anywhere in the corpus: a file naming one of these is dropped and counted.
+BENCHMARK_MARKERS = ("HumanEval", "humaneval", "human_eval", "mbpp", "MBPP", "LiveCodeBench", "codeparrot/apps")
+
+
+class CorpusError(RuntimeError):
+    """The corpus cannot be built as asked (an extra not installed, a wrong version, nothing to train on)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceFile:
+    rel: str  # "json/decoder.py" for the stdlib, "<dist>/<path in the wheel>" for a package
+    origin: str  # "stdlib" or the distribution name
+    text: str
+
+
+def _dist_files(dist_name: str, version: str) -> list[tuple[str, Path]]:
+    import importlib.metadata as md
+
+    try:
+        dist = md.distribution(dist_name)
+    except md.PackageNotFoundError:
+        raise CorpusError(f"corpus package {dist_name!r} is not installed: install the corpus extra with "
+                          "`pip install -e '.[corpus]'` (or train on the stdlib alone with --no-packages)") from None
+    if dist.version != version:
+        raise CorpusError(f"corpus package {dist_name!r} is installed at version {dist.version}, the corpus pins "
+                          f"{version}: reinstall the corpus extra with `pip install -e '.[corpus]'`")
+    out = []
+    for f in dist.files or ():
+        parts = Path(str(f)).parts
+        if not str(f).endswith(".py") or any(_excluded_dir(p) or p in _PACKAGE_EXCLUDED_DIRS for p in parts[:-1]):
+            continue
+        if any(p.endswith((".dist-info", ".egg-info", ".data")) for p in parts):
+            continue
+        path = Path(dist.locate_file(f))
+        if path.is_file():
+            out.append((f"{dist_name}/{Path(str(f)).as_posix()}", path))
+    return sorted(out)
+
+
+def _admissible(text: str) -> str | None:
+    """Why a package file is left out (None = keep)."""
+    if any(m in text for m in BENCHMARK_MARKERS):
+        return "benchmark"
+    if max((len(line) for line in text.splitlines()), default=0) > MAX_LINE_CHARS:
+        return "generated"
+    if not text.strip():
+        return "empty"
+    return None
+
+
+def package_sources(packages: dict[str, str] | None = None) -> tuple[list[SourceFile], dict]:
+    """Source files of the pinned corpus packages (filtered; not yet deduplicated) and per-package facts."""
+    import importlib.metadata as md
+
+    packages = CORPUS_PACKAGES if packages is None else packages
+    files: list[SourceFile] = []
+    facts: dict = {}
+    for name in sorted(packages):
+        kept, dropped = 0, {}
+        for rel, path in _dist_files(name, packages[name]):
+            raw = path.read_bytes()
+            if len(raw) > MAX_FILE_BYTES:
+                dropped["too_big"] = dropped.get("too_big", 0) + 1
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                dropped["not_utf8"] = dropped.get("not_utf8", 0) + 1
+                continue
+            why = _admissible(text)
+            if why:
+                dropped[why] = dropped.get(why, 0) + 1
+                continue
+            files.append(SourceFile(rel, name, text))
+            kept += 1
+        meta = md.distribution(name).metadata
+        licence = meta.get("License-Expression") or (meta.get("License") or "").split("\n")[0][:60]
+        if not licence:
+            licence = "; ".join(c.split(" :: ")[-1] for c in meta.get_all("Classifier") or [] if "License" in c)
+        facts[name] = {"version": packages[name], "licence": licence, "files": kept, "dropped": dropped}
+    return files, facts
+
+
+def build_corpus(*, packages: bool | dict[str, str] = True) -> tuple[list[SourceFile], list[SourceFile], dict]:
+    """(train, held_out, manifest) over the stdlib and, unless packages=False, the pinned corpus packages.
+
+    The held-out split is by path hash for both sources; the stdlib's held-out files are exactly `split_files`'s, so
+    held-out losses stay comparable across corpus versions. Exact duplicates (by content) are trained on once, and
+    a training file whose text equals a held-out file is dropped, so held-out text is never trained on.
+    """
+    std = stdlib_files()
+    if not std:
+        raise CorpusError(f"no stdlib sources found under {stdlib_root()}: the corpus is empty")
+    sources = [SourceFile(relpath(f), "stdlib", t) for f, t in zip(std, read_texts(std))]
+    facts: dict = {}
+    if packages:
+        pkg_files, facts = package_sources(None if packages is True else packages)
+        sources += pkg_files
+    held = [f for f in sources if is_eval_file(f.rel)]
+    seen = {hashlib.sha256(f.text.encode("utf-8")).hexdigest() for f in held}
+    train: list[SourceFile] = []
+    duplicates = 0
+    for f in sources:
+        if is_eval_file(f.rel):
+            continue
+        digest = hashlib.sha256(f.text.encode("utf-8")).hexdigest()
+        if digest in seen:
+            duplicates += 1
+            continue
+        seen.add(digest)
+        train.append(f)
+    if not train:
+        raise CorpusError("the corpus has no training files")
+    names = [f"{f.origin}:{f.rel}" for f in train] + ["--eval--"] + [f"{f.origin}:{f.rel}" for f in held]
+    man = {
+        "python_version": sys.version,
+        "packages": facts,
+        "n_train_files": len(train),
+        "n_eval_files": len(held),
+        "train_chars": {"stdlib": sum(len(f.text) for f in train if f.origin == "stdlib"),
+                        "packages": sum(len(f.text) for f in train if f.origin != "stdlib")},
+        "duplicates_dropped": duplicates,
+        "file_list_sha256": hashlib.sha256("\n".join(names).encode("utf-8")).hexdigest(),
+    }
+    return train, held, man
 
 
 # --------------------------------------------------------------------------------------

@@ -99,3 +99,22 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Per-position CE [..] in f32."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+
+
+def load_training_tokenizer(path):
+    """The tokenizer a trainer needs (EOS and the drafter's mask token), or an error that says what to do."""
+    from pathlib import Path
+
+    from dflash_jax.tokenizer import Tokenizer
+
+    path = Path(path)
+    if not path.exists():
+        raise SystemExit(f"error: no tokenizer at {path}: pass --tokenizer, or train one with "
+                         "`python -m dflash_jax.train.tokenizer_train --out {path}`")
+    try:
+        return Tokenizer.from_file(path)
+    except ValueError as e:  # lacks <|endoftext|> / <|mask|>
+        raise SystemExit(f"error: {path}: {e}; train a tokenizer with them "
+                         "(python -m dflash_jax.train.tokenizer_train)") from None
+    except Exception as e:  # not a tokenizer file at all
+        raise SystemExit(f"error: {path} is not a tokenizers JSON file ({e})") from None

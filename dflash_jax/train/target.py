@@ -1,11 +1,19 @@
-"""Train the shipped target: a small Qwen3 on the Python standard library's sources (next-token CE).
+"""Train the shipped target: a small Qwen3 on Python sources (next-token CE).
 
     dflash-jax train-target            # reproduces checkpoints/target (resumable: rerun the same command)
+
+Data: the stdlib plus the pinned pure-Python packages of the `[corpus]` extra (`corpus.build_corpus`), held-out files
+by path hash never trained on. Each batch row comes from the stdlib with probability `--stdlib-weight` (else from the
+packages), at a uniformly random offset of that source's token stream. Curriculum: the first steps see
+`--seq-len`-token windows, the last `--long-fraction` of steps `--long-seq-len`-token windows with the same number of
+tokens per batch, so the model learns long context late, when it is cheap to learn.
+Batches are a pure function of the step number, so an interrupted run resumes exactly where it stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -17,19 +25,21 @@ import numpy as np
 from dflash_jax.checkpoint import save
 from dflash_jax.config import Qwen3Config
 from dflash_jax.target import Target, forward_with_cache, init_target
-from dflash_jax.tokenizer import Tokenizer
 from dflash_jax.train import corpus
-from dflash_jax.train.loop import OptimConfig, batch_rng, cross_entropy, run
+from dflash_jax.train.loop import OptimConfig, batch_rng, cross_entropy, load_training_tokenizer, run
 
 CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 
 
-def shipped_target_config(vocab_size: int, eos_id: int) -> Qwen3Config:
-    """About 5.8M parameters: sized so that an hour of 2-core CPU training sees several million tokens."""
-    return Qwen3Config(vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
-                       rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=True,
-                       eos_token_id=eos_id, param_dtype="float32", compute_dtype="float32")
+def shipped_target_config(vocab_size: int, eos_id: int, *, layers: int = 8, hidden: int = 256,
+                          intermediate: int = 768, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
+                          rope_theta: float = 100_000.0, max_positions: int = 4096) -> Qwen3Config:
+    """The shipped target's shape (defaults), chosen by a measured pilot (checkpoints/README.md)."""
+    return Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=rope_theta,
+                       max_position_embeddings=max_positions, tie_word_embeddings=True, eos_token_id=eos_id,
+                       param_dtype="float32", compute_dtype="float32")
 
 
 def lm_loss(cfg: Qwen3Config):
@@ -42,62 +52,152 @@ def lm_loss(cfg: Qwen3Config):
 
 
 def random_windows(stream: np.ndarray, batch: int, length: int, rng: np.random.Generator) -> np.ndarray:
+    if len(stream) <= length:
+        raise ValueError(f"token stream of {len(stream)} tokens is too short for {length}-token windows")
     starts = rng.integers(0, len(stream) - length, size=batch)
     return np.stack([stream[s:s + length] for s in starts]).astype(np.int32)
 
 
-def heldout_loss_fn(cfg: Qwen3Config, eval_stream: np.ndarray, seq_len: int, n_windows: int = 64):
+def mixed_windows(streams: list[np.ndarray], weights: list[float], batch: int, length: int,
+                  rng: np.random.Generator) -> np.ndarray:
+    """[batch, length] windows; each row's source drawn with the given weights, then a random offset in it."""
+    src = rng.choice(len(streams), size=batch, p=np.asarray(weights) / np.sum(weights))
+    rows = [random_windows(streams[s], 1, length, rng)[0] for s in src]
+    return np.stack(rows)
+
+
+def heldout_loss_fn(cfg: Qwen3Config, eval_stream: np.ndarray, seq_len: int, n_windows: int = 64,
+                    name: str = "heldout_loss", chunk: int = 16):
+    # Fixed windows (seed 1234), so every evaluation of every run sees the same text.
     windows = random_windows(eval_stream, n_windows, seq_len + 1, np.random.default_rng(1234))
     loss = jax.jit(lm_loss(cfg))
 
     def eval_fn(params) -> dict:
-        losses = [float(loss(params, jnp.asarray(windows[i:i + 16]))[0]) for i in range(0, n_windows, 16)]
-        return {"heldout_loss": float(np.mean(losses))}
+        losses = [float(loss(params, jnp.asarray(windows[i:i + chunk]))[0]) for i in range(0, n_windows, chunk)]
+        return {name: float(np.mean(losses))}
     return eval_fn
 
 
+def tokenized_corpus(tok, work_dir: Path, *, packages: bool) -> dict[str, np.ndarray | dict]:
+    """Token streams of the corpus (train: stdlib / packages; held-out: stdlib / packages), cached in work_dir."""
+    train, held, man = corpus.build_corpus(packages=packages)
+    key = hashlib.sha256((man["file_list_sha256"] + tok.hf.to_str()).encode()).hexdigest()[:16]
+    cache = work_dir / f"corpus_tokens_{key}.npz"
+    if cache.exists():
+        with np.load(cache) as z:
+            streams = {k: z[k] for k in z.files}
+    else:
+        def stream(files):
+            texts = [f.text for f in files]
+            return corpus.token_stream(tok, texts, tok.eos_id) if texts else np.zeros((0,), np.int32)
+        streams = {
+            "train_stdlib": stream([f for f in train if f.origin == "stdlib"]),
+            "train_packages": stream([f for f in train if f.origin != "stdlib"]),
+            # The stdlib held-out stream exactly as the first shipped target measured it (same files, same order).
+            "eval_stdlib": corpus.token_stream(tok, corpus.read_texts(corpus.split_files(corpus.stdlib_files())[1]),
+                                               tok.eos_id),
+            "eval_packages": stream([f for f in held if f.origin != "stdlib"]),
+        }
+        work_dir.mkdir(parents=True, exist_ok=True)
+        np.savez(cache, **streams)
+    man["train_tokens"] = {"stdlib": int(len(streams["train_stdlib"])),
+                           "packages": int(len(streams["train_packages"]))}
+    man["eval_tokens"] = {"stdlib": int(len(streams["eval_stdlib"])), "packages": int(len(streams["eval_packages"]))}
+    return {**streams, "manifest": man}
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Train the shipped target on the stdlib corpus")
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tokenizer", default=str(CHECKPOINTS / "tokenizer.json"))
-    ap.add_argument("--out", default=str(CHECKPOINTS / "target"))
-    ap.add_argument("--work-dir", default=".train/target", help="orbax training checkpoints (for resume)")
+    ap = argparse.ArgumentParser(prog="dflash-jax train-target",
+                                 description="Train the shipped target on the stdlib + corpus packages")
+    ap.add_argument("--steps", type=int, default=3600, help="optimizer steps")
+    ap.add_argument("--batch", type=int, default=24, help="rows per batch in the short-window phase")
+    ap.add_argument("--seq-len", type=int, default=256, help="window length of the short phase (tokens)")
+    ap.add_argument("--long-seq-len", type=int, default=1280, help="window length of the long phase (tokens)")
+    ap.add_argument("--long-fraction", type=float, default=0.25,
+                    help="fraction of the steps (the last ones) trained on long windows; 0 = none")
+    ap.add_argument("--stdlib-weight", type=float, default=0.3,
+                    help="probability that a batch row comes from the stdlib rather than the packages")
+    ap.add_argument("--no-packages", action="store_true", help="train on the stdlib alone (no [corpus] extra)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW, warmup + cosine)")
+    ap.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers")
+    ap.add_argument("--hidden", type=int, default=256, help="hidden size")
+    ap.add_argument("--intermediate", type=int, default=768, help="MLP intermediate size")
+    ap.add_argument("--heads", type=int, default=4, help="query heads (head_dim 64)")
+    ap.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
+    ap.add_argument("--rope-theta", type=float, default=100_000.0, help="RoPE base")
+    ap.add_argument("--eval-every", type=int, default=300, help="held-out evaluation interval (steps)")
+    ap.add_argument("--seed", type=int, default=0, help="init and data seed")
+    ap.add_argument("--tokenizer", default=str(CHECKPOINTS / "tokenizer.json"), help="tokenizer.json to train with")
+    ap.add_argument("--out", default=str(CHECKPOINTS / "target"), help="where the trained target is saved")
+    ap.add_argument("--work-dir", default=".train/target", help="orbax training checkpoints (for resume) and logs")
     args = ap.parse_args(argv)
+    if not 0.0 <= args.long_fraction <= 1.0:
+        raise SystemExit(f"error: --long-fraction must be in [0, 1], got {args.long_fraction}")
 
     t_start = time.perf_counter()
-    tok = Tokenizer.from_file(args.tokenizer)
-    train_files, eval_files = corpus.split_files(corpus.stdlib_files())
-    train_stream = corpus.token_stream(tok, corpus.read_texts(train_files), tok.eos_id)
-    eval_stream = corpus.token_stream(tok, corpus.read_texts(eval_files), tok.eos_id)
-    print(f"corpus: {len(train_files)} train files ({len(train_stream):,} tokens), "
-          f"{len(eval_files)} held-out files ({len(eval_stream):,} tokens)")
-    cfg = shipped_target_config(tok.vocab_size, tok.eos_id)
+    tok = load_training_tokenizer(args.tokenizer)
+    work = Path(args.work_dir)
+    try:
+        data = tokenized_corpus(tok, work, packages=not args.no_packages)
+    except corpus.CorpusError as e:
+        raise SystemExit(f"error: {e}") from None
+    man = data["manifest"]
+    print(f"corpus: {man['n_train_files']} train files ({man['train_tokens']['stdlib']:,} stdlib + "
+          f"{man['train_tokens']['packages']:,} package tokens), {man['n_eval_files']} held-out files, "
+          f"{man['duplicates_dropped']} duplicates dropped", flush=True)
+    streams, weights = [data["train_stdlib"]], [args.stdlib_weight]
+    if len(data["train_packages"]):
+        streams.append(data["train_packages"])
+        weights.append(1.0 - args.stdlib_weight)
+    cfg = shipped_target_config(tok.vocab_size, tok.eos_id, layers=args.layers, hidden=args.hidden,
+                                intermediate=args.intermediate, heads=args.heads, kv_heads=args.kv_heads,
+                                rope_theta=args.rope_theta)
     params = init_target(cfg, jax.random.key(args.seed)).params
+    long_start = args.steps - int(round(args.steps * args.long_fraction))
+    long_batch = max(1, args.batch * args.seq_len // args.long_seq_len)
 
     def batch_fn(step):
-        return jnp.asarray(random_windows(train_stream, args.batch, args.seq_len + 1, batch_rng(args.seed, step)))
+        rng = batch_rng(args.seed, step)
+        if step >= long_start:
+            return jnp.asarray(mixed_windows(streams, weights, long_batch, args.long_seq_len + 1, rng))
+        return jnp.asarray(mixed_windows(streams, weights, args.batch, args.seq_len + 1, rng))
+
+    evals = [heldout_loss_fn(cfg, data["eval_stdlib"], 256)]  # comparable with the first target's 4.08
+    if len(data["eval_packages"]):
+        evals.append(heldout_loss_fn(cfg, data["eval_packages"], 256, name="heldout_loss_packages"))
+    if args.long_fraction > 0:
+        evals.append(heldout_loss_fn(cfg, data["eval_stdlib"], 1024, n_windows=16, name="heldout_loss_1024",
+                                     chunk=4))
+
+    def eval_fn(params):
+        out = {}
+        for e in evals:
+            out.update(e(params))
+        return out
 
     optim = OptimConfig(steps=args.steps, lr=args.lr, weight_decay=args.weight_decay)
-    Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
     params, history = run(params=params, loss_fn=lm_loss(cfg), batch_fn=batch_fn, optim=optim,
-                          ckpt_dir=Path(args.work_dir) / "ckpt", eval_fn=heldout_loss_fn(cfg, eval_stream, args.seq_len),
-                          eval_every=250, desc="target", log_file=Path(args.work_dir) / "log.jsonl")
+                          ckpt_dir=work / "ckpt", eval_fn=eval_fn, eval_every=args.eval_every, desc="target",
+                          log_file=work / "log.jsonl")
     target = Target(params=params, config=cfg)
     save(args.out, target)
-    final = history[-1]
+    final = eval_fn(params)
+    tokens_seen = long_start * args.batch * args.seq_len + (args.steps - long_start) * long_batch * args.long_seq_len
     report = {"command": "dflash-jax train-target " + " ".join(argv or []), "steps": args.steps,
-              "batch": args.batch, "seq_len": args.seq_len, "tokens_seen": args.steps * args.batch * args.seq_len,
-              "train_loss": final["loss"], "heldout_loss": final.get("heldout_loss"),
-              "wall_time_s": round(time.perf_counter() - t_start, 1), "params": int(sum(
-                  int(np.prod(x.shape)) for x in jax.tree.leaves(params)))}
+              "batch": args.batch, "seq_len": args.seq_len, "long_seq_len": args.long_seq_len,
+              "long_from_step": long_start, "long_batch": long_batch, "tokens_seen": tokens_seen,
+              "stdlib_weight": args.stdlib_weight, "lr": args.lr,
+              "train_loss": history[-1]["loss"] if history else None, **final,
+              "wall_time_s_this_invocation": round(time.perf_counter() - t_start, 1),
+              "params": int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))),
+              "corpus": {k: man[k] for k in ("n_train_files", "n_eval_files", "train_tokens", "eval_tokens",
+                                             "duplicates_dropped", "file_list_sha256", "python_version")},
+              "packages": man["packages"]}
     with open(Path(args.out) / "train_report.json", "w") as f:
         json.dump(report, f, indent=1)
-    print(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "packages"}, indent=1))
 
 
 if __name__ == "__main__":
