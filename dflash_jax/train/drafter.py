@@ -30,7 +30,7 @@ from dflash_jax.linear import linear
 from dflash_jax.target import Target, forward_with_cache
 from dflash_jax.tokenizer import Tokenizer
 from dflash_jax.train import corpus
-from dflash_jax.train.loop import OptimConfig, batch_rng, cross_entropy, run
+from dflash_jax.train.loop import OptimConfig, batch_rng, cross_entropy, load_training_tokenizer, run
 
 CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -101,7 +101,10 @@ def training_logits(params, batch, cfg: DrafterConfig, target_cfg: Qwen3Config) 
     tokens, anchors, keep = batch["tokens"], batch["anchors"], batch["keep"]
     B, S = tokens.shape
     N = anchors.shape[1]
-    _, feats, _ = forward_with_cache(target, tokens, None, cfg.target_layer_ids)
+    if "features" in batch:  # precomputed once by `target_features` (the target is frozen)
+        feats = batch["features"].astype(cfg.model.dtype)
+    else:
+        _, feats, _ = forward_with_cache(target, tokens, None, cfg.target_layer_ids)
     feats = jax.lax.stop_gradient(feats)  # [B, S, K*H]: the target is frozen
     ctx = fuse_context(drafter, feats)
     ctx_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
@@ -156,13 +159,38 @@ def drafter_loss(cfg: DrafterConfig, target_cfg: Qwen3Config, gamma: float | Non
     return loss_fn
 
 
+def target_features(target: Target, tokens: np.ndarray, layer_ids, *, batch: int = 8,
+                    out: np.ndarray | None = None) -> np.ndarray:
+    """The frozen target's tapped features [N, S, K*H] (float16) of every training sequence, computed once.
+
+    WHY once: the target does not train, and on long sequences its forward costs more than the drafter's whole
+    training step. float16 keeps 11 mantissa bits of the residual stream (the drafter's first op is a matmul).
+    """
+    layer_ids = tuple(layer_ids)
+    fwd = jax.jit(lambda t, x: forward_with_cache(t, x, None, layer_ids)[1])
+    n, S = tokens.shape
+    width = len(layer_ids) * target.config.hidden_size
+    out = np.zeros((n, S, width), np.float16) if out is None else out
+    for i in range(0, n, batch):
+        chunk = tokens[i:i + batch]
+        if len(chunk) < batch:  # one program shape: pad the last chunk
+            chunk = np.concatenate([chunk, np.zeros((batch - len(chunk), S), chunk.dtype)])
+        feats = np.asarray(fwd(target, jnp.asarray(chunk)), np.float32)
+        out[i:i + batch] = feats[:min(batch, n - i)].astype(np.float16)
+    return out
+
+
 def make_batch_fn(data: dict[str, np.ndarray], target_params, *, batch: int, num_anchors: int, seed: int):
+    """batch_fn(step): a pure function of the step (resume-safe); uses data["features"] when present."""
     def batch_fn(step):
         rng = batch_rng(seed, step)
-        idx = rng.choice(len(data["tokens"]), size=batch, replace=False)
+        idx = np.sort(rng.choice(len(data["tokens"]), size=batch, replace=False))
         anchors, keep = sample_anchors(data["lengths"][idx], data["prompt_lens"][idx], num_anchors, rng)
-        return {"tokens": jnp.asarray(data["tokens"][idx]), "lengths": jnp.asarray(data["lengths"][idx]),
-                "anchors": jnp.asarray(anchors), "keep": jnp.asarray(keep), "target": target_params}
+        out = {"tokens": jnp.asarray(data["tokens"][idx]), "lengths": jnp.asarray(data["lengths"][idx]),
+               "anchors": jnp.asarray(anchors), "keep": jnp.asarray(keep), "target": target_params}
+        if data.get("features") is not None:
+            out["features"] = jnp.asarray(data["features"][idx])
+        return out
     return batch_fn
 
 
@@ -173,68 +201,115 @@ def measure_tau(target: Target, drafter: Drafter, prompts: list[list[int]], *, m
             "position_acceptance": [round(float(x), 4) for x in res.position_acceptance]}
 
 
+def training_prompts(n: int, seed: int, *, packages: bool) -> list[str]:
+    """Prompts from the TRAIN split of the corpus (stdlib + corpus packages), never from held-out files."""
+    if not packages:
+        return corpus.train_prompts(n, seed=seed)
+    train, _, _ = corpus.build_corpus(packages=True)
+    return corpus._sample_prompts([f.text for f in train], n, seed, 100, 300, 0.5, 64)
+
+
+def build_data(target: Target, tok, cfg: DrafterConfig, work: Path, *, prompts: int, new_tokens: int,
+               max_prompt_tokens: int, sampled_fraction: float, sample_temperature: float, seed: int,
+               packages: bool) -> dict[str, np.ndarray]:
+    """Target continuations and their tapped features, cached in `work` (the data is the expensive part)."""
+    tag = f"{prompts}_{new_tokens}_{max_prompt_tokens}_{sampled_fraction}_{sample_temperature}_{seed}_{int(packages)}"
+    seq_file, feat_file = work / f"sequences_{tag}.npz", work / f"features_{tag}_{'-'.join(map(str, cfg.target_layer_ids))}.npy"
+    seq_len = max_prompt_tokens + new_tokens
+    if seq_file.exists():
+        data = dict(np.load(seq_file))
+    else:
+        t0 = time.perf_counter()
+        texts = training_prompts(prompts, seed, packages=packages)
+        ids = [tok.encode(t)[-max_prompt_tokens:] for t in texts]
+        data = make_sequences(target, ids, max_new_tokens=new_tokens, seq_len=seq_len,
+                              sampled_fraction=sampled_fraction, temperature=sample_temperature, seed=seed,
+                              eos_ids=(tok.eos_id,))
+        np.savez(seq_file, **data)
+        print(f"drafter data: {len(ids)} target continuations, "
+              f"{int((data['lengths'] - data['prompt_lens']).sum()):,} generated tokens in "
+              f"{time.perf_counter() - t0:.0f}s", flush=True)
+    if not feat_file.exists():
+        t0 = time.perf_counter()
+        tmp = feat_file.with_suffix(".partial.npy")
+        width = cfg.num_taps * target.config.hidden_size
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=data["tokens"].shape + (width,))
+        target_features(target, data["tokens"], cfg.target_layer_ids, out=out)
+        out.flush()
+        del out
+        tmp.rename(feat_file)
+        print(f"target features: {feat_file.stat().st_size / 2 ** 30:.2f} GiB in {time.perf_counter() - t0:.0f}s",
+              flush=True)
+    data["features"] = np.load(feat_file, mmap_mode="r")
+    return data
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Train the shipped DFlash drafter for the shipped target")
-    ap.add_argument("--target", default=str(CHECKPOINTS / "target"))
-    ap.add_argument("--tokenizer", default=str(CHECKPOINTS / "tokenizer.json"))
-    ap.add_argument("--out", default=str(CHECKPOINTS / "drafter"))
-    ap.add_argument("--work-dir", default=".train/drafter")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--taps", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=2048)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--seq-len", type=int, default=384)
-    ap.add_argument("--steps", type=int, default=2400)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--anchors", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = argparse.ArgumentParser(prog="dflash-jax train-drafter",
+                                 description="Train the shipped DFlash drafter for the shipped target")
+    ap.add_argument("--target", default=str(CHECKPOINTS / "target"), help="the frozen target (folder)")
+    ap.add_argument("--tokenizer", default=str(CHECKPOINTS / "tokenizer.json"), help="tokenizer.json")
+    ap.add_argument("--out", default=str(CHECKPOINTS / "drafter"), help="where the trained drafter is saved")
+    ap.add_argument("--work-dir", default=".train/drafter", help="data cache, orbax checkpoints (resume) and logs")
+    ap.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
+    ap.add_argument("--block-size", type=int, default=16, help="block size (drafted tokens + 1)")
+    ap.add_argument("--taps", type=int, default=3, help="number of target layers feeding fc")
+    ap.add_argument("--prompts", type=int, default=1024, help="training prompts (target continuations)")
+    ap.add_argument("--new-tokens", type=int, default=1024, help="tokens the target generates per prompt")
+    ap.add_argument("--max-prompt-tokens", type=int, default=128, help="prompts are cut to their last N tokens")
+    ap.add_argument("--sampled-fraction", type=float, default=0.25,
+                    help="fraction of continuations sampled (the rest greedy)")
+    ap.add_argument("--sample-temperature", type=float, default=0.7, help="temperature of the sampled ones")
+    ap.add_argument("--no-packages", action="store_true", help="prompts from the stdlib alone (no [corpus] extra)")
+    ap.add_argument("--steps", type=int, default=3000, help="optimizer steps")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per batch")
+    ap.add_argument("--anchors", type=int, default=64, help="random anchors (blocks) per sequence")
+    ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    ap.add_argument("--eval-every", type=int, default=500, help="tau evaluation interval (steps)")
+    ap.add_argument("--seed", type=int, default=0, help="data and init seed")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
-    tok = Tokenizer.from_file(args.tokenizer)
-    target = load_target(args.target)
+    tok = load_training_tokenizer(args.tokenizer)
+    target = load_target(args.target, compute_dtype="float32")
     cfg = shipped_drafter_config(target.config, tok.mask_id, layers=args.layers, block_size=args.block_size,
                                  taps=args.taps)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    data_file = work / f"sequences_{args.prompts}_{args.new_tokens}_{args.seed}.npz"
-    if data_file.exists():
-        data = dict(np.load(data_file))
-    else:
-        t0 = time.perf_counter()
-        texts = corpus.train_prompts(args.prompts, seed=args.seed)
-        prompts = [tok.encode(t) for t in texts]
-        max_prompt = args.seq_len - args.new_tokens
-        prompts = [p[-max_prompt:] for p in prompts]
-        data = make_sequences(target, prompts, max_new_tokens=args.new_tokens, seq_len=args.seq_len,
-                              seed=args.seed, eos_ids=(tok.eos_id,))
-        np.savez(data_file, **data)
-        print(f"drafter data: {len(prompts)} target continuations, "
-              f"{int((data['lengths'] - data['prompt_lens']).sum()):,} generated tokens in "
-              f"{time.perf_counter() - t0:.0f}s")
+    try:
+        data = build_data(target, tok, cfg, work, prompts=args.prompts, new_tokens=args.new_tokens,
+                          max_prompt_tokens=args.max_prompt_tokens, sampled_fraction=args.sampled_fraction,
+                          sample_temperature=args.sample_temperature, seed=args.seed,
+                          packages=not args.no_packages)
+    except corpus.CorpusError as e:
+        raise SystemExit(f"error: {e}") from None
     eval_prompts = [tok.encode(t) for t in corpus.held_out_prompts(8, seed=1)]
 
     def eval_fn(params):
         return {k: v for k, v in measure_tau(target, Drafter(params=params, config=cfg), eval_prompts,
-                                             max_new_tokens=96).items() if k != "position_acceptance"}
+                                             max_new_tokens=256, draft_length=7).items()
+                if k != "position_acceptance"}
 
     params = init_drafter(cfg, jax.random.key(args.seed + 1)).params
     optim = OptimConfig(steps=args.steps, lr=args.lr, weight_decay=0.0)
     params, history = run(params=params, loss_fn=drafter_loss(cfg, target.config),
                           batch_fn=make_batch_fn(data, target.params, batch=args.batch, num_anchors=args.anchors,
                                                  seed=args.seed),
-                          optim=optim, ckpt_dir=work / "ckpt", eval_fn=eval_fn, eval_every=400, desc="drafter",
-                          log_file=work / "log.jsonl")
+                          optim=optim, ckpt_dir=work / "ckpt", eval_fn=eval_fn, eval_every=args.eval_every,
+                          desc="drafter", log_file=work / "log.jsonl")
     drafter = Drafter(params=params, config=cfg)
     save(args.out, drafter)
-    final = history[-1]
+    final = measure_tau(target, drafter, eval_prompts, max_new_tokens=256, draft_length=7)
     report = {"command": "dflash-jax train-drafter " + " ".join(argv or []), "steps": args.steps,
-              "batch": args.batch, "anchors_per_sequence": args.anchors, "prompts": args.prompts,
-              "new_tokens": args.new_tokens, "gamma": decay_gamma(args.block_size),
-              "train_loss": final["loss"], "train_acc": final.get("acc"), "tau_eval_8_prompts": final.get("tau"),
-              "wall_time_s": round(time.perf_counter() - t_start, 1),
+              "layers": args.layers, "batch": args.batch, "anchors_per_sequence": args.anchors,
+              "prompts": args.prompts, "new_tokens": args.new_tokens,
+              "generated_tokens": int((data["lengths"] - data["prompt_lens"]).sum()),
+              "sampled_fraction": args.sampled_fraction, "sample_temperature": args.sample_temperature,
+              "gamma": decay_gamma(args.block_size),
+              "train_loss": history[-1]["loss"] if history else None,
+              "train_acc": history[-1].get("acc") if history else None,
+              "tau_eval_8_prompts_256_tokens_D7": final["tau"],
+              "wall_time_s_this_invocation": round(time.perf_counter() - t_start, 1),
               "params": int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)))}
     with open(Path(args.out) / "train_report.json", "w") as f:
         json.dump(report, f, indent=1)

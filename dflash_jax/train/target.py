@@ -31,7 +31,7 @@ from dflash_jax.train.loop import OptimConfig, batch_rng, cross_entropy, load_tr
 CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 
 
-def shipped_target_config(vocab_size: int, eos_id: int, *, layers: int = 8, hidden: int = 256,
+def shipped_target_config(vocab_size: int, eos_id: int, *, layers: int = 6, hidden: int = 256,
                           intermediate: int = 768, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
                           rope_theta: float = 100_000.0, max_positions: int = 4096) -> Qwen3Config:
     """The shipped target's shape (defaults), chosen by a measured pilot (checkpoints/README.md)."""
@@ -109,7 +109,7 @@ def tokenized_corpus(tok, work_dir: Path, *, packages: bool) -> dict[str, np.nda
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="dflash-jax train-target",
                                  description="Train the shipped target on the stdlib + corpus packages")
-    ap.add_argument("--steps", type=int, default=3600, help="optimizer steps")
+    ap.add_argument("--steps", type=int, default=2400, help="optimizer steps")
     ap.add_argument("--batch", type=int, default=24, help="rows per batch in the short-window phase")
     ap.add_argument("--seq-len", type=int, default=256, help="window length of the short phase (tokens)")
     ap.add_argument("--long-seq-len", type=int, default=1280, help="window length of the long phase (tokens)")
@@ -120,7 +120,7 @@ def main(argv=None):
     ap.add_argument("--no-packages", action="store_true", help="train on the stdlib alone (no [corpus] extra)")
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW, warmup + cosine)")
     ap.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
-    ap.add_argument("--layers", type=int, default=8, help="decoder layers")
+    ap.add_argument("--layers", type=int, default=6, help="decoder layers")
     ap.add_argument("--hidden", type=int, default=256, help="hidden size")
     ap.add_argument("--intermediate", type=int, default=768, help="MLP intermediate size")
     ap.add_argument("--heads", type=int, default=4, help="query heads (head_dim 64)")
