@@ -101,6 +101,15 @@ def _bench(args):
           + " ".join(f"{x:.2f}" for x in results[0]["dflash"]["position_acceptance"]))
 
 
+def _quality(args):
+    from dflash_jax import quality
+    from dflash_jax.defaults import load_default
+
+    target, _, tok = load_default()
+    r = quality.report(target, tok, prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    print(quality.format_report(r, show=args.show))
+
+
 def _tau_table(args, target, drafter, tok, prompts):
     import jax
     import numpy as np
@@ -151,6 +160,11 @@ def main(argv=None):
     b.add_argument("--random-tiny", action="store_true", help="random tiny models: per-step cost split")
     b.add_argument("--tau-table", action="store_true", help="tau at draft lengths 3/7/15 (+ NVFP4 with --nvfp4)")
     b.add_argument("--temperature", type=float, default=0.0)
+    q = sub.add_parser("quality", help="the target as a language model: held-out loss and repetition (seq-rep-4)")
+    q.add_argument("--prompts", type=int, default=16, help="held-out prompts to continue greedily")
+    q.add_argument("--max-new-tokens", type=int, default=256, help="tokens per greedy continuation")
+    q.add_argument("--show", type=int, default=2, help="hand-written prompts whose continuation is printed")
+    q.add_argument("--seed", type=int, default=0, help="seed of the held-out prompt sample")
     sub.add_parser("train-target", help="reproduce checkpoints/target", add_help=False)
     sub.add_parser("train-drafter", help="reproduce checkpoints/drafter", add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -163,6 +177,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.cmd == "generate":
         _generate(args)
+    elif args.cmd == "quality":
+        _quality(args)
     elif args.cmd == "bench":
         if args.nvfp4 and args.draft_length is None and not args.tau_table:
             args.draft_length = 7  # the original report's setting

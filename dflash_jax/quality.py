@@ -123,3 +123,52 @@ def text_loss(target, tokenizer, texts: Sequence[str]) -> float:
         total -= float(logp[np.arange(len(ids) - 1), ids[1:]].sum())
         count += len(ids) - 1
     return total / count
+
+
+def heldout_loss(target, tokenizer, *, seq_len: int = 256, n_windows: int = 64) -> float:
+    """Mean next-token loss on fixed windows of the stdlib held-out split (the windows the trainer evaluates)."""
+    import jax.numpy as jnp
+
+    from dflash_jax.train import corpus
+    from dflash_jax.train.target import heldout_loss_fn
+
+    held = corpus.split_files(corpus.stdlib_files())[1]
+    stream = corpus.token_stream(tokenizer, corpus.read_texts(held), tokenizer.eos_id)
+    cfg = target.config.replace(compute_dtype="float32")
+    fn = heldout_loss_fn(cfg, stream, seq_len, n_windows=n_windows, chunk=max(1, 4096 // seq_len))
+    params = target.params
+    return fn(params)["heldout_loss"]
+
+
+def report(target, tokenizer, *, prompts: int = 16, max_new_tokens: int = 256, seed: int = 0) -> dict:
+    """Held-out loss (256- and 1024-token windows), and seq-rep-4 of greedy continuations of held-out and
+    hand-written prompts, with the hand-written solutions' own seq-rep-4 and the target's loss on them."""
+    from dflash_jax.train import corpus
+
+    held = corpus.held_out_prompts(prompts, seed=seed)
+    hand = [p for p, _ in HANDWRITTEN]
+    out = {
+        "heldout_loss_256": heldout_loss(target, tokenizer, seq_len=256),
+        "heldout_loss_1024": heldout_loss(target, tokenizer, seq_len=1024, n_windows=16),
+        "seq_rep_4_heldout": continuation_repetition(target, tokenizer, held, max_new_tokens=max_new_tokens),
+        "seq_rep_4_handwritten": continuation_repetition(target, tokenizer, hand, max_new_tokens=max_new_tokens),
+        "seq_rep_4_handwritten_solutions": float(statistics.median(
+            seq_rep_n(tokenizer.encode(t), 4) for _, t in handwritten_texts())),
+        "handwritten_loss": text_loss(target, tokenizer, [t for _, t in handwritten_texts()]),
+    }
+    return out
+
+
+def format_report(r: dict, *, show: int = 2) -> str:
+    lines = [
+        f"held-out loss (stdlib held-out split, nats/token): {r['heldout_loss_256']:.3f} on 64 windows of 256 "
+        f"tokens, {r['heldout_loss_1024']:.3f} on 16 windows of 1024",
+        f"loss on the hand-written functions (prompt + body): {r['handwritten_loss']:.3f} nats/token",
+        f"seq-rep-4 of greedy continuations, median: held-out prompts {r['seq_rep_4_heldout']['median']:.3f} "
+        f"(n={len(r['seq_rep_4_heldout']['per_prompt'])}); hand-written prompts "
+        f"{r['seq_rep_4_handwritten']['median']:.3f} (n={len(r['seq_rep_4_handwritten']['per_prompt'])}); the "
+        f"hand-written solutions themselves {r['seq_rep_4_handwritten_solutions']:.3f}",
+    ]
+    for i, (p, _) in enumerate(HANDWRITTEN[:show]):
+        lines += ["-" * 72, p + r["seq_rep_4_handwritten"]["texts"][i]]
+    return "\n".join(lines)
