@@ -40,11 +40,11 @@ def decay_gamma(block_size: int) -> float:
     return GAMMA.get(block_size, max(1.0, 7.0 * block_size / 16))
 
 
-def shipped_drafter_config(target_cfg: Qwen3Config, mask_token_id: int, *, layers: int = 2, block_size: int = 16,
-                           taps: int = 3) -> DrafterConfig:
+def shipped_drafter_config(target_cfg: Qwen3Config, mask_token_id: int, *, layers: int = 1, block_size: int = 16,
+                           taps: int = 3, tap_ids=None) -> DrafterConfig:
     model = target_cfg.replace(num_hidden_layers=layers)
-    return DrafterConfig(model=model, block_size=block_size, mask_token_id=mask_token_id,
-                         target_layer_ids=default_target_layer_ids(target_cfg.num_hidden_layers, taps),
+    ids = tuple(tap_ids) if tap_ids else default_target_layer_ids(target_cfg.num_hidden_layers, taps)
+    return DrafterConfig(model=model, block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=ids,
                          num_target_layers=target_cfg.num_hidden_layers)
 
 
@@ -266,6 +266,9 @@ def main(argv=None):
     ap.add_argument("--anchors", type=int, default=64, help="random anchors (blocks) per sequence")
     ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     ap.add_argument("--eval-every", type=int, default=500, help="tau evaluation interval (steps)")
+    ap.add_argument("--ckpt-every", type=int, default=100, help="orbax checkpoint interval (steps), for resume")
+    ap.add_argument("--tap-ids", type=int, nargs="+", default=None,
+                    help="target layers feeding fc (default: the z-lab rule for --taps taps)")
     ap.add_argument("--seed", type=int, default=0, help="data and init seed")
     args = ap.parse_args(argv)
 
@@ -273,7 +276,7 @@ def main(argv=None):
     tok = load_training_tokenizer(args.tokenizer)
     target = load_target(args.target, compute_dtype="float32")
     cfg = shipped_drafter_config(target.config, tok.mask_id, layers=args.layers, block_size=args.block_size,
-                                 taps=args.taps)
+                                 taps=args.taps, tap_ids=args.tap_ids)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -296,7 +299,7 @@ def main(argv=None):
                           batch_fn=make_batch_fn(data, target.params, batch=args.batch, num_anchors=args.anchors,
                                                  seed=args.seed),
                           optim=optim, ckpt_dir=work / "ckpt", eval_fn=eval_fn, eval_every=args.eval_every,
-                          desc="drafter", log_file=work / "log.jsonl")
+                          ckpt_every=args.ckpt_every, desc="drafter", log_file=work / "log.jsonl")
     drafter = Drafter(params=params, config=cfg)
     save(args.out, drafter)
     final = measure_tau(target, drafter, eval_prompts, max_new_tokens=256, draft_length=7)

@@ -127,6 +127,7 @@ def main(argv=None):
     ap.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
     ap.add_argument("--rope-theta", type=float, default=100_000.0, help="RoPE base")
     ap.add_argument("--eval-every", type=int, default=300, help="held-out evaluation interval (steps)")
+    ap.add_argument("--ckpt-every", type=int, default=100, help="orbax checkpoint interval (steps), for resume")
     ap.add_argument("--seed", type=int, default=0, help="init and data seed")
     ap.add_argument("--tokenizer", default=str(CHECKPOINTS / "tokenizer.json"), help="tokenizer.json to train with")
     ap.add_argument("--out", default=str(CHECKPOINTS / "target"), help="where the trained target is saved")
@@ -179,7 +180,8 @@ def main(argv=None):
     optim = OptimConfig(steps=args.steps, lr=args.lr, weight_decay=args.weight_decay)
     work.mkdir(parents=True, exist_ok=True)
     params, history = run(params=params, loss_fn=lm_loss(cfg), batch_fn=batch_fn, optim=optim,
-                          ckpt_dir=work / "ckpt", eval_fn=eval_fn, eval_every=args.eval_every, desc="target",
+                          ckpt_dir=work / "ckpt", eval_fn=eval_fn, eval_every=args.eval_every,
+                          ckpt_every=args.ckpt_every, desc="target",
                           log_file=work / "log.jsonl")
     target = Target(params=params, config=cfg)
     save(args.out, target)
