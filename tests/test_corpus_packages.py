@@ -53,10 +53,20 @@ def test_stdlib_only_corpus_keeps_the_stdlib_split():
     assert [f.rel for f in held] == [corpus.relpath(p) for p in std_held]
     train_rels = {f.rel for f in train}
     assert not train_rels & {f.rel for f in held}
-    # Dropped training files are exact duplicates of kept or held-out text; nothing else is lost.
-    assert len(train) + man["duplicates_dropped"] == len(std_train)
+    # Dropped training files are exact duplicates or edited copies of held-out files; nothing else is lost.
+    assert len(train) + man["duplicates_dropped"] + len(man["near_copies_of_held_out_dropped"]) == len(std_train)
     held_texts = {f.text for f in held}
     assert not any(f.text in held_texts for f in train)
+
+
+def test_edited_copies_of_held_out_files_are_not_trained_on():
+    held = [corpus.SourceFile("pkg/held.py", "pkg", "".join(f"value_{i} = compute_something({i}, 'x')\n"
+                                                          for i in range(40)))]
+    near = corpus._NearCopies(held)
+    edited = held[0].text.replace("value_3 ", "renamed ") + "def extra():\n    return 'a new line of code here'\n"
+    assert near.of(edited) == "pkg/held.py"
+    unrelated = "".join(f"other_{i} = different_function({i}, 'y')\n" for i in range(40))
+    assert near.of(unrelated) is None
 
 
 def test_package_corpus_when_installed():
@@ -73,3 +83,5 @@ def test_package_corpus_when_installed():
     assert all(corpus.is_eval_file(f.rel) for f in held)
     assert not any(any(m in f.text for m in corpus.BENCHMARK_MARKERS) for f in train + held)
     assert not any("/tests/" in f.rel or "/_vendor/" in f.rel for f in train if f.origin != "stdlib")
+    # setuptools ships an edited copy of the stdlib's distutils; the copy of a held-out module must be dropped
+    assert "setuptools/setuptools/_distutils/cmd.py" not in {f.rel for f in train}
