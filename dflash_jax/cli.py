@@ -4,6 +4,7 @@
     dflash-jax bench                             128/512/1024 new tokens on held-out prompts (medians)
     dflash-jax bench --nvfp4                     the same with NVFP4 drafters (with and without scales)
     dflash-jax bench --random-tiny               ms per step split into draft/verify/bookkeeping, r and c
+    dflash-jax bench --device-report --out DIR   the prepared GPU run: NVFP4 backends, step costs (--smoke: CPU)
     dflash-jax train-target / train-drafter      reproduce the shipped checkpoints (resumable)
 """
 
@@ -42,6 +43,9 @@ def _generate(args):
 
 
 def _bench(args):
+    if args.device_report:
+        from dflash_jax import device_report
+        return device_report.main((["--smoke"] if args.smoke else []) + (["--out", args.out] if args.out else []))
     import jax
     import numpy as np  # noqa: F401
 
@@ -160,6 +164,11 @@ def main(argv=None):
     b.add_argument("--random-tiny", action="store_true", help="random tiny models: per-step cost split")
     b.add_argument("--tau-table", action="store_true", help="tau at draft lengths 3/7/15 (+ NVFP4 with --nvfp4)")
     b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--device-report", action="store_true",
+                   help="the prepared GPU run (dflash_jax/device_report.py): linear timings per backend, step costs, "
+                        "embedded pair; writes device_report.json/.md into --out")
+    b.add_argument("--smoke", action="store_true", help="with --device-report: tiny shapes, runs on CPU")
+    b.add_argument("--out", default=None, help="with --device-report: output folder")
     q = sub.add_parser("quality", help="the target as a language model: held-out loss and repetition (seq-rep-4)")
     q.add_argument("--prompts", type=int, default=16, help="held-out prompts to continue greedily")
     q.add_argument("--max-new-tokens", type=int, default=256, help="tokens per greedy continuation")

@@ -5,13 +5,22 @@ Every scale of an NVFP4 weight is applied in here, so no model code can forget o
 
 Backends for NVFP4 weights:
   portable  W4A16: dequantize the weight to x.dtype inside the traced function, then
-            the same f32-accumulating dot as a dense weight. Runs everywhere.
+            the same f32-accumulating dot as a dense weight. Runs everywhere, but on a GPU
+            XLA writes the dequantized weight to memory and reads it back (docs/nvfp4.md §8.1).
+  pallas    W4A16: one Pallas/Triton kernel (pallas_nvfp4.py) reads the packed codes and
+            block scales tile by tile and dequantizes in registers; no dequantized weight
+            exists outside it. CUDA GPUs; on CPU the same kernel runs interpreted (slow,
+            exact: what the tests use). Same numbers as portable up to f32 rounding.
   native    W4A4: quantize x to NVFP4 on the fly (dynamic per-call global scale
             amax/(6*448)) and call `jax.nn.scaled_matmul` (cuDNN block-scaled GEMM on
             Blackwell; an XLA dequant+dot composite on other CUDA GPUs). Results differ
             from portable by the activation quantization error.
+W4A4 weights (`input_scale` set) quantize x with that calibrated scale first on portable and
+pallas alike, so both keep the same activation semantics.
 Selection: explicit `backend=` > `set_default_backend(...)` > env DFLASH_JAX_NVFP4_BACKEND
-> auto (native only on a GPU with compute capability >= 10.0).
+> auto: native on a GPU with compute capability >= 10.0, pallas on other CUDA GPUs,
+portable elsewhere (CPU, TPU, ROCm). `resolve_backend` and `BACKENDS` are the one source of
+truth for names and availability.
 """
 
 from __future__ import annotations
@@ -23,9 +32,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.nvfp4 import NVFP4Array, _quantize, dequantize, unpack_e2m1
+from dflash_jax import pallas_nvfp4
+from dflash_jax.nvfp4 import BLOCK_SIZE, NVFP4Array, _quantize, dequantize, unpack_e2m1
 
-BACKENDS = ("portable", "native")
+BACKENDS = ("portable", "pallas", "native")
 ENV_VAR = "DFLASH_JAX_NVFP4_BACKEND"
 
 _default_backend: str | None = None
@@ -59,17 +69,45 @@ def native_supported() -> bool:
         return False
 
 
+def _platform() -> str:
+    """'cuda', 'rocm', 'cpu', 'tpu', ... of the default device (what the Pallas kernel would lower for)."""
+    try:
+        dev = jax.devices()[0]
+    except Exception:
+        return "unknown"
+    if dev.platform != "gpu":
+        return dev.platform
+    try:
+        version = dev.client.platform_version.lower()
+    except Exception:
+        version = ""
+    return "rocm" if "rocm" in version or "hip" in version else "cuda"
+
+
+def pallas_supported() -> bool:
+    """The Pallas NVFP4 kernel lowers through Triton for CUDA GPUs, and runs interpreted on CPU."""
+    return _platform() in ("cuda", "cpu")
+
+
 def resolve_backend(backend: str | None = None) -> str:
     choice = backend or _default_backend or os.environ.get(ENV_VAR) or None
     if choice is None:
+        if _platform() != "cuda":
+            return "portable"
         cc = _compute_capability()
-        return "native" if cc is not None and cc >= 10.0 else "portable"
+        return "native" if cc is not None and cc >= 10.0 else "pallas"
     if choice not in BACKENDS:
         raise ValueError(f"unknown NVFP4 backend {choice!r}; expected one of {BACKENDS}")
     if choice == "native" and not native_supported():
         raise RuntimeError(
             f"NVFP4 backend 'native' needs a GPU (jax.nn.scaled_matmul has no lowering on "
-            f"{jax.default_backend()!r}); use backend='portable'"
+            f"{jax.default_backend()!r}); use backend='portable' (or 'pallas' to run the W4A16 kernel, "
+            f"interpreted on CPU)"
+        )
+    if choice == "pallas" and not pallas_supported():
+        raise RuntimeError(
+            f"NVFP4 backend 'pallas' needs a CUDA GPU (its kernel lowers through Triton) or the CPU (interpreted); "
+            f"this device is {_platform()!r}; use backend='portable'"
         )
     return choice
 
@@ -103,6 +141,16 @@ def _linear_native(x: jax.Array, w: NVFP4Array) -> jax.Array:
     return out.reshape(x.shape[:-1] + (w.shape[0],))
 
 
+def _check_nvfp4(w: NVFP4Array) -> None:
+    n, k = w.shape
+    if k % BLOCK_SIZE:
+        raise ValueError(f"linear: NVFP4 weight shape {tuple(w.shape)}: in features {k} is not a multiple of "
+                         f"{BLOCK_SIZE} (the NVFP4 block size)")
+    if tuple(w.packed.shape) != (n, k // 2) or tuple(w.block_scale.shape) != (n, k // BLOCK_SIZE):
+        raise ValueError(f"linear: NVFP4 weight shape {tuple(w.shape)} needs packed {(n, k // 2)} and block_scale "
+                         f"{(n, k // BLOCK_SIZE)}, got {tuple(w.packed.shape)} and {tuple(w.block_scale.shape)}")
+
+
 # Calibration hook: when set (by quantize.collect_linear_inputs, in eager mode), called with (x, w) for every linear.
 _input_recorder = None
 
@@ -121,10 +169,14 @@ def linear(x: jax.Array, w: Any, *, backend: str | None = None) -> jax.Array:
             f"(expected x [..., {w_shape[-1] if w_shape else '?'}] and weight [out, in])"
         )
     if isinstance(w, NVFP4Array):
-        if resolve_backend(backend) == "native":
+        _check_nvfp4(w)
+        choice = resolve_backend(backend)
+        if choice == "native":
             return _linear_native(x, w).astype(x.dtype)
         if w.input_scale is not None:
             x = quantize_activations(x, w.input_scale)
+        if choice == "pallas":
+            return pallas_nvfp4.nvfp4_matmul(x, w)  # [..., out] in x.dtype; x reshaped to [M, in] inside
         w = dequantize(w, x.dtype)  # [out, in]
     else:
         w = jnp.asarray(w).astype(x.dtype)
