@@ -40,7 +40,6 @@ import dataclasses
 import datetime
 import json
 import math
-import os
 import platform
 import statistics
 import sys
@@ -347,6 +346,7 @@ def step_cost_section(report: Report, smoke: bool, target_layers: int) -> dict:
     q = quantize_nvfp4(dense)
     jax.block_until_ready((target, dense, q))
     out = {"target_layers": target_layers, "drafter_layers": dense.config.model.num_hidden_layers,
+           "target_layer_ids": list(dense.config.target_layer_ids),
            "hidden": target.config.hidden_size, "vocab": target.config.vocab_size,
            "dtype": target.config.compute_dtype, "setup_s": time.perf_counter() - t0, "drafters": {}}
     kw = dict(context_len=64 if smoke else 256, draft_length=15 if not smoke else 3, reps=3 if smoke else 20)
@@ -470,7 +470,8 @@ def markdown(d: dict) -> str:
     if sc:
         lines += [f"## Step costs: random target ({sc['target_layers']} layers, hidden {sc['hidden']}, vocab "
                   f"{sc['vocab']}, {sc['dtype']}), {sc['drafter_layers']}-layer drafter", "",
-                  "| drafter | decode ms | verify ms | draft ms | r | c | c / dense c |", "|---|---|---|---|---|---|---|"]
+                  "| drafter | decode ms | verify ms | draft ms | r | c | c / dense c |",
+                  "|---|---|---|---|---|---|---|"]
         for name, v in sc["drafters"].items():
             if "c" in v:
                 lines.append(f"| {name} | {v['decode_ms']:.2f} | {v['verify_ms']:.2f} | {v['draft_ms']:.2f} | "

@@ -206,8 +206,8 @@ def test_pallas_gradients_for_audit():
 
     g_pallas = jax.grad(f, argnums=(0, 1))(q32.block_scale, q32.global_scale, "pallas")
     g_port = jax.grad(f, argnums=(0, 1))(q32.block_scale, q32.global_scale, "portable")
-    chex_close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
-    jax.tree.map(chex_close, g_pallas, g_port)
+    close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    jax.tree.map(close, g_pallas, g_port)
     set_default_backend("pallas")
     audit = dj.audit_scales(lambda p, x: linear(x, p), q, x)
     assert audit.ok and audit.checked
@@ -235,7 +235,8 @@ def test_bad_inputs_keep_clear_errors():
 
 def test_pallas_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(linear_mod, "_platform", lambda: "tpu")
-    with pytest.raises(RuntimeError, match=r"'pallas' needs a CUDA GPU .* this device is 'tpu'; use backend='portable'"):
+    with pytest.raises(RuntimeError,
+                       match=r"'pallas' needs a CUDA GPU .* this device is 'tpu'; use backend='portable'"):
         resolve_backend("pallas")
     assert resolve_backend() == "portable"  # auto never picks pallas there
     monkeypatch.setattr(linear_mod, "_platform", lambda: "cuda")
