@@ -150,7 +150,7 @@ def report(target, tokenizer, *, prompts: int = 16, max_new_tokens: int = 256, s
     from dflash_jax.train import corpus
 
     held = corpus.held_out_prompts(prompts, seed=seed)
-    hand = [p for p, _ in HANDWRITTEN]
+    hand = [p.rstrip("\n") for p, _ in HANDWRITTEN]  # the newline is the model's (see corpus._sample_prompts)
     out = {
         "heldout_loss_256": heldout_loss(target, tokenizer, seq_len=256),
         "heldout_loss_1024": heldout_loss(target, tokenizer, seq_len=1024, n_windows=16),
@@ -176,5 +176,5 @@ def format_report(r: dict, *, show: int = 2) -> str:
         f"hand-written solutions themselves {r['seq_rep_4_handwritten_solutions']:.3f}",
     ]
     for i, (p, _) in enumerate(HANDWRITTEN[:show]):
-        lines += ["-" * 72, p + r["seq_rep_4_handwritten"]["texts"][i]]
+        lines += ["-" * 72, p.rstrip("\n") + r["seq_rep_4_handwritten"]["texts"][i]]
     return "\n".join(lines)

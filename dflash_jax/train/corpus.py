@@ -379,7 +379,10 @@ def _sample_prompts(
     picks = [defs[i] for i in rng.choice(len(defs), size=n_def, replace=False)] if n_def else []
     picks += [lines[i] for i in rng.choice(len(lines), size=n_line, replace=False)] if n_line else []
     order = rng.permutation(len(picks))  # interleave def / plain cuts
-    return [texts[picks[i][0]][picks[i][1] : picks[i][2]] for i in order]
+    # The final newline is left to the model: the BPE merges a newline with the next line's indent ("\n   "), so a
+    # prompt ending in a bare "\n" token says "the next line starts at column 0" and pushes the model out of the
+    # function it is writing (a prompt-boundary artefact, not the model's choice).
+    return [texts[picks[i][0]][picks[i][1] : picks[i][2]].rstrip("\n") for i in order]
 
 
 def held_out_prompts(
@@ -394,7 +397,7 @@ def held_out_prompts(
     """``n`` real prompts from the EVAL files, deterministic for a given seed (and Python version).
 
     Each prompt is a run of whole lines from one file, ``min_chars..max_chars``
-    characters long, ending with a newline. About ``def_fraction`` of them end
+    characters long, without its final newline (see ``_sample_prompts``). About ``def_fraction`` of them end
     right after a ``def ...:`` line (the model must write a function body); the
     rest end at a random line boundary. Used for benchmarks, so the model under
     test never trained on them. Files under ``encodings/`` are left out: their
