@@ -96,12 +96,13 @@ def handwritten_texts() -> list[tuple[str, str]]:
 
 
 def continuation_repetition(target, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 256,
-                            n: int = 4) -> dict:
-    """Greedy continuations of `prompts` (one batched call): per-prompt seq-rep-n, its median, and the texts."""
+                            n: int = 4, temperature: float = 0.0, seed: int = 0) -> dict:
+    """Continuations of `prompts` (one batched call; greedy unless temperature > 0): per-prompt seq-rep-n, its
+    median, and the texts."""
     from dflash_jax.decoding import generate_autoregressive
 
     ids = [tokenizer.encode(p) for p in prompts]
-    res = generate_autoregressive(target, ids, max_new_tokens=max_new_tokens)
+    res = generate_autoregressive(target, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     reps = [seq_rep_n(toks, n) for toks in res.token_lists()]
     return {"median": float(statistics.median(reps)), "per_prompt": reps,
             "texts": [tokenizer.decode(t) for t in res.token_lists()]}
