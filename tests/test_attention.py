@@ -155,7 +155,7 @@ def test_target_windows_per_layer_through_cache_chunks():
     np.testing.assert_allclose(np.concatenate([f1, f2], 1), ref_feats, rtol=2e-5, atol=2e-5)
     full, _, _ = _fwd(target, tok, None, windows=(None,) * 3)
     wide, _, _ = _fwd(target, tok, None, windows=(19, 19, 19))
-    np.testing.assert_allclose(wide, full, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(wide, full, rtol=2e-5, atol=2e-5)
     assert np.abs(np.asarray(full) - np.asarray(ref_logits)).max() > 1e-3  # the windows did something
 
 

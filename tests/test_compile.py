@@ -67,6 +67,9 @@ def test_sampling_settings_eos_sets_and_budgets_share_programs(pair):
                     assert not set(row[:-1]) & set(eos)  # stops at the first EOS
                     assert (res.tokens[b, len(row):] == -1).all()
     traces = G.TRACE_COUNTS["speculative"] - before
+    first, *rest = results.values()
+    # compile time is reported apart (from jax.monitoring's trace / lower / compile events), and only when compiled
+    assert first.timings["compile_s"] > 0 and sum(r.timings["compile_s"] > 0 for r in rest) == traces - 1
     print(f"\n[compile] 36 generate calls (4 temperatures x 3 EOS sets x 3 budgets): {traces} programs")
     assert traces <= 2
     for (temperature, eos, n), res in results.items():  # greedy: exactly the autoregressive prefix, cut at EOS
