@@ -166,7 +166,8 @@ def prefill(target: Target, prompt: jax.Array, lens: jax.Array, cache_len: int, 
     B, _ = prompt.shape
     layer_ids = () if drafter is None else drafter.config.target_layer_ids
     cache = KVCache.empty(target.config, B, cache_len)
-    logits, feats, cache = forward_with_cache(target, prompt, cache, layer_ids, logits_at=(lens - 1)[:, None])
+    logits, feats, cache = forward_with_cache(target, prompt, cache, layer_ids, logits_at=(lens - 1)[:, None],
+                                              empty_cache=True)
     cache = cache.replace(lengths=lens)
     dcache = None
     if drafter is not None:
@@ -313,7 +314,13 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def bucket(n: int, minimum: int = 16) -> int:
+PROMPT_BUCKET_MIN = 16
+# Budgets share one program up to this many tokens: a bigger output buffer and cache cost only memory (attention
+# visits live slots only), while a new bucket costs a compile.
+BUDGET_BUCKET_MIN = 256
+
+
+def bucket(n: int, minimum: int = PROMPT_BUCKET_MIN) -> int:
     """The power of two >= n (at least `minimum`): prompt lengths and token budgets are padded to these, so a
     range of lengths 1..L needs log2(L) programs at most."""
     return max(int(minimum), 1 << (max(int(n), 1) - 1).bit_length())
@@ -444,7 +451,7 @@ def _prepare(name, target, drafter, prompt, *, max_new_tokens, draft_length, tem
     padded, lens = prepare_prompt(prompt, target.config.vocab_size)
     limit = _check_budget(target, lens, max_new_tokens, max_cache_len)
     eos = _eos_tuple(eos_ids, target.config.vocab_size)
-    out_len = bucket(int(max_new_tokens))
+    out_len = bucket(int(max_new_tokens), BUDGET_BUCKET_MIN)
     models = (target,) if drafter is None else (target, drafter)
     static = dict(out_len=out_len, stamp=prefill_timing == "stamp",
                   backend=program_backend(*models, backend=nvfp4_backend),

@@ -66,11 +66,13 @@ def init_target(cfg: Qwen3Config, key: jax.Array) -> Target:
 
 def forward_hidden(target: Target, tokens: jax.Array, cache: KVCache | None, layer_ids: Sequence[int] = (), *,
                    positions: jax.Array | None = None, windows: Sequence[int | None] | None = None,
-                   ) -> tuple[jax.Array, jax.Array, KVCache | None]:
+                   empty_cache: bool = False) -> tuple[jax.Array, jax.Array, KVCache | None]:
     """The decoder stack over T new tokens per row: (final-normed hidden [B, T, H], features, cache).
 
     See `forward_with_cache`; this stops before the LM head, so callers that keep a few rows (prefill keeps one per
     row) project only those. windows: per-layer sliding windows (None = full attention everywhere, as Qwen3).
+    empty_cache: the cache holds nothing yet (prefill): the new K/V are written, the empty cache is not attended
+    (attending to a constant-empty cache only gives XLA constants to fold at compile time).
     """
     cfg = target.config
     p = target.params
@@ -90,7 +92,8 @@ def forward_hidden(target: Target, tokens: jax.Array, cache: KVCache | None, lay
     new_k, new_v, feats = [], [], {}
     for i, layer in enumerate(p.layers):
         with jax.named_scope(f"layer{i}"):
-            cached = {} if cache is None else dict(cache_k=cache.k[i], cache_v=cache.v[i], cache_len=cache.lengths)
+            cached = ({} if cache is None or empty_cache else
+                      dict(cache_k=cache.k[i], cache_v=cache.v[i], cache_len=cache.lengths))
             x, k, v = decoder_layer(layer, x, positions, cfg, causal=True, window=windows[i],
                                     chunk=cfg.attention_chunk, **cached)
             if cache is not None:
@@ -114,18 +117,20 @@ def lm_logits(target: Target, h: jax.Array) -> jax.Array:
 def forward_with_cache(target: Target, tokens: jax.Array, cache: KVCache | None,
                        layer_ids: Sequence[int] = (), *, positions: jax.Array | None = None,
                        logits_at: jax.Array | None = None, windows: Sequence[int | None] | None = None,
-                       ) -> tuple[jax.Array, jax.Array, KVCache | None]:
+                       empty_cache: bool = False) -> tuple[jax.Array, jax.Array, KVCache | None]:
     """Run T new tokens per row on top of `cache`.
 
     tokens [B, T] int; cache lengths [B] give each row's start position. Returns
     (logits [B, T, V] f32, features [B, T, len(layer_ids)*H], cache with the new K/V written and lengths += T).
     logits_at [B, R] int: logits only at those token indices ([B, R, V]), e.g. the last prompt token of each row.
+    empty_cache: a freshly allocated cache (prefill), written but not attended (see `forward_hidden`).
     With cache=None the tokens are a fresh sequence at positions 0..T-1 (training / no-cache use).
     Feature id L is the output of decoder layer L (0-based), i.e. HF `hidden_states[L + 1]`.
     """
     cfg = target.config
     B, T = tokens.shape
-    h, features, cache = forward_hidden(target, tokens, cache, layer_ids, positions=positions, windows=windows)
+    h, features, cache = forward_hidden(target, tokens, cache, layer_ids, positions=positions, windows=windows,
+                                        empty_cache=empty_cache)
     if logits_at is not None:
         h = jnp.take_along_axis(h, logits_at.astype(jnp.int32)[..., None], axis=1)  # [B, R, H]
     logits = lm_logits(target, h)
