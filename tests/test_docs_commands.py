@@ -29,7 +29,8 @@ DOCS = (ROOT / "README.md", ROOT / "checkpoints" / "README.md")
 # Options that set how much work a command does -> the tiny value used here.
 TINY = {
     "--max-new-tokens": "6", "--new-tokens": "6", "--prompts": "2", "--steps": "2", "--batch": "2",
-    "--seq-len": "32", "--long-seq-len": "48", "--anchors": "4", "--reps": "2", "--warmup": "1",
+    "--seq-len": "32", "--long-seq-len": "48", "--max-prompt-tokens": "16", "--anchors": "4", "--reps": "2",
+    "--warmup": "1",
 }
 # Options that name where a command writes -> a fresh temporary path.
 OUTPUTS = ("--out", "--work-dir", "--out-dir", "--output", "--output-dir")
