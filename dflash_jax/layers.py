@@ -59,23 +59,32 @@ def mlp(p: MLP, x: jax.Array) -> jax.Array:
 
 def decoder_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cfg: Qwen3Config, *,
                   cache_k: jax.Array | None = None, cache_v: jax.Array | None = None,
-                  cache_len: jax.Array | None = None, mask: jax.Array | None = None, causal: bool,
-                  window: int | None = None, chunk: int | None = None):
-    """One Qwen3 decoder layer over x [B, T, H] at absolute positions [B, T].
+                  cache_len: jax.Array | None = None, write: bool = False, mask: jax.Array | None = None,
+                  causal: bool, window: int | None = None, chunk: int | None = None):
+    """One Qwen3 decoder layer over x [B, T, H] at absolute positions [B, T], with the layer's causality and sliding
+    window (None = full).
 
-    The queries attend to cached keys (cache_k/cache_v [B, S, nKV, hd], slot = position, valid below cache_len) and
-    to this call's own keys (restricted by mask [B, T, T] when given), with the layer's causality and sliding window
-    (None = full). Returns (x [B, T, H], k, v [B, T, nKV, hd]): this call's post-RoPE keys and values, for the caller
-    to write into its cache (the target) or to drop (the drafter's block is scratch).
+    write=False: the queries attend to cached keys (cache_k/cache_v [B, S, nKV, hd], slot = position, valid below
+    cache_len; none when cache_k is None) and to this call's own keys (restricted by mask [B, T, T] when given).
+    Returns (x [B, T, H], k, v [B, T, nKV, hd]): this call's post-RoPE keys and values (the drafter drops its block's).
+    write=True: this call's keys and values are first written into the cache at `positions`, then the queries attend
+    to the cache alone, valid below cache_len (which counts the new tokens). Returns (x, cache_k, cache_v) updated.
+    Writing before reading lets XLA update the cache in place: a read of the old cache next to an in-place write of
+    it forces a copy of the whole cache every step.
     """
     h = rms_norm(x, layer.input_layernorm, cfg.rms_norm_eps)
     q = project_q(layer.self_attn, h, positions, cfg)
     k, v = project_kv(layer.self_attn, h, positions, cfg)
-    a = attention(q, positions, cache_k=cache_k, cache_v=cache_v, cache_len=cache_len, k=k, v=v, k_pos=positions,
-                  k_mask=mask, causal=causal, window=window, chunk=chunk)
+    if write:
+        cache_k, cache_v = write_rows(cache_k, k, positions), write_rows(cache_v, v, positions)
+        a = attention(q, positions, cache_k=cache_k, cache_v=cache_v, cache_len=cache_len, causal=causal,
+                      window=window, chunk=chunk)
+    else:
+        a = attention(q, positions, cache_k=cache_k, cache_v=cache_v, cache_len=cache_len, k=k, v=v,
+                      k_pos=positions, k_mask=mask, causal=causal, window=window, chunk=chunk)
     x = x + linear(a, layer.self_attn.o_proj)
     x = x + mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm, cfg.rms_norm_eps))
-    return x, k, v
+    return (x, cache_k, cache_v) if write else (x, k, v)
 
 
 def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:

@@ -1,8 +1,8 @@
 """The Qwen3 target model: params + static config, a preallocated KV cache with per-row lengths, one forward.
 
-One function (`forward_with_cache`) serves prefill, extend and verify: the new tokens attend to the cached keys
-(valid below each row's length) and causally to each other, then their K/V are written at each row's current length
-and the cache comes back with lengths advanced by T. Rollback is arithmetic on `lengths`; rejected slots stay in
+One function (`forward_with_cache`) serves prefill, extend and verify: the new tokens' K/V are written at each row's
+current length, the tokens attend causally to the cache (slots below length + T), and the cache comes back with
+lengths advanced by T. Rollback is arithmetic on `lengths`; rejected slots stay in
 memory, are never visible (only slots below a length are), and get overwritten by the next write.
 """
 
@@ -84,7 +84,7 @@ def forward_hidden(target: Target, tokens: jax.Array, cache: KVCache | None, lay
     windows = (None,) * cfg.num_hidden_layers if windows is None else tuple(windows)
     if len(windows) != cfg.num_hidden_layers:
         raise ValueError(f"windows: {len(windows)} entries for {cfg.num_hidden_layers} layers")
-    if positions is None:
+    if positions is None:  # with a cache, the new tokens must sit at slots lengths..lengths+T-1 (the default)
         start = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
 
@@ -92,13 +92,17 @@ def forward_hidden(target: Target, tokens: jax.Array, cache: KVCache | None, lay
     new_k, new_v, feats = [], [], {}
     for i, layer in enumerate(p.layers):
         with jax.named_scope(f"layer{i}"):
-            cached = ({} if cache is None or empty_cache else
-                      dict(cache_k=cache.k[i], cache_v=cache.v[i], cache_len=cache.lengths))
-            x, k, v = decoder_layer(layer, x, positions, cfg, causal=True, window=windows[i],
-                                    chunk=cfg.attention_chunk, **cached)
-            if cache is not None:
-                new_k.append(write_rows(cache.k[i], k, positions))
-                new_v.append(write_rows(cache.v[i], v, positions))
+            kw = dict(causal=True, window=windows[i], chunk=cfg.attention_chunk)
+            if cache is None or empty_cache:  # the new tokens see each other only
+                x, k, v = decoder_layer(layer, x, positions, cfg, **kw)
+                if cache is not None:
+                    new_k.append(write_rows(cache.k[i], k, positions))
+                    new_v.append(write_rows(cache.v[i], v, positions))
+            else:  # written at each row's length first, then the cache is attended (slots < length + T)
+                x, k, v = decoder_layer(layer, x, positions, cfg, cache_k=cache.k[i], cache_v=cache.v[i],
+                                        cache_len=cache.lengths + T, write=True, **kw)
+                new_k.append(k)
+                new_v.append(v)
         if i in layer_ids:
             feats[i] = x
     h = rms_norm(x, p.norm, cfg.rms_norm_eps)

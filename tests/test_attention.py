@@ -140,15 +140,14 @@ def _fwd(target, tokens, cache, *, windows):
 
 def test_target_windows_per_layer_through_cache_chunks():
     """Per-layer windows reach attention: a cache-free forward with windows (3, None, 5) equals a prefill of 13
-    tokens + an extension of 6 through a 14-slot cache visited in chunks of 4 (the window's lower bound skips
-    chunks; the last chunk is clamped to end at slot 14; writes past the cache are dropped, and the fresh tokens
-    still see each other), and a window covering the whole sequence changes nothing."""
+    tokens + an extension of 6 through a 19-slot cache visited in chunks of 4 (the window's lower bound skips
+    chunks; the last chunk is clamped to end at slot 19), and a window covering the whole sequence changes nothing."""
     target = make_target(CFG, 0)
     chunked = target.replace(config=CFG.replace(attention_chunk=4))
     tok = np.random.default_rng(0).integers(0, 64, (2, 19)).astype(np.int32)
     windows = (3, None, 5)
     ref_logits, ref_feats, _ = _fwd(target, tok, None, windows=windows)
-    cache = KVCache.empty(CFG, 2, 14)
+    cache = KVCache.empty(CFG, 2, 19)
     l1, f1, cache = _fwd(chunked, tok[:, :13], cache, windows=windows)
     l2, f2, cache = _fwd(chunked, tok[:, 13:], cache, windows=windows)
     np.testing.assert_allclose(np.concatenate([l1, l2], 1), ref_logits, rtol=2e-5, atol=2e-5)

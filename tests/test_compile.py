@@ -182,8 +182,8 @@ SHARDING_SCRIPT = textwrap.dedent('''
 
 
 def test_sharding_change_between_calls_takes_effect(tmp_path):
-    """The same inputs on 1 device, replicated over 4, and with the embedding sharded over 4: three programs, the
-    same tokens; back to 1 device reuses the first program. (The old private AOT cache failed here with "compiled for
+    """The same inputs on 1 device, replicated over 4, and with the embedding sharded over 4: three compiled
+    programs, the same tokens; back to 1 device reuses the first program. (The old private AOT cache failed here with "compiled for
     input shardings that disagree".)"""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT))
@@ -192,8 +192,9 @@ def test_sharding_change_between_calls_takes_effect(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["same"] == [True, True, True]
-    assert out["traces"] == 3, out
-    assert out["compile_s"][3] == 0.0
+    # Three compiled programs (tracing is shared: it depends on shapes, not placements), the fourth call reuses one.
+    assert all(c > 0 for c in out["compile_s"][:3]) and out["compile_s"][3] == 0.0, out
+    assert out["traces"] <= 3, out
 
 
 def test_persistent_compilation_cache_across_processes(tmp_path):
