@@ -5,7 +5,8 @@ or `|` are separate commands), so a newly documented command is tested by constr
 starts with `dflash-jax <something>` or `python -m dflash_jax...`.
 
 Budgets are shrunk generically: the command's own `--help` says which options it takes; every option named in
-TINY gets its tiny value (replacing the documented one, or added), every option in OUTPUTS is sent to a fresh
+TINY gets its tiny value (replacing the documented one, or added), every flag in TINY_FLAGS it takes is set (a
+command's own small mode, such as the GPU report's CPU `--smoke`), every option in OUTPUTS is sent to a fresh
 temporary folder, and the command runs with that folder as the working directory (relative default paths such as
 `.train/` land there too). A command that takes `--no-packages` runs with it when the `[corpus]` extra is not
 installed, rather than being skipped.
@@ -30,8 +31,10 @@ DOCS = (ROOT / "README.md", ROOT / "checkpoints" / "README.md")
 TINY = {
     "--max-new-tokens": "6", "--new-tokens": "6", "--prompts": "2", "--steps": "2", "--batch": "2",
     "--seq-len": "32", "--long-seq-len": "48", "--max-prompt-tokens": "16", "--anchors": "4", "--reps": "2",
-    "--warmup": "1",
+    "--warmup": "1", "--budget-s": "30",
 }
+# Flags that switch a command to its own small configuration (e.g. the GPU report's CPU smoke run).
+TINY_FLAGS = ("--smoke",)
 # Options that name where a command writes -> a fresh temporary path.
 OUTPUTS = ("--out", "--work-dir", "--out-dir", "--output", "--output-dir")
 
@@ -100,6 +103,7 @@ def tiny(command: str, tmp: Path) -> tuple[object, list[str]]:
     for name, value in TINY.items():
         if name in accepted:
             args = _set_option(args, name, value)
+    args = args + [f for f in TINY_FLAGS if f in accepted and f not in args]
     for name in OUTPUTS:
         if name in accepted:
             args = _set_option(args, name, str(tmp / name.strip("-")))
