@@ -1,8 +1,8 @@
 """Benchmarks: speculative vs autoregressive decoding, measured in one run, medians over prompts.
 
 Two views:
-- `step_costs`: ms of one decode step (1 token), one verify (D+1 tokens) and one drafter call, timed separately on
-  the same caches, giving r = verify/decode and c = draft/decode; next to the loop's measured ms per step, the rest
+- `step_costs`: ms of one decode step (1 token), one verify (D+1 tokens) and one drafter call, timed in turns on
+  donated caches, giving r = verify/decode and c = draft/decode; next to the loop's measured ms per step, the rest
   being bookkeeping (acceptance, commits, rollback). Predicted speedup = tau / (r + c).
 - `compare`: for each prompt (batch 1) the autoregressive and the DFlash tokens/s of the decode loop (prefill
   excluded, as z-lab's TPOT), tau and acceptance; medians over the prompt set.
@@ -29,24 +29,25 @@ from dflash_jax.target import Target, forward_with_cache
 PREFILL_TIMING = "rerun"
 
 
-def _median_ms(step: Callable, state, reps: int) -> float:
-    """Median ms of state = step(state) (state threaded through, so steps may donate their buffers)."""
-    state = jax.block_until_ready(step(state))  # compile + warm up
-    times = []
+def interleaved_ms(steps: dict, reps: int) -> dict:
+    """{name: (step, state)} -> {name: median ms of state = step(state)}, the steps taking turns in each round, so a
+    change of machine load during the run hits all of them alike (state threaded: steps may donate buffers)."""
+    states = {k: jax.block_until_ready(step(state)) for k, (step, state) in steps.items()}  # compile + warm up
+    times = {k: [] for k in steps}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        state = jax.block_until_ready(step(state))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+        for k, (step, _) in steps.items():
+            t0 = time.perf_counter()
+            states[k] = jax.block_until_ready(step(states[k]))
+            times[k].append(time.perf_counter() - t0)
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
-def step_costs(target: Target, drafter: Drafter, *, context_len: int = 64, draft_length: int | None = None,
-               batch: int = 1, reps: int = 30, seed: int = 0, cache_len: int | None = None) -> dict:
-    """ms per decode step, verify and draft at a given context length, and r, c.
-
-    The caches hold `context_len` live tokens in `cache_len` slots (default: just enough); each timed step runs on
-    donated caches and rolls its lengths back, as a rejected step does, so every repetition sees the same context.
-    """
+def step_functions(target: Target, drafter: Drafter, *, context_len: int = 64, draft_length: int | None = None,
+                   batch: int = 1, seed: int = 0, cache_len: int | None = None) -> dict:
+    """{"decode_ms" | "verify_ms" | "draft_ms": (step, state)}: one decode step (1 token), one verify (D+1 tokens)
+    and one drafter call on caches holding `context_len` live tokens in `cache_len` slots (default: just enough).
+    Each step runs on donated caches and rolls its lengths back, as a rejected step does, so every repetition sees
+    the same context."""
     dcfg = drafter.config
     D = dcfg.block_size - 1 if draft_length is None else draft_length
     tcfg = target.config
@@ -55,9 +56,9 @@ def step_costs(target: Target, drafter: Drafter, *, context_len: int = 64, draft
     prompt = jnp.asarray(rng.integers(0, tcfg.vocab_size, (batch, context_len)), jnp.int32)
     lens = jnp.full((batch,), context_len, jnp.int32)
     layer_ids = dcfg.target_layer_ids
+    fill = jax.jit(prefill, static_argnums=(3,))
 
-    _, feats, tcache, dcache = jax.jit(prefill, static_argnums=(3,))(target, prompt, lens, cache_len,
-                                                                     drafter=drafter)
+    _, feats, tcache, dcache = fill(target, prompt, lens, cache_len, drafter=drafter)
     pending = feats[:, :D + 1]
 
     @functools.partial(jax.jit, donate_argnums=(1,))
@@ -78,13 +79,23 @@ def step_costs(target: Target, drafter: Drafter, *, context_len: int = 64, draft
     tok = prompt[:, -1:]
     toks = prompt[:, -(D + 1):]
     block = jnp.full((batch, dcfg.block_size), dcfg.mask_token_id, jnp.int32).at[:, 0].set(prompt[:, -1])
-    out = {"decode_ms": _median_ms(lambda c: decode(target, c, tok)[1], tcache, reps)}
-    _, _, tcache, dcache = jax.jit(prefill, static_argnums=(3,))(target, prompt, lens, cache_len, drafter=drafter)
-    out["verify_ms"] = _median_ms(lambda c: verify(target, c, toks)[1], tcache, reps)
-    out["draft_ms"] = _median_ms(lambda c: draft(drafter, target, c, pending, block)[1], dcache, reps)
+    _, _, tcache2, _ = fill(target, prompt, lens, cache_len, drafter=drafter)  # decode and verify donate theirs
+    return {"decode_ms": (lambda c: decode(target, c, tok)[1], tcache),
+            "verify_ms": (lambda c: verify(target, c, toks)[1], tcache2),
+            "draft_ms": (lambda c: draft(drafter, target, c, pending, block)[1], dcache),
+            "_meta": dict(context_len=context_len, draft_length=D, batch=batch, cache_len=cache_len)}
+
+
+def step_costs(target: Target, drafter: Drafter, *, context_len: int = 64, draft_length: int | None = None,
+               batch: int = 1, reps: int = 30, seed: int = 0, cache_len: int | None = None) -> dict:
+    """ms per decode step, verify and draft at a given context length (see `step_functions`), and r, c."""
+    fns = step_functions(target, drafter, context_len=context_len, draft_length=draft_length, batch=batch, seed=seed,
+                         cache_len=cache_len)
+    meta = fns.pop("_meta")
+    out = interleaved_ms(fns, reps)
     out["r"] = out["verify_ms"] / out["decode_ms"]
     out["c"] = out["draft_ms"] / out["decode_ms"]
-    out.update(context_len=context_len, draft_length=D, batch=batch, cache_len=cache_len)
+    out.update(meta)
     return out
 
 
