@@ -211,8 +211,12 @@ def test_persistent_compilation_cache_across_processes(tmp_path):
         return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
 
     first = run(env)
-    assert len(first) >= 2, first  # at least the speculative and the autoregressive program
-    assert run(env) == first
+    ours = [n for n in first if n.startswith(("jit_dflash_speculative", "jit_dflash_autoregressive"))]
+    assert len(ours) >= 2, first  # at least the speculative and the autoregressive program
+    second = run(env)
+    # Every entry is still there and no generation program was compiled again. (A small helper program whose
+    # compile time straddles the 0.2 s write threshold on a loaded machine may be written by the second run only.)
+    assert set(first) <= set(second) and [n for n in second if n.startswith("jit_dflash_")] == ours, (first, second)
     off = dict(env, XDG_CACHE_HOME=str(tmp_path / "off"), DFLASH_JAX_NO_COMPILE_CACHE="1")
     run(off)
     assert not (tmp_path / "off").exists()
