@@ -1,12 +1,14 @@
 """dflash-jax: DFlash block-diffusion speculative decoding with NVFP4 drafters, in JAX.
 
 Public calls (a contract): `load_target`, `load_drafter`, `save`, `save_hf`, `target_forward`, `draft_logits`,
-`generate`, `generate_autoregressive`, `audit_scales`, `quantize_nvfp4`, `load_default`, and the `nvfp4` module.
+`generate`, `generate_autoregressive`, `audit_scales`, `quantize_nvfp4`, `load_default`, `enable_compilation_cache`,
+and the `nvfp4` module.
 """
 
 from dflash_jax import nvfp4
 from dflash_jax.audit import ScaleAudit, audit_scales
 from dflash_jax.checkpoint import CheckpointError, load_drafter, load_target, save, save_hf
+from dflash_jax.compile_cache import enable_compilation_cache
 from dflash_jax.config import DrafterConfig, Qwen3Config, default_target_layer_ids
 from dflash_jax.drafter import Drafter, draft_logits, init_drafter
 from dflash_jax.decoding import GenerationResult, generate, generate_autoregressive
@@ -23,5 +25,5 @@ __all__ = [
     "Drafter", "init_drafter", "draft_logits",
     "generate", "generate_autoregressive", "GenerationResult",
     "load_target", "load_drafter", "save", "save_hf", "CheckpointError",
-    "quantize_nvfp4", "drop_global_scales", "load_default", "Tokenizer",
+    "quantize_nvfp4", "drop_global_scales", "load_default", "Tokenizer", "enable_compilation_cache",
 ]

@@ -6,11 +6,19 @@ Layout of one DFlash step for a row whose last committed token `last` sits at po
   accept  a = number of leading j with d_{j+1} == post[j]  (cumprod)   ->  commit post[0..a] (a drafts + bonus)
   roll    target cache length := start+a+1; drafter context += verify features of rows 0..a; start += a+1
 Everything is on device inside one `lax.while_loop`; rows that finish are frozen by masks, not removed.
+
+Compilation: each program is a `jax.jit` function, so its cache is keyed on everything that changes the program:
+shapes, dtypes, shardings and tree structure of the arguments, plus the static arguments (draft length, buckets,
+greedy or sampled, the NVFP4 backend resolved on the host). Sampling numbers (temperature, top-k, top-p, p_min), the
+EOS ids (padded to a fixed width) and the budgets (tokens, steps) are traced, so one program serves all their values.
+Prompt lengths and `max_new_tokens` are rounded up to power-of-two buckets (the output buffer and caches are sized
+by bucket; the loop stops at the exact count on device), so any length maps to one of a few programs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import warnings
 from typing import Sequence
@@ -23,6 +31,7 @@ from jax.experimental import io_callback
 
 from dflash_jax.config import check_pair
 from dflash_jax.drafter import Drafter, DraftCache, append_context, block_logits
+from dflash_jax.linear import backend_scope, program_backend
 from dflash_jax.sampling import SamplingParams, accept_block, sample_tokens
 from dflash_jax.target import KVCache, Target, forward_with_cache
 
@@ -39,7 +48,7 @@ class GenerationResult:
     finish_reason: tuple[str, ...]  # per row: "eos" | "length"
     num_steps: int  # loop iterations (draft+verify steps, or decode steps)
     draft_length: int  # drafted tokens per step (0 for autoregressive)
-    timings: dict  # seconds: prefill_s, decode_s, total_s, compile_s
+    timings: dict  # seconds: prefill_s, decode_s, total_s (this run), compile_s (tracing + compiling, apart)
 
     @property
     def tau(self) -> float:
@@ -96,7 +105,7 @@ class GenerationResult:
 @dataclasses.dataclass(frozen=True)
 class LoopState:
     step: jax.Array  # [] int32
-    out: jax.Array  # [B, N + W] int32 output buffer (W = tokens one step can commit), PAD-filled
+    out: jax.Array  # [B, N + W] int32 output buffer (N = budget bucket, W = tokens one step can commit), PAD-filled
     n_out: jax.Array  # [B] int32 tokens emitted so far
     done: jax.Array  # [B] bool
     last: jax.Array  # [B] int32 last committed token, not yet run through the target
@@ -105,15 +114,28 @@ class LoopState:
     dcache: KVCache | None  # the drafter's context cache
     pending: jax.Array | None  # [B, W, K*H] target features not yet in the draft cache
     n_pending: jax.Array | None  # [B] int32 valid rows of `pending`
-    acc: jax.Array  # [B, max_steps] int32 committed tokens per step (incl. bonus)
+    acc: jax.Array  # [B, steps bucket] int32 committed tokens per step (incl. bonus)
     key: jax.Array  # PRNG key data [B, 2] uint32 (one stream per row)
 
     def replace(self, **changes) -> "LoopState":
         return dataclasses.replace(self, **changes)
 
 
-def _commit(state: LoopState, new_tokens: jax.Array, n_new: jax.Array, eos_ids: tuple[int, ...],
-            max_new: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """What ends a row or the loop: traced, so changing them never recompiles."""
+
+    max_new: jax.Array  # [] int32 tokens to emit per row (<= the output buffer's bucket)
+    max_steps: jax.Array  # [] int32 loop iterations allowed (0: prefill only)
+    eos: jax.Array  # [E] int32 EOS ids, padded with -1 (never a token)
+
+    def replace(self, **changes) -> "Budget":
+        return dataclasses.replace(self, **changes)
+
+
+def _commit(state: LoopState, new_tokens: jax.Array, n_new: jax.Array, budget: Budget
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Append the first n_new[b] of new_tokens [B, W] to each active row, cut at EOS and at the budget.
 
     Returns (out, n_out, done). Nothing after the first EOS is emitted; EOS itself is.
@@ -121,34 +143,39 @@ def _commit(state: LoopState, new_tokens: jax.Array, n_new: jax.Array, eos_ids: 
     B, W = new_tokens.shape
     j = jnp.arange(W, dtype=jnp.int32)[None, :]
     n = jnp.where(state.done, 0, n_new)
-    n = jnp.minimum(n, max_new - state.n_out)  # a block may overshoot the budget: cut inside it
-    if eos_ids:
-        is_eos = jnp.isin(new_tokens, jnp.asarray(eos_ids, jnp.int32)) & (j < n[:, None])
-        first_eos = jnp.argmax(is_eos, axis=1)
-        hit = is_eos.any(axis=1)
-        n = jnp.where(hit, first_eos + 1, n)
-    else:
-        hit = jnp.zeros((B,), bool)
+    n = jnp.minimum(n, budget.max_new - state.n_out)  # a block may overshoot the budget: cut inside it
+    is_eos = (new_tokens[:, :, None] == budget.eos[None, None, :]).any(axis=-1) & (j < n[:, None])
+    hit = is_eos.any(axis=1)
+    n = jnp.where(hit, jnp.argmax(is_eos, axis=1) + 1, n)
     cols = jnp.where(j < n[:, None], state.n_out[:, None] + j, state.out.shape[1])  # out of range -> dropped
     out = state.out.at[jnp.arange(B)[:, None], cols].set(new_tokens, mode="drop")
     n_out = state.n_out + n
-    done = state.done | hit | (n_out >= max_new)
+    done = state.done | hit | (n_out >= budget.max_new)
     return out, n_out, done
 
 
-def _prefill(target: Target, prompt: jax.Array, lens: jax.Array, cache_len: int, layer_ids: tuple[int, ...],
-             sampling: SamplingParams, keys: jax.Array):
-    """Run the (right-padded) prompt; returns first tokens [B], features [B, Tp, K*H], cache, keys."""
+def prefill(target: Target, prompt: jax.Array, lens: jax.Array, cache_len: int, *, drafter: Drafter | None = None
+            ) -> tuple[jax.Array, jax.Array, KVCache, KVCache | None]:
+    """Run right-padded prompts [B, Tp] (row lengths [B]) into fresh caches of cache_len slots.
+
+    Returns (logits at each row's last prompt token [B, V] f32, target features of the drafter's taps [B, Tp, K*H],
+    the target cache with lengths = lens, and the drafter's context cache holding every prompt position, or None
+    without a drafter). Padded slots stay in memory past each row's length, never visible. Only the kept row of
+    each prompt goes through the LM head (not [B, Tp, V]).
+    """
     B, _ = prompt.shape
+    layer_ids = () if drafter is None else drafter.config.target_layer_ids
     cache = KVCache.empty(target.config, B, cache_len)
-    logits, feats, cache = forward_with_cache(target, prompt, cache, layer_ids)
-    cache = cache.replace(lengths=lens)  # padded slots stay in memory, masked by length
-    last_logits = jnp.take_along_axis(logits, (lens - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
-    first, keys = sample_tokens(last_logits, keys, sampling)
-    return first, feats, cache, keys
+    logits, feats, cache = forward_with_cache(target, prompt, cache, layer_ids, logits_at=(lens - 1)[:, None],
+                                              empty_cache=True)
+    cache = cache.replace(lengths=lens)
+    dcache = None
+    if drafter is not None:
+        dcache = append_context(drafter, feats, lens, DraftCache.empty(drafter.config, B, cache_len))
+    return logits[:, 0], feats, cache, dcache
 
 
-# Process-wide, not thread-local: the runtime may run host callbacks on its own threads.
+# The prefill-done stamp: process-wide, not thread-local (the runtime may run host callbacks on its own threads).
 _STAMPS = {"prefill_done": None}
 
 
@@ -158,39 +185,44 @@ def _stamp(x):
 
 
 def _mark_prefill_done(first: jax.Array) -> jax.Array:
-    """Records when prefill finished (one host callback per call, outside the loop); returns 0 to sequence on."""
+    """Records when prefill finished (one host callback per call, outside the loop); returns 0 to sequence on.
+
+    A program with a host callback never enters JAX's persistent compilation cache: `prefill_timing="rerun"` leaves
+    it out (see `generate`)."""
     return io_callback(_stamp, jax.ShapeDtypeStruct((), jnp.int32), first, ordered=True)
 
 
-def _init_state(first, tcache, prompt_lens, keys, max_new, width, max_steps, eos_ids, dcache=None,
-                pending=None, n_pending=None, stamp=None) -> LoopState:
+def _init_state(first, tcache, prompt_lens, keys, budget: Budget, out_len: int, width: int, stamp: bool,
+                dcache=None, pending=None, n_pending=None) -> LoopState:
     B = first.shape[0]
-    step = jnp.zeros((), jnp.int32) if stamp is None else stamp
-    state = LoopState(step=step, out=jnp.full((B, max_new + width), PAD, jnp.int32),
+    step = _mark_prefill_done(first) if stamp else jnp.zeros((), jnp.int32)
+    state = LoopState(step=step, out=jnp.full((B, out_len + width), PAD, jnp.int32),
                       n_out=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool), last=first,
                       start=prompt_lens, tcache=tcache, dcache=dcache, pending=pending, n_pending=n_pending,
-                      acc=jnp.zeros((B, max_steps), jnp.int32), key=keys)
-    out, n_out, done = _commit(state, first[:, None], jnp.ones((B,), jnp.int32), eos_ids, max_new)
+                      acc=jnp.zeros((B, max(out_len - 1, 1)), jnp.int32), key=keys)
+    out, n_out, done = _commit(state, first[:, None], jnp.ones((B,), jnp.int32), budget)
     return state.replace(out=out, n_out=n_out, done=done)
 
 
-def _speculative_program(target: Target, drafter: Drafter, prompt, lens, keys, *, max_new: int, draft_length: int,
-                         eos_ids: tuple[int, ...], cache_len: int, sampling: SamplingParams):
+def _results(final: LoopState):
+    return final.out, final.n_out, final.acc, final.step
+
+
+def _speculative_program(target: Target, drafter: Drafter, prompt, lens, keys, sampling: SamplingParams,
+                         budget: Budget, *, draft_length: int, cache_len: int, out_len: int, stamp: bool = True):
     dcfg = drafter.config
     layer_ids = dcfg.target_layer_ids
     bs, D = dcfg.block_size, draft_length
     B = prompt.shape[0]
-    max_steps = max(max_new - 1, 1)
 
-    first, feats, tcache, keys = _prefill(target, prompt, lens, cache_len, layer_ids, sampling, keys)
-    dcache = append_context(drafter, feats, lens, DraftCache.empty(dcfg, B, cache_len))
-    stamp = _mark_prefill_done(first)
+    last_logits, feats, tcache, dcache = prefill(target, prompt, lens, cache_len, drafter=drafter)
+    first, keys = sample_tokens(last_logits, keys, sampling)
     pending = jnp.zeros((B, D + 1, feats.shape[-1]), feats.dtype)
-    state = _init_state(first, tcache, lens, keys, max_new, D + 1, max_steps, eos_ids, dcache=dcache,
-                        pending=pending, n_pending=jnp.zeros((B,), jnp.int32), stamp=stamp)
+    state = _init_state(first, tcache, lens, keys, budget, out_len, D + 1, stamp, dcache=dcache, pending=pending,
+                        n_pending=jnp.zeros((B,), jnp.int32))
 
     def cond(s: LoopState):
-        return (s.step < max_steps) & ~jnp.all(s.done)
+        return (s.step < budget.max_steps) & ~jnp.all(s.done)
 
     def body(s: LoopState) -> LoopState:
         active = ~s.done
@@ -202,7 +234,7 @@ def _speculative_program(target: Target, drafter: Drafter, prompt, lens, keys, *
         v_logits, v_feats, tcache = forward_with_cache(target, verify_in, s.tcache, layer_ids)
         n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, keys, sampling)  # [B], [B, D+1]
         chex.assert_shape(committed, (B, D + 1))
-        out, n_out, done = _commit(s, committed, n_acc + 1, eos_ids, max_new)
+        out, n_out, done = _commit(s, committed, n_acc + 1, budget)
         new_start = jnp.where(active, s.start + n_acc + 1, s.start)
         bonus = jnp.take_along_axis(committed, n_acc[:, None], axis=1)[:, 0]
         return s.replace(
@@ -212,43 +244,92 @@ def _speculative_program(target: Target, drafter: Drafter, prompt, lens, keys, *
             dcache=dcache, pending=v_feats, n_pending=jnp.where(active, n_acc + 1, 0),
             acc=s.acc.at[:, s.step].set(jnp.where(active, n_acc + 1, 0)), key=keys)
 
-    final = jax.lax.while_loop(cond, body, state)
-    return final.out[:, :max_new], final.n_out, final.acc, final.step, final.done
+    return _results(jax.lax.while_loop(cond, body, state))
 
 
-def _autoregressive_program(target: Target, prompt, lens, keys, *, max_new: int, eos_ids: tuple[int, ...],
-                            cache_len: int, sampling: SamplingParams):
+def _autoregressive_program(target: Target, prompt, lens, keys, sampling: SamplingParams, budget: Budget, *,
+                            cache_len: int, out_len: int, stamp: bool = True):
     B = prompt.shape[0]
-    max_steps = max(max_new - 1, 1)
-    first, _, tcache, keys = _prefill(target, prompt, lens, cache_len, (), sampling, keys)
-    stamp = _mark_prefill_done(first)
-    state = _init_state(first, tcache, lens, keys, max_new, 1, max_steps, eos_ids, stamp=stamp)
+    last_logits, _, tcache, _ = prefill(target, prompt, lens, cache_len)
+    first, keys = sample_tokens(last_logits, keys, sampling)
+    state = _init_state(first, tcache, lens, keys, budget, out_len, 1, stamp)
 
     def cond(s: LoopState):
-        return (s.step < max_steps) & ~jnp.all(s.done)
+        return (s.step < budget.max_steps) & ~jnp.all(s.done)
 
     def body(s: LoopState) -> LoopState:
         active = ~s.done
         logits, _, tcache = forward_with_cache(target, s.last[:, None], s.tcache)
         nxt, keys = sample_tokens(logits[:, 0], s.key, sampling)
-        out, n_out, done = _commit(s, nxt[:, None], jnp.ones((B,), jnp.int32), eos_ids, max_new)
+        out, n_out, done = _commit(s, nxt[:, None], jnp.ones((B,), jnp.int32), budget)
         new_start = jnp.where(active, s.start + 1, s.start)
         return s.replace(step=s.step + 1, out=out, n_out=n_out, done=done, last=jnp.where(active, nxt, s.last),
                          start=new_start, tcache=tcache.replace(lengths=new_start),
                          acc=s.acc.at[:, s.step].set(active.astype(jnp.int32)), key=keys)
 
-    final = jax.lax.while_loop(cond, body, state)
-    return final.out[:, :max_new], final.n_out, final.acc, final.step, final.done
+    return _results(jax.lax.while_loop(cond, body, state))
 
 
-# -- host side: validation, padding, compilation cache ----------------------------------------------------------
+# -- compiled programs ---------------------------------------------------------------------------------------------
+
+TRACE_COUNTS: dict[str, int] = {"speculative": 0, "autoregressive": 0}
+
+
+def _jit_program(name: str, program, static: tuple[str, ...]):
+    """`program` under jax.jit: static `static` arguments plus `backend`, the NVFP4 backend the program is traced
+    under. Each trace (= each compile) bumps TRACE_COUNTS[name]."""
+    def traced(*args, backend, **kwargs):
+        TRACE_COUNTS[name] += 1
+        with backend_scope(backend):
+            return program(*args, **kwargs)
+
+    traced.__name__ = traced.__qualname__ = f"dflash_{name}"
+    return jax.jit(traced, static_argnames=("backend", *static))
+
+
+SPECULATIVE_STATIC = ("draft_length", "cache_len", "out_len", "stamp")
+AUTOREGRESSIVE_STATIC = ("cache_len", "out_len", "stamp")
+_SPECULATIVE = _jit_program("speculative", _speculative_program, SPECULATIVE_STATIC)
+_AUTOREGRESSIVE = _jit_program("autoregressive", _autoregressive_program, AUTOREGRESSIVE_STATIC)
+
+
+# Seconds spent tracing, lowering and compiling our programs, as JAX reports them (jax.monitoring): a call's
+# compile time is reported apart from its run time without a compile cache of our own.
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_compile_clock = threading.local()
+
+
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+    if event in _COMPILE_EVENTS and "dflash_" in str(kwargs.get("fun_name", "")):
+        _compile_clock.seconds = getattr(_compile_clock, "seconds", 0.0) + duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+# -- host side: validation, padding, buckets -----------------------------------------------------------------------
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+PROMPT_BUCKET_MIN = 16
+# Budgets share one program up to this many tokens: a bigger output buffer and cache cost only memory (attention
+# visits live slots only), while a new bucket costs a compile.
+BUDGET_BUCKET_MIN = 256
+
+
+def bucket(n: int, minimum: int = PROMPT_BUCKET_MIN) -> int:
+    """The power of two >= n (at least `minimum`): prompt lengths and token budgets are padded to these, so a
+    range of lengths 1..L needs log2(L) programs at most."""
+    return max(int(minimum), 1 << (max(int(n), 1) - 1).bit_length())
+
+
 def prepare_prompt(prompt, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """int [B, T] array or list of token lists -> (right-padded [B, Tp] int32, lengths [B]); validates ids."""
+    """int [B, T] array or list of token lists -> (right-padded [B, Tp] int32, lengths [B]); validates ids.
+
+    Tp is the length bucket of the longest row (`bucket`)."""
     if isinstance(prompt, (np.ndarray, jax.Array)) or (
             isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], (list, tuple, np.ndarray))):
         arr = np.asarray(prompt)
@@ -274,15 +355,16 @@ def prepare_prompt(prompt, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
                 raise ValueError(f"token id {int(tok)} at row {b}, position {t} is outside the vocabulary "
                                  f"[0, {vocab_size})")
     lens = np.array([len(r) for r in rows], np.int32)
-    Tp = _round_up(int(lens.max()), 16)  # bucket prompt lengths to bound recompiles
+    Tp = bucket(int(lens.max()))
     padded = np.zeros((len(rows), Tp), np.int32)
     for b, r in enumerate(rows):
         padded[b, :len(r)] = np.asarray(r, np.int64)
     return padded, lens
 
 
-def _check_budget(target: Target, lens: np.ndarray, max_new_tokens: int, extra: int, max_cache_len):
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
+def _check_budget(target: Target, lens: np.ndarray, max_new_tokens: int, max_cache_len) -> int:
+    """Validates the budget; returns the context limit (max positions, or max_cache_len when smaller)."""
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     need = int(lens.max()) + int(max_new_tokens)
     limit = target.config.max_position_embeddings
@@ -291,9 +373,14 @@ def _check_budget(target: Target, lens: np.ndarray, max_new_tokens: int, extra: 
     if need > limit:
         raise ValueError(f"context overflow: prompt length {int(lens.max())} + max_new_tokens {max_new_tokens} = "
                          f"{need} exceeds the context limit of {limit} tokens")
-    # The last verify writes up to `extra` slots past the committed text; the scatter drops out-of-range writes,
-    # so the cache needs room for them only to keep them, never for correctness.
-    return _round_up(need + extra, 64)
+    return limit
+
+
+def _cache_len(prompt_bucket: int, out_len: int, extra: int, limit: int) -> int:
+    """Cache slots for a program: the prompt bucket + the budget bucket + the `extra` slots the last verify writes
+    past the committed text, capped by the context limit; a function of buckets only, so it adds no programs.
+    (The scatter drops out-of-range writes, so the extra room only keeps those slots, never decides correctness.)"""
+    return min(_round_up(prompt_bucket + out_len + extra, 64), _round_up(limit + extra, 64))
 
 
 def _warn_short_drafter_context(drafter: Drafter, longest: int) -> None:
@@ -301,6 +388,9 @@ def _warn_short_drafter_context(drafter: Drafter, longest: int) -> None:
     if longest > limit:
         warnings.warn(f"context of up to {longest} tokens exceeds the drafter's max_position_embeddings ({limit}): "
                       "acceptance may degrade (output stays exact)", stacklevel=3)
+
+
+EOS_WIDTH = 8  # EOS ids are padded to this many (more ids: the next power of two), so EOS sets share a program
 
 
 def _eos_tuple(eos_ids, vocab_size) -> tuple[int, ...]:
@@ -315,82 +405,151 @@ def _eos_tuple(eos_ids, vocab_size) -> tuple[int, ...]:
     return out
 
 
-_COMPILED: dict = {}
-TRACE_COUNTS: dict[str, int] = {"speculative": 0, "autoregressive": 0}
+def _eos_array(eos: tuple[int, ...]) -> np.ndarray:
+    arr = np.full((bucket(len(eos), EOS_WIDTH),), PAD, np.int32)
+    arr[:len(eos)] = eos
+    return arr
 
 
-def _compile(name: str, fn, static: dict, *args):
-    """AOT-compile once per (static args, argument structure and shapes); compile time is reported apart."""
-    leaves, treedef = jax.tree.flatten(args)
-    sig = (name, tuple(sorted(static.items())), treedef, tuple((l.shape, str(l.dtype)) for l in leaves))
-    if sig in _COMPILED:
-        return _COMPILED[sig], 0.0
-    t0 = time.perf_counter()
-
-    def counted(*a):
-        TRACE_COUNTS[name] += 1
-        return fn(*a, **static)
-
-    compiled = jax.jit(counted).lower(*args).compile()
-    _COMPILED[sig] = compiled
-    return compiled, time.perf_counter() - t0
-
-
-def _row_keys(seed: int, batch: int) -> jax.Array:
+def _row_keys(seed: int, batch: int) -> np.ndarray:
     # One independent stream per row (fold_in of the row index): a row's samples do not depend on the batch.
     base = jax.random.key(seed)
-    return jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(base, i)))(jnp.arange(batch))
+    return np.asarray(jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(base, i)))(jnp.arange(batch)))
 
 
-def _run(name, fn, static, args, max_new, draft_length, eos) -> GenerationResult:
-    compiled, compile_s = _compile(name, fn, static, *args)
+@dataclasses.dataclass(frozen=True)
+class ProgramCall:
+    """One call of a compiled generation program, as `generate` prepares it on the host."""
+
+    name: str  # "speculative" | "autoregressive"
+    args: tuple  # (target, [drafter,] prompt [B, Tp], lens [B], keys [B, 2], SamplingParams, Budget)
+    static: dict  # static keyword arguments: buckets, draft length, backend, stamp
+    max_new: int
+    draft_length: int
+    eos: tuple[int, ...]
+
+    @property
+    def program(self):
+        return _SPECULATIVE if self.name == "speculative" else _AUTOREGRESSIVE
+
+    @property
+    def unjitted(self):
+        """The plain program function with the static arguments bound (to inspect its jaxpr)."""
+        import functools
+        fn = _speculative_program if self.name == "speculative" else _autoregressive_program
+        return functools.partial(fn, **{k: v for k, v in self.static.items() if k != "backend"})
+
+    def __call__(self, *args):
+        return self.program(*(args or self.args), **self.static)
+
+
+def _prepare(name, target, drafter, prompt, *, max_new_tokens, draft_length, temperature, eos_ids, seed, top_k,
+             top_p, p_min, draft_sampling, max_cache_len, nvfp4_backend, prefill_timing) -> ProgramCall:
+    if prefill_timing not in ("stamp", "rerun"):
+        raise ValueError(f"prefill_timing must be 'stamp' or 'rerun', got {prefill_timing!r}")
+    sampling = SamplingParams.make(temperature, top_k, top_p, p_min, draft_sampling)
+    padded, lens = prepare_prompt(prompt, target.config.vocab_size)
+    limit = _check_budget(target, lens, max_new_tokens, max_cache_len)
+    eos = _eos_tuple(eos_ids, target.config.vocab_size)
+    out_len = bucket(int(max_new_tokens), BUDGET_BUCKET_MIN)
+    models = (target,) if drafter is None else (target, drafter)
+    static = dict(out_len=out_len, stamp=prefill_timing == "stamp",
+                  backend=program_backend(*models, backend=nvfp4_backend),
+                  cache_len=_cache_len(padded.shape[1], out_len, 1 if drafter is None else draft_length + 1, limit))
+    if drafter is not None:
+        static["draft_length"] = int(draft_length)
+    budget = Budget(max_new=np.int32(max_new_tokens), max_steps=np.int32(int(max_new_tokens) - 1),
+                    eos=_eos_array(eos))
+    args = (*models, padded, lens, _row_keys(seed, len(lens)), sampling.as_arrays(), budget)
+    return ProgramCall(name, args, static, int(max_new_tokens), 0 if drafter is None else int(draft_length), eos)
+
+
+def _run(call: ProgramCall) -> GenerationResult:
+    _compile_clock.seconds = 0.0
     _STAMPS["prefill_done"] = None
     t0 = time.perf_counter()
-    out, n_out, acc, steps, done = jax.block_until_ready(compiled(*args))
+    out, n_out, acc, steps = jax.block_until_ready(call())
     t1 = time.perf_counter()
-    t_prefill = _STAMPS["prefill_done"] if _STAMPS["prefill_done"] is not None else t0
+    compile_s = _compile_clock.seconds
+    t_start = min(t0 + compile_s, t1)  # the run itself starts once the program is traced and compiled
+    if call.static["stamp"]:
+        t_prefill = _STAMPS["prefill_done"] if _STAMPS["prefill_done"] is not None else t_start
+    else:  # the same program, traced budget of 0 loop steps: prefill (and the first token) only
+        *rest, budget = call.args
+        r0 = time.perf_counter()
+        jax.block_until_ready(call(*rest, budget.replace(max_steps=np.int32(0))))
+        t_prefill = t_start + (time.perf_counter() - r0)
     out, n_out, acc, steps = map(np.asarray, jax.device_get((out, n_out, acc, steps)))
     steps = int(steps)
-    acc = acc[:, :steps]
-    reasons = tuple("eos" if n > 0 and int(row[n - 1]) in eos else "length" for row, n in zip(out, n_out))
-    timings = {"prefill_s": t_prefill - t0, "decode_s": t1 - t_prefill, "total_s": t1 - t0, "compile_s": compile_s}
+    out, acc = out[:, :call.max_new], acc[:, :steps]
+    reasons = tuple("eos" if n > 0 and int(row[n - 1]) in call.eos else "length" for row, n in zip(out, n_out))
+    timings = {"prefill_s": t_prefill - t_start, "decode_s": t1 - t_prefill, "total_s": t1 - t_start,
+               "compile_s": compile_s}
     return GenerationResult(tokens=out, num_tokens=n_out, acceptance_lengths=acc, finish_reason=reasons,
-                            num_steps=steps, draft_length=draft_length, timings=timings)
+                            num_steps=steps, draft_length=call.draft_length, timings=timings)
+
+
+def _draft_length(drafter: Drafter, draft_length) -> int:
+    bs = drafter.config.block_size
+    D = bs - 1 if draft_length is None else draft_length
+    if not isinstance(D, (int, np.integer)) or isinstance(D, bool) or not 1 <= D <= bs - 1:
+        raise ValueError(f"draft_length must be in 1..block_size-1 = 1..{bs - 1}, got {draft_length!r}")
+    return int(D)
+
+
+def speculative_call(target: Target, drafter: Drafter, prompt, *, max_new_tokens: int,
+                     draft_length: int | None = None, temperature: float = 0.0, eos_ids: Sequence[int] = (),
+                     seed: int = 0, top_k: int = 0, top_p: float = 1.0, p_min: float = 0.0,
+                     draft_sampling: str = "sample", max_cache_len: int | None = None,
+                     nvfp4_backend: str | None = None, prefill_timing: str = "stamp") -> ProgramCall:
+    """What `generate` runs, prepared and validated on the host but not run (tests, benchmarks, inspection)."""
+    check_pair(drafter.config, target.config)
+    D = _draft_length(drafter, draft_length)
+    call = _prepare("speculative", target, drafter, prompt, max_new_tokens=max_new_tokens, draft_length=D,
+                    temperature=temperature, eos_ids=eos_ids, seed=seed, top_k=top_k, top_p=top_p, p_min=p_min,
+                    draft_sampling=draft_sampling, max_cache_len=max_cache_len, nvfp4_backend=nvfp4_backend,
+                    prefill_timing=prefill_timing)
+    _warn_short_drafter_context(drafter, int(call.args[3].max()) + int(max_new_tokens))
+    return call
+
+
+def autoregressive_call(target: Target, prompt, *, max_new_tokens: int, temperature: float = 0.0,
+                        eos_ids: Sequence[int] = (), seed: int = 0, top_k: int = 0, top_p: float = 1.0,
+                        max_cache_len: int | None = None, nvfp4_backend: str | None = None,
+                        prefill_timing: str = "stamp") -> ProgramCall:
+    """What `generate_autoregressive` runs, prepared on the host but not run."""
+    return _prepare("autoregressive", target, None, prompt, max_new_tokens=max_new_tokens, draft_length=0,
+                    temperature=temperature, eos_ids=eos_ids, seed=seed, top_k=top_k, top_p=top_p, p_min=0.0,
+                    draft_sampling="sample", max_cache_len=max_cache_len, nvfp4_backend=nvfp4_backend,
+                    prefill_timing=prefill_timing)
 
 
 def generate(target: Target, drafter: Drafter, prompt, *, max_new_tokens: int, draft_length: int | None = None,
              temperature: float = 0.0, eos_ids: Sequence[int] = (), seed: int = 0, top_k: int = 0,
              top_p: float = 1.0, p_min: float = 0.0, draft_sampling: str = "sample",
-             max_cache_len: int | None = None) -> GenerationResult:
+             max_cache_len: int | None = None, nvfp4_backend: str | None = None,
+             prefill_timing: str = "stamp") -> GenerationResult:
     """DFlash speculative generation: one compiled program (prefill + one `lax.while_loop`).
 
     prompt: int [B, T] or a list of token lists (rows may differ in length). Greedy (temperature 0) output equals
     `generate_autoregressive` token for token; at temperature > 0 rejection sampling keeps the target's distribution.
+    nvfp4_backend: for NVFP4 weights (`dflash_jax.linear`); None = the current default, resolved now, per call.
+    prefill_timing: "stamp" = one host callback marks the end of prefill (such a program never enters JAX's
+    persistent compilation cache); "rerun" = no callback, prefill is timed by a second, prefill-only run of the same
+    compiled program (what the CLI and benchmarks use, with the persistent cache on).
     """
-    check_pair(drafter.config, target.config)
-    bs = drafter.config.block_size
-    D = bs - 1 if draft_length is None else draft_length
-    if not isinstance(D, (int, np.integer)) or not 1 <= D <= bs - 1:
-        raise ValueError(f"draft_length must be in 1..block_size-1 = 1..{bs - 1}, got {draft_length!r}")
-    sampling = SamplingParams.make(temperature, top_k, top_p, p_min, draft_sampling)
-    padded, lens = prepare_prompt(prompt, target.config.vocab_size)
-    cache_len = _check_budget(target, lens, max_new_tokens, D + 1, max_cache_len)
-    _warn_short_drafter_context(drafter, int(lens.max()) + int(max_new_tokens))
-    eos = _eos_tuple(eos_ids, target.config.vocab_size)
-    static = dict(max_new=int(max_new_tokens), draft_length=int(D), eos_ids=eos, cache_len=cache_len,
-                  sampling=sampling)
-    args = (target, drafter, jnp.asarray(padded), jnp.asarray(lens), _row_keys(seed, len(lens)))
-    return _run("speculative", _speculative_program, static, args, int(max_new_tokens), int(D), eos)
+    return _run(speculative_call(target, drafter, prompt, max_new_tokens=max_new_tokens, draft_length=draft_length,
+                                 temperature=temperature, eos_ids=eos_ids, seed=seed, top_k=top_k, top_p=top_p,
+                                 p_min=p_min, draft_sampling=draft_sampling, max_cache_len=max_cache_len,
+                                 nvfp4_backend=nvfp4_backend, prefill_timing=prefill_timing))
 
 
 def generate_autoregressive(target: Target, prompt, *, max_new_tokens: int, temperature: float = 0.0,
                             eos_ids: Sequence[int] = (), seed: int = 0, top_k: int = 0, top_p: float = 1.0,
-                            max_cache_len: int | None = None) -> GenerationResult:
+                            max_cache_len: int | None = None, nvfp4_backend: str | None = None,
+                            prefill_timing: str = "stamp") -> GenerationResult:
     """Plain decoding with the same target, stopping rules and result type; also one `lax.while_loop`."""
-    sampling = SamplingParams.make(temperature, top_k, top_p, 0.0, "sample")
-    padded, lens = prepare_prompt(prompt, target.config.vocab_size)
-    cache_len = _check_budget(target, lens, max_new_tokens, 1, max_cache_len)
-    eos = _eos_tuple(eos_ids, target.config.vocab_size)
-    static = dict(max_new=int(max_new_tokens), eos_ids=eos, cache_len=cache_len, sampling=sampling)
-    args = (target, jnp.asarray(padded), jnp.asarray(lens), _row_keys(seed, len(lens)))
-    return _run("autoregressive", _autoregressive_program, static, args, int(max_new_tokens), 0, eos)
+    return _run(autoregressive_call(target, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                                    eos_ids=eos_ids, seed=seed, top_k=top_k, top_p=top_p,
+                                    max_cache_len=max_cache_len, nvfp4_backend=nvfp4_backend,
+                                    prefill_timing=prefill_timing))

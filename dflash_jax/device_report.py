@@ -375,13 +375,8 @@ def step_cost_section(report: Report, smoke: bool, target_layers: int) -> dict:
 
 
 def _set_backend(backend: str | None):
+    # generate's programs are keyed on the backend resolved per call, so setting the default is enough
     set_default_backend(backend)
-    try:  # the decode programs are cached by shape; the backend is read while tracing
-        from dflash_jax import decoding
-        if hasattr(decoding, "_COMPILED"):
-            decoding._COMPILED.clear()
-    except Exception:
-        pass
 
 
 # -- 4. the embedded pair ---------------------------------------------------------------------------------------

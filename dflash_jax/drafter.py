@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DrafterConfig, check_pair
-from dflash_jax.layers import attend, mlp, project_kv, project_q, rms_norm, write_rows
-from dflash_jax.linear import linear
+from dflash_jax.layers import decoder_layer, project_kv, rms_norm, write_rows
+from dflash_jax.linear import backend_scope, linear, program_backend
 from dflash_jax.params import DrafterParams, abstract_drafter, init_from_abstract, static_field
 from dflash_jax.target import KVCache, Target
 
@@ -51,41 +51,49 @@ def fuse_context(drafter: Drafter, features: jax.Array) -> jax.Array:
                     cfg.rms_norm_eps)
 
 
+def context_kv(drafter: Drafter, features: jax.Array, positions: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+    """Per drafter layer, the context keys (k_norm + RoPE at `positions` [B, C]) and values [B, C, nKV, hd] of target
+    features [B, C, K*H]: what every block query sees of the context. Inference caches them (`append_context`);
+    training uses them directly."""
+    cfg = drafter.config.model
+    ctx = fuse_context(drafter, features)
+    return [project_kv(layer.self_attn, ctx, positions, cfg) for layer in drafter.params.layers]
+
+
 def append_context(drafter: Drafter, features: jax.Array, n_valid: jax.Array, cache: KVCache) -> KVCache:
     """Append the first n_valid[b] of features [B, C, K*H] to each row's context K/V (a static-width slab)."""
     cfg = drafter.config.model
     B, C, _ = features.shape
     chex.assert_shape(features, (B, C, drafter.config.num_taps * cfg.hidden_size))
-    ctx = fuse_context(drafter, features)
     offsets = jnp.arange(C, dtype=jnp.int32)[None, :]
     positions = cache.lengths[:, None] + offsets  # [B, C]
     # Slots past a row's valid count go to an out-of-range index and are dropped by the scatter.
     write_pos = jnp.where(offsets < n_valid[:, None], positions, cache.max_len)
-    ks, vs = [], []
-    for i, layer in enumerate(drafter.params.layers):
-        k, v = project_kv(layer.self_attn, ctx, positions, cfg)
-        ks.append(write_rows(cache.k[i], k, write_pos))
-        vs.append(write_rows(cache.v[i], v, write_pos))
-    return KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + n_valid.astype(jnp.int32))
+    kv = context_kv(drafter, features, positions)
+    ks = tuple(write_rows(cache.k[i], k, write_pos) for i, (k, _) in enumerate(kv))
+    vs = tuple(write_rows(cache.v[i], v, write_pos) for i, (_, v) in enumerate(kv))
+    return KVCache(k=ks, v=vs, lengths=cache.lengths + n_valid.astype(jnp.int32))
 
 
-def block_pass(drafter: Drafter, x: jax.Array, positions: jax.Array, ctx_k, ctx_v, mask: jax.Array) -> jax.Array:
+def block_pass(drafter: Drafter, x: jax.Array, positions: jax.Array, ctx_k, ctx_v, ctx_len: jax.Array, *,
+               mask: jax.Array | None = None, causal: bool = False,
+               windows: tuple[int | None, ...] | None = None, chunk: int | None = None) -> jax.Array:
     """The drafter layer stack over block queries x [B, Q, H] at positions [B, Q].
 
-    ctx_k/ctx_v: per layer [B, S, nKV, hd] context keys/values; mask [B, Q, S + Q] says which context keys and which
-    block keys each query sees. Inference (one block, cache) and training (many blocks per sequence, one mask) both
-    call this, so what is trained is exactly what runs. Returns the final-normed hidden states [B, Q, H].
+    ctx_k/ctx_v: per layer [B, S, nKV, hd] context keys/values, slot = position, valid below ctx_len ([B] per row,
+    or [B, Q] per query); mask [B, Q, Q]: which block keys each query sees (None: the whole block). causal / windows:
+    the layers' visibility rule (DFlash drafters: non-causal, full). Inference (one block, cache) and training (many
+    blocks per sequence, one mask) both call this, so what is trained is exactly what runs. Returns the final-normed
+    hidden states [B, Q, H].
     """
     cfg = drafter.config.model
+    windows = (None,) * len(drafter.params.layers) if windows is None else tuple(windows)
+    if len(windows) != len(drafter.params.layers):
+        raise ValueError(f"windows: {len(windows)} entries for {len(drafter.params.layers)} drafter layers")
     for i, layer in enumerate(drafter.params.layers):
         with jax.named_scope(f"draft_layer{i}"):
-            h = rms_norm(x, layer.input_layernorm, cfg.rms_norm_eps)
-            q = project_q(layer.self_attn, h, positions, cfg)
-            kb, vb = project_kv(layer.self_attn, h, positions, cfg)
-            k = jnp.concatenate([ctx_k[i], kb.astype(ctx_k[i].dtype)], axis=1)
-            v = jnp.concatenate([ctx_v[i], vb.astype(ctx_v[i].dtype)], axis=1)
-            x = x + linear(attend(q, k, v, mask), layer.self_attn.o_proj)
-            x = x + mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm, cfg.rms_norm_eps))
+            x, _, _ = decoder_layer(layer, x, positions, cfg, cache_k=ctx_k[i], cache_v=ctx_v[i], cache_len=ctx_len,
+                                    mask=mask, causal=causal, window=windows[i], chunk=chunk)
     return rms_norm(x, drafter.params.norm, cfg.rms_norm_eps)
 
 
@@ -95,15 +103,13 @@ def embed_block(drafter: Drafter, target: Target, block: jax.Array) -> jax.Array
 
 
 def block_hidden(drafter: Drafter, target: Target, block: jax.Array, cache: KVCache) -> jax.Array:
-    """One non-causal pass over block [B, bs] at positions lengths..lengths+bs-1 -> final hidden [B, bs, H]."""
+    """One non-causal pass over block [B, bs] at positions lengths..lengths+bs-1 -> final hidden [B, bs, H].
+
+    Every block slot sees all committed context (cache slots below the row's length) and the whole block."""
     B, bs = block.shape
-    start = cache.lengths
-    positions = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]  # [B, bs]
-    ctx_visible = jnp.arange(cache.max_len)[None, :] < start[:, None]  # [B, S]
-    # Every block slot sees all committed context and the whole block: no mask inside the block.
-    mask = jnp.concatenate([ctx_visible, jnp.ones((B, bs), bool)], axis=1)[:, None, :]
-    mask = jnp.broadcast_to(mask, (B, bs, cache.max_len + bs))
-    return block_pass(drafter, embed_block(drafter, target, block), positions, cache.k, cache.v, mask)
+    positions = cache.lengths[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]  # [B, bs]
+    return block_pass(drafter, embed_block(drafter, target, block), positions, cache.k, cache.v, cache.lengths,
+                      chunk=drafter.config.model.attention_chunk)
 
 
 def block_logits(drafter: Drafter, target: Target, block: jax.Array, cache: KVCache,
@@ -114,10 +120,12 @@ def block_logits(drafter: Drafter, target: Target, block: jax.Array, cache: KVCa
     return linear(h, target.lm_head).astype(jnp.float32)
 
 
-def draft_logits(drafter: Drafter, target: Target, features, block) -> jax.Array:
+def draft_logits(drafter: Drafter, target: Target, features, block, *,
+                 nvfp4_backend: str | None = None) -> jax.Array:
     """Public call (no cache): logits [B, bs-1, V] for block slots 1..bs-1.
 
     features [B, C, K*H]: target layer outputs of context positions 0..C-1; block [B, bs] at positions C..C+bs-1.
+    nvfp4_backend: for NVFP4 weights (see `dflash_jax.linear`); None = the current default, resolved per call.
     """
     check_pair(drafter.config, target.config)
     features, block = jnp.asarray(features), jnp.asarray(block)
@@ -128,12 +136,17 @@ def draft_logits(drafter: Drafter, target: Target, features, block) -> jax.Array
     if features.ndim != 3 or features.shape[-1] != want:
         raise ValueError(f"features must be [B, C, {want}] (len(target_layer_ids) * hidden), got "
                          f"{list(features.shape)}")
-    return _draft_logits_jit(drafter, target, features, block)
+    return _draft_logits_jit(drafter, target, features, block, program_backend(drafter, target, backend=nvfp4_backend))
 
 
-@jax.jit
-def _draft_logits_jit(drafter, target, features, block):
+@jax.jit(static_argnums=(4,))
+def _draft_logits_jit(drafter, target, features, block, backend):
     B, C = features.shape[:2]
-    cache = DraftCache.empty(drafter.config, B, C)
-    cache = append_context(drafter, features, jnp.full((B,), C, jnp.int32), cache)
-    return block_logits(drafter, target, block, cache)
+    # The whole context is live here: one dense attention pass (no chunk loop, whose traced trip count would also
+    # make the call impossible to differentiate in reverse mode, e.g. by audit_scales).
+    cfg = drafter.config
+    drafter = drafter.replace(config=cfg.replace(model=cfg.model.replace(attention_chunk=None)))
+    with backend_scope(backend):
+        cache = DraftCache.empty(drafter.config, B, C)
+        cache = append_context(drafter, features, jnp.full((B,), C, jnp.int32), cache)
+        return block_logits(drafter, target, block, cache)

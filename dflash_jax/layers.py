@@ -1,4 +1,5 @@
-"""The Qwen3 building blocks shared by the target and the drafter: RMSNorm, RoPE, GQA attention, SwiGLU.
+"""The Qwen3 building blocks shared by the target and the drafter: RMSNorm, RoPE, projections, SwiGLU, and the
+decoder layer itself (attention is `dflash_jax.attention.attention`).
 
 Every linear goes through `dflash_jax.linear.linear`, which dispatches on the weight's leaf type (dense or NVFP4);
 nothing here knows or cares whether a weight is quantized.
@@ -9,9 +10,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.attention import attention
 from dflash_jax.config import Qwen3Config
 from dflash_jax.linear import linear
-from dflash_jax.params import MLP, Attention
+from dflash_jax.params import MLP, Attention, DecoderLayer
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -51,25 +53,38 @@ def project_q(attn: Attention, h: jax.Array, positions: jax.Array, cfg: Qwen3Con
     return rope(rms_norm(q, attn.q_norm, cfg.rms_norm_eps), positions, cfg)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """GQA softmax attention. q [B, T, nH, hd], k/v [B, S, nKV, hd], mask [B, T, S] (True = visible).
-
-    Returns [B, T, nH*hd]. A query that sees no key gets a uniform average instead of NaN.
-    """
-    B, T, nH, hd = q.shape
-    nKV = k.shape[2]
-    qg = q.reshape(B, T, nKV, nH // nKV, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    # Stale slots past a row's length (rolled back, never written) are masked, but 0 * NaN is NaN: zero them.
-    v = jnp.where(mask.any(axis=1)[:, :, None, None], v, jnp.zeros((), v.dtype))
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.astype(q.dtype).reshape(B, T, nH * hd)
-
-
 def mlp(p: MLP, x: jax.Array) -> jax.Array:
     return linear(jax.nn.silu(linear(x, p.gate_proj)) * linear(x, p.up_proj), p.down_proj)
+
+
+def decoder_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cfg: Qwen3Config, *,
+                  cache_k: jax.Array | None = None, cache_v: jax.Array | None = None,
+                  cache_len: jax.Array | None = None, write: bool = False, mask: jax.Array | None = None,
+                  causal: bool, window: int | None = None, chunk: int | None = None):
+    """One Qwen3 decoder layer over x [B, T, H] at absolute positions [B, T], with the layer's causality and sliding
+    window (None = full).
+
+    write=False: the queries attend to cached keys (cache_k/cache_v [B, S, nKV, hd], slot = position, valid below
+    cache_len; none when cache_k is None) and to this call's own keys (restricted by mask [B, T, T] when given).
+    Returns (x [B, T, H], k, v [B, T, nKV, hd]): this call's post-RoPE keys and values (the drafter drops its block's).
+    write=True: this call's keys and values are first written into the cache at `positions`, then the queries attend
+    to the cache alone, valid below cache_len (which counts the new tokens). Returns (x, cache_k, cache_v) updated.
+    Writing before reading lets XLA update the cache in place: a read of the old cache next to an in-place write of
+    it forces a copy of the whole cache every step.
+    """
+    h = rms_norm(x, layer.input_layernorm, cfg.rms_norm_eps)
+    q = project_q(layer.self_attn, h, positions, cfg)
+    k, v = project_kv(layer.self_attn, h, positions, cfg)
+    if write:
+        cache_k, cache_v = write_rows(cache_k, k, positions), write_rows(cache_v, v, positions)
+        a = attention(q, positions, cache_k=cache_k, cache_v=cache_v, cache_len=cache_len, causal=causal,
+                      window=window, chunk=chunk)
+    else:
+        a = attention(q, positions, cache_k=cache_k, cache_v=cache_v, cache_len=cache_len, k=k, v=v,
+                      k_pos=positions, k_mask=mask, causal=causal, window=window, chunk=chunk)
+    x = x + linear(a, layer.self_attn.o_proj)
+    x = x + mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm, cfg.rms_norm_eps))
+    return (x, cache_k, cache_v) if write else (x, k, v)
 
 
 def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:

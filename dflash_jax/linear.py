@@ -17,14 +17,20 @@ Backends for NVFP4 weights:
             from portable by the activation quantization error.
 W4A4 weights (`input_scale` set) quantize x with that calibrated scale first on portable and
 pallas alike, so both keep the same activation semantics.
-Selection: explicit `backend=` > `set_default_backend(...)` > env DFLASH_JAX_NVFP4_BACKEND
+Selection: explicit `backend=` > `backend_scope(...)` > `set_default_backend(...)` > env DFLASH_JAX_NVFP4_BACKEND
 > auto: native on a GPU with compute capability >= 10.0, pallas on other CUDA GPUs,
 portable elsewhere (CPU, TPU, ROCm). `resolve_backend` and `BACKENDS` are the one source of
 truth for names and availability.
+
+Compiled programs must not read the process-wide choice while tracing (a later `set_default_backend` would then be
+ignored by the cached executable): the package's jitted calls resolve the backend on the host (`program_backend`),
+pass the name as a static argument (so it is part of the compilation key) and trace under `backend_scope(name)`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
 from typing import Any
@@ -39,6 +45,9 @@ BACKENDS = ("portable", "pallas", "native")
 ENV_VAR = "DFLASH_JAX_NVFP4_BACKEND"
 
 _default_backend: str | None = None
+# Set while a program is traced, from that program's static argument (see the module doc).
+_scoped_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("dflash_jax_nvfp4_backend",
+                                                                             default=None)
 # Indirection so tests can emulate the native kernel on CPU (jax <= 0.10.2 has no CPU lowering).
 _scaled_matmul = jax.nn.scaled_matmul
 
@@ -89,8 +98,18 @@ def pallas_supported() -> bool:
     return _platform() in ("cuda", "cpu")
 
 
+@contextlib.contextmanager
+def backend_scope(backend: str | None):
+    """Inside the block, `linear(x, w)` without `backend=` uses `backend` (None: the usual selection)."""
+    token = _scoped_backend.set(backend)
+    try:
+        yield
+    finally:
+        _scoped_backend.reset(token)
+
+
 def resolve_backend(backend: str | None = None) -> str:
-    choice = backend or _default_backend or os.environ.get(ENV_VAR) or None
+    choice = backend or _scoped_backend.get() or _default_backend or os.environ.get(ENV_VAR) or None
     if choice is None:
         if _platform() != "cuda":
             return "portable"
@@ -110,6 +129,15 @@ def resolve_backend(backend: str | None = None) -> str:
             f"this device is {_platform()!r}; use backend='portable'"
         )
     return choice
+
+
+def program_backend(*models, backend: str | None = None) -> str | None:
+    """The NVFP4 backend a program over `models` (pytrees) is compiled for, resolved now, on the host: a concrete
+    name when any leaf is an NVFP4Array (or `backend` is given, which is validated), else None (dense models do not
+    depend on it). Pass it as a static argument and trace under `backend_scope`."""
+    has_nvfp4 = any(isinstance(leaf, NVFP4Array) for leaf in
+                    jax.tree.leaves(models, is_leaf=lambda x: isinstance(x, NVFP4Array)))
+    return resolve_backend(backend) if has_nvfp4 or backend is not None else None
 
 
 def _dot(x: jax.Array, w: jax.Array) -> jax.Array:

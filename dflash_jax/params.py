@@ -193,7 +193,3 @@ def param_bytes(tree) -> int:
     for leaf in named_leaves(tree).values():
         total += leaf.nbytes if isinstance(leaf, NVFP4Array) else int(np.prod(leaf.shape)) * leaf.dtype.itemsize
     return total
-
-
-def count_params(tree) -> int:
-    return sum(int(np.prod(leaf.shape)) for leaf in named_leaves(tree).values())

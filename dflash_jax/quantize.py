@@ -146,6 +146,36 @@ def collect_linear_inputs(forward, model, *args, max_rows: int = 4096, seed: int
     return out
 
 
+def calibrate_drafter(target, drafter, token_windows, *, anchors_per_window: int = 8, seed: int = 0,
+                      max_rows: int = 4096) -> dict[str, np.ndarray]:
+    """Calibration activations for every drafter linear, from real text, as `quantize_nvfp4` takes them: for each
+    token window [T], the target's features of the window, then drafter blocks anchored at random positions (context
+    strictly before the anchor, as at inference), run eagerly through `collect_linear_inputs`."""
+    from dflash_jax.drafter import draft_logits
+    from dflash_jax.target import target_forward
+
+    cfg = drafter.config
+    rng = np.random.default_rng(seed)
+    windows = np.asarray(token_windows, np.int32)
+    if windows.ndim != 2 or windows.shape[1] < 10:
+        raise ValueError(f"token_windows must be [n, T] with T >= 10, got shape {windows.shape}")
+    feats = np.asarray(target_forward(target, windows, cfg.target_layer_ids)[1])
+    contexts, blocks = [], []
+    for i, w in enumerate(windows):
+        k = min(anchors_per_window, len(w) - 9)
+        for a in np.sort(rng.choice(np.arange(8, len(w) - 1), size=k, replace=False)):
+            contexts.append(feats[i, :a])
+            blk = np.full((cfg.block_size,), cfg.mask_token_id, np.int32)
+            blk[0] = w[a]
+            blocks.append(blk)
+
+    def forward(d, contexts, blocks):
+        for f, b in zip(contexts, blocks):
+            draft_logits(d, target, f[None], b[None])
+
+    return collect_linear_inputs(forward, drafter, contexts, blocks, max_rows=max_rows, seed=seed)
+
+
 def _without_global_scales(params, patterns: Sequence[str]):
     def drop(name, leaf):
         if isinstance(leaf, NVFP4Array) and _matches(name, patterns):

@@ -1,9 +1,10 @@
-"""Reading and writing `.safetensors` files with numpy + ml_dtypes, treating every file as hostile.
+"""Reading and writing `.safetensors` files with numpy + ml_dtypes, treating every file read as hostile.
 
-The `safetensors` package's numpy backend cannot load FP8 tensors (numpy has no float8 dtype), and torch is only a
-test oracle here, so the (simple) format is read directly: 8-byte little-endian header length, a JSON header
-`{name: {dtype, shape, data_offsets}}`, then the data. Every header field is checked against the file before any
-tensor is built, and errors name the file and the tensor.
+Writing goes through the `safetensors` library (`safetensors.numpy.save_file` takes ml_dtypes bfloat16 / float8
+arrays). Reading does not: the library's numpy and flax readers fail on F8_E4M3 and BF16 (numpy has no such dtypes)
+and torch is only a test oracle here, so the (simple) format is read directly: 8-byte little-endian header length, a
+JSON header `{name: {dtype, shape, data_offsets}}`, then the data. Every header field is checked against the file
+before any tensor is built, and errors name the file and the tensor.
 """
 
 from __future__ import annotations
@@ -76,13 +77,6 @@ def read_header(path: str | Path) -> tuple[dict, int]:
     return out, data_start
 
 
-def read_metadata(path: str | Path) -> dict:
-    path = Path(path)
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        return json.loads(f.read(n)).get("__metadata__", {}) or {}
-
-
 def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     """All tensors of a file as numpy arrays (memory-mapped, read-only)."""
     header, data_start = read_header(path)
@@ -94,22 +88,15 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
-    header, offset, blobs = {}, 0, []
-    for name in sorted(tensors):
-        arr = np.asarray(tensors[name])  # not ascontiguousarray: it turns 0-d scalars into shape [1]
+    """Write tensors (numpy / ml_dtypes arrays, 0-d scalars stay 0-d) with `safetensors.numpy.save_file`."""
+    from safetensors.numpy import save_file
+
+    arrays = {}
+    for name, value in tensors.items():
+        arr = np.asarray(value)
         if arr.dtype not in _NAMES:
             raise SafetensorsError(f"cannot write tensor {name!r} of dtype {arr.dtype}")
-        data = arr.tobytes(order="C")
-        header[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-        blobs.append(data)
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # align the data section to 8 bytes, as the reference writer does
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for b in blobs:
-            f.write(b)
+        # The writer copies from the array's data pointer: it must be C-contiguous. (np.require, not
+        # np.ascontiguousarray, which turns 0-d scalars into shape [1].)
+        arrays[name] = np.require(arr, requirements="C")
+    save_file(arrays, str(path), metadata={str(k): str(v) for k, v in (metadata or {}).items()} or None)

@@ -16,18 +16,27 @@ row's next key and all the uniforms it needs, so a row's draws depend only on it
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    p_min: float = 0.0  # 0 = off
-    draft_sampling: str = "sample"  # "sample": x ~ q ; "greedy": x = argmax q (point-mass proposal)
+    """Sampling settings. The numbers are pytree leaves (traced: one compiled program serves every temperature,
+    top-k, top-p and p_min); whether decoding is greedy and how drafts are drawn are static (they change the program).
+    """
+
+    temperature: Any = 0.0  # [] f32
+    top_k: Any = 0  # [] i32, 0 = off
+    top_p: Any = 1.0  # [] f32, 1 = off
+    p_min: Any = 0.0  # [] f32, 0 = off
+    greedy: bool = dataclasses.field(default=True, metadata=dict(static=True))  # temperature == 0
+    # "sample": x ~ q ; "greedy": x = argmax q (point-mass proposal)
+    draft_sampling: str = dataclasses.field(default="sample", metadata=dict(static=True))
 
     @classmethod
     def make(cls, temperature=0.0, top_k=0, top_p=1.0, p_min=0.0, draft_sampling="sample") -> "SamplingParams":
@@ -41,22 +50,32 @@ class SamplingParams:
             raise ValueError(f"p_min must be in [0, 1), got {p_min!r}")
         if draft_sampling not in ("sample", "greedy"):
             raise ValueError(f"draft_sampling must be 'sample' or 'greedy', got {draft_sampling!r}")
-        return cls(float(temperature), int(top_k), float(top_p), float(p_min), draft_sampling)
+        return cls(float(temperature), int(top_k), float(top_p), float(p_min), float(temperature) == 0.0,
+                   draft_sampling)
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+    def as_arrays(self) -> "SamplingParams":
+        """The same settings with fixed-dtype numpy leaves, so a compiled program sees one signature for all values."""
+        return dataclasses.replace(self, temperature=np.float32(self.temperature), top_k=np.int32(self.top_k),
+                                   top_p=np.float32(self.top_p), p_min=np.float32(self.p_min))
 
 
 def processed_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
-    """Probabilities [..., V] f32 after temperature, top-k and top-p (identical for target and drafter)."""
+    """Probabilities [..., V] f32 after temperature, top-k and top-p (identical for target and drafter).
+
+    top-k and top-p are traced: each runs under a `lax.cond`, so a program pays for the sort only when it is on.
+    """
     x = logits.astype(jnp.float32) / sp.temperature
     V = x.shape[-1]
-    if 0 < sp.top_k < V:
-        kth = jax.lax.top_k(x, sp.top_k)[0][..., -1:]
-        x = jnp.where(x < kth, -jnp.inf, x)
+    k = jnp.asarray(sp.top_k, jnp.int32)
+
+    def top_k(x):
+        kth = jnp.take(jnp.sort(x, axis=-1), V - k, axis=-1)[..., None]  # the k-th largest value (ties kept)
+        return jnp.where(x < kth, -jnp.inf, x)
+
+    x = jax.lax.cond((k > 0) & (k < V), top_k, lambda x: x, x)
     probs = jax.nn.softmax(x, axis=-1)
-    if sp.top_p < 1.0:
+
+    def top_p(probs):
         # Keep the smallest set of highest-probability tokens whose mass reaches top_p (the top token always).
         order = jnp.argsort(-probs, axis=-1)
         sorted_p = jnp.take_along_axis(probs, order, axis=-1)
@@ -65,8 +84,9 @@ def processed_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
         keep = jnp.zeros_like(keep_sorted).at[
             tuple(jnp.indices(order.shape)[:-1]) + (order,)].set(keep_sorted)
         probs = jnp.where(keep, probs, 0.0)
-        probs = probs / probs.sum(axis=-1, keepdims=True)
-    return probs
+        return probs / probs.sum(axis=-1, keepdims=True)
+
+    return jax.lax.cond(jnp.asarray(sp.top_p) < 1.0, top_p, lambda p: p, probs)
 
 
 def _draw(keys: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
@@ -102,11 +122,13 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, sp: SamplingParams, draft:
 
 def _pmin_mask(d_logits: jax.Array, sp: SamplingParams) -> jax.Array:
     """[B, D] True while the draft's top probability stays >= p_min (then False from the first low slot on)."""
-    if sp.p_min <= 0:
-        return jnp.ones(d_logits.shape[:2], bool)
-    probs = jax.nn.softmax(d_logits.astype(jnp.float32), axis=-1) if sp.greedy else processed_probs(d_logits, sp)
-    confident = probs.max(axis=-1) >= sp.p_min
-    return jnp.cumprod(confident.astype(jnp.int32), axis=1).astype(bool)
+    def mask(d_logits):
+        probs = (jax.nn.softmax(d_logits.astype(jnp.float32), axis=-1) if sp.greedy
+                 else processed_probs(d_logits, sp))
+        confident = probs.max(axis=-1) >= sp.p_min
+        return jnp.cumprod(confident.astype(jnp.int32), axis=1).astype(bool)
+
+    return jax.lax.cond(jnp.asarray(sp.p_min) > 0, mask, lambda d: jnp.ones(d.shape[:2], bool), d_logits)
 
 
 def residual_probs(p: jax.Array, q: jax.Array) -> jax.Array:

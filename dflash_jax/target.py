@@ -1,8 +1,9 @@
 """The Qwen3 target model: params + static config, a preallocated KV cache with per-row lengths, one forward.
 
-One function (`forward`) serves prefill, extend and verify: it writes the new tokens' K/V at each row's current
-length and returns the cache with lengths advanced by T. Rollback is arithmetic on `lengths`; rejected slots stay in
-memory, are masked by `position < length`, and get overwritten by the next write.
+One function (`forward_with_cache`) serves prefill, extend and verify: the new tokens' K/V are written at each row's
+current length, the tokens attend causally to the cache (slots below length + T), and the cache comes back with
+lengths advanced by T. Rollback is arithmetic on `lengths`; rejected slots stay in
+memory, are never visible (only slots below a length are), and get overwritten by the next write.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import Qwen3Config
-from dflash_jax.layers import attend, mlp, project_kv, project_q, rms_norm, write_rows
-from dflash_jax.linear import linear
+from dflash_jax.layers import decoder_layer, rms_norm, write_rows
+from dflash_jax.linear import backend_scope, linear, program_backend
 from dflash_jax.params import (TargetParams, abstract_target, init_from_abstract, static_field)
 
 
@@ -52,8 +53,10 @@ class KVCache:
     @classmethod
     def empty(cls, cfg: Qwen3Config, batch: int, max_len: int) -> "KVCache":
         shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        zeros = tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_hidden_layers))
-        return cls(k=zeros, v=zeros, lengths=jnp.zeros((batch,), jnp.int32))
+        # One buffer per array (k and v never share one), so a cache can be donated and updated in place.
+        k = tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_hidden_layers))
+        v = tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_hidden_layers))
+        return cls(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
 
 
 def init_target(cfg: Qwen3Config, key: jax.Array) -> Target:
@@ -61,15 +64,15 @@ def init_target(cfg: Qwen3Config, key: jax.Array) -> Target:
     return Target(params=params, config=cfg)
 
 
-def forward_with_cache(target: Target, tokens: jax.Array, cache: KVCache | None,
-                       layer_ids: Sequence[int] = (), *, positions: jax.Array | None = None,
-                       ) -> tuple[jax.Array, jax.Array, KVCache | None]:
-    """Run T new tokens per row on top of `cache`.
+def forward_hidden(target: Target, tokens: jax.Array, cache: KVCache | None, layer_ids: Sequence[int] = (), *,
+                   positions: jax.Array | None = None, windows: Sequence[int | None] | None = None,
+                   empty_cache: bool = False) -> tuple[jax.Array, jax.Array, KVCache | None]:
+    """The decoder stack over T new tokens per row: (final-normed hidden [B, T, H], features, cache).
 
-    tokens [B, T] int; cache lengths [B] give each row's start position. Returns
-    (logits [B, T, V] f32, features [B, T, len(layer_ids)*H], cache with the new K/V written and lengths += T).
-    With cache=None the tokens are a fresh sequence at positions 0..T-1 (training / no-cache use).
-    Feature id L is the output of decoder layer L (0-based), i.e. HF `hidden_states[L + 1]`.
+    See `forward_with_cache`; this stops before the LM head, so callers that keep a few rows (prefill keeps one per
+    row) project only those. windows: per-layer sliding windows (None = full attention everywhere, as Qwen3).
+    empty_cache: the cache holds nothing yet (prefill): the new K/V are written, the empty cache is not attended
+    (attending to a constant-empty cache only gives XLA constants to fold at compile time).
     """
     cfg = target.config
     p = target.params
@@ -78,43 +81,73 @@ def forward_with_cache(target: Target, tokens: jax.Array, cache: KVCache | None,
     for i in layer_ids:
         if not 0 <= i < cfg.num_hidden_layers:
             raise ValueError(f"layer id {i} outside 0..{cfg.num_hidden_layers - 1}")
-    if positions is None:
+    windows = (None,) * cfg.num_hidden_layers if windows is None else tuple(windows)
+    if len(windows) != cfg.num_hidden_layers:
+        raise ValueError(f"windows: {len(windows)} entries for {cfg.num_hidden_layers} layers")
+    if positions is None:  # with a cache, the new tokens must sit at slots lengths..lengths+T-1 (the default)
         start = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
-    if cache is None:
-        key_pos = positions  # [B, S=T]
-    else:
-        key_pos = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (B, cache.max_len))
-    # Causal over absolute positions: cached keys of this row and the new ones up to the query itself.
-    mask = key_pos[:, None, :] <= positions[:, :, None]  # [B, T, S]
 
     x = jnp.take(p.embed_tokens, tokens, axis=0).astype(cfg.dtype)  # [B, T, H]
     new_k, new_v, feats = [], [], {}
     for i, layer in enumerate(p.layers):
         with jax.named_scope(f"layer{i}"):
-            h = rms_norm(x, layer.input_layernorm, cfg.rms_norm_eps)
-            q = project_q(layer.self_attn, h, positions, cfg)
-            k, v = project_kv(layer.self_attn, h, positions, cfg)
-            if cache is not None:
-                k = write_rows(cache.k[i], k, positions)
-                v = write_rows(cache.v[i], v, positions)
+            kw = dict(causal=True, window=windows[i], chunk=cfg.attention_chunk)
+            if cache is None or empty_cache:  # the new tokens see each other only
+                x, k, v = decoder_layer(layer, x, positions, cfg, **kw)
+                if cache is not None:
+                    new_k.append(write_rows(cache.k[i], k, positions))
+                    new_v.append(write_rows(cache.v[i], v, positions))
+            else:  # written at each row's length first, then the cache is attended (slots < length + T)
+                x, k, v = decoder_layer(layer, x, positions, cfg, cache_k=cache.k[i], cache_v=cache.v[i],
+                                        cache_len=cache.lengths + T, write=True, **kw)
                 new_k.append(k)
                 new_v.append(v)
-            x = x + linear(attend(q, k, v, mask), layer.self_attn.o_proj)
-            x = x + mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm, cfg.rms_norm_eps))
         if i in layer_ids:
             feats[i] = x
-    logits = linear(rms_norm(x, p.norm, cfg.rms_norm_eps), target.lm_head).astype(jnp.float32)
+    h = rms_norm(x, p.norm, cfg.rms_norm_eps)
     features = (jnp.concatenate([feats[i] for i in layer_ids], axis=-1) if layer_ids
                 else jnp.zeros((B, T, 0), cfg.dtype))
-    chex.assert_shape(logits, (B, T, cfg.vocab_size))
     if cache is not None:
         cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + T)
+    return h, features, cache
+
+
+def lm_logits(target: Target, h: jax.Array) -> jax.Array:
+    """Final-normed hidden [..., H] -> logits [..., V] float32."""
+    return linear(h, target.lm_head).astype(jnp.float32)
+
+
+def forward_with_cache(target: Target, tokens: jax.Array, cache: KVCache | None,
+                       layer_ids: Sequence[int] = (), *, positions: jax.Array | None = None,
+                       logits_at: jax.Array | None = None, windows: Sequence[int | None] | None = None,
+                       empty_cache: bool = False) -> tuple[jax.Array, jax.Array, KVCache | None]:
+    """Run T new tokens per row on top of `cache`.
+
+    tokens [B, T] int; cache lengths [B] give each row's start position. Returns
+    (logits [B, T, V] f32, features [B, T, len(layer_ids)*H], cache with the new K/V written and lengths += T).
+    logits_at [B, R] int: logits only at those token indices ([B, R, V]), e.g. the last prompt token of each row.
+    empty_cache: a freshly allocated cache (prefill), written but not attended (see `forward_hidden`).
+    With cache=None the tokens are a fresh sequence at positions 0..T-1 (training / no-cache use).
+    Feature id L is the output of decoder layer L (0-based), i.e. HF `hidden_states[L + 1]`.
+    """
+    cfg = target.config
+    B, T = tokens.shape
+    h, features, cache = forward_hidden(target, tokens, cache, layer_ids, positions=positions, windows=windows,
+                                        empty_cache=empty_cache)
+    if logits_at is not None:
+        h = jnp.take_along_axis(h, logits_at.astype(jnp.int32)[..., None], axis=1)  # [B, R, H]
+    logits = lm_logits(target, h)
+    chex.assert_shape(logits, (B, T if logits_at is None else logits_at.shape[1], cfg.vocab_size))
     return logits, features, cache
 
 
-def target_forward(target: Target, tokens, layer_ids: Sequence[int] = ()) -> tuple[jax.Array, jax.Array]:
-    """Public call: logits [B, T, V] f32 and features [B, T, len(layer_ids)*H] for tokens at positions 0..T-1."""
+def target_forward(target: Target, tokens, layer_ids: Sequence[int] = (), *,
+                   nvfp4_backend: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """Public call: logits [B, T, V] f32 and features [B, T, len(layer_ids)*H] for tokens at positions 0..T-1.
+
+    nvfp4_backend: for NVFP4 weights (see `dflash_jax.linear`); None = the current default, resolved per call.
+    """
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be an int array [B, T], got {tokens.dtype}{list(tokens.shape)}")
@@ -124,10 +157,12 @@ def target_forward(target: Target, tokens, layer_ids: Sequence[int] = ()) -> tup
             b, t = bad[0]
             raise ValueError(f"token id {int(tokens[b, t])} at row {b}, position {t} is outside the vocabulary "
                              f"[0, {target.config.vocab_size})")
-    logits, features, _ = _target_forward_jit(target, tokens, tuple(int(i) for i in layer_ids))
+    backend = program_backend(target, backend=nvfp4_backend)
+    logits, features, _ = _target_forward_jit(target, tokens, tuple(int(i) for i in layer_ids), backend)
     return logits, features
 
 
-@jax.jit(static_argnums=(2,))
-def _target_forward_jit(target, tokens, layer_ids):
-    return forward_with_cache(target, tokens, None, layer_ids)
+@jax.jit(static_argnums=(2, 3))
+def _target_forward_jit(target, tokens, layer_ids, backend):
+    with backend_scope(backend):
+        return forward_with_cache(target, tokens, None, layer_ids)

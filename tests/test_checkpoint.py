@@ -108,13 +108,17 @@ def test_hf_bf16_in_file(tmp_path):
     header, _ = read_header(tmp_path / "a" / "model.safetensors")
     assert {dt for dt, _, _ in header.values()} == {BF16}
     assert json.loads((tmp_path / "a" / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    t16 = dj.load_target(tmp_path / "a")
+    t16 = dj.load_target(tmp_path / "a", param_dtype="bfloat16")
     assert t16.config.param_dtype == "bfloat16" and t16.config.compute_dtype == "float32"
     want = jax.tree.map(lambda x: x.astype(jnp.bfloat16), t.params)  # RNE rounding of the f32 weights
     assert_bit_exact(want, t16.params)
     # A bf16 model written in its own dtype comes back bit-exact too.
     dj.save_hf(tmp_path / "b", t16)
-    assert_bit_exact(t16, dj.load_target(tmp_path / "b"))
+    assert_bit_exact(t16, dj.load_target(tmp_path / "b", param_dtype="bfloat16"))
+    # By default parameters follow the compute dtype (float32 on CPU): the bf16 values widened exactly.
+    t32 = dj.load_target(tmp_path / "a")
+    assert t32.config.param_dtype == "float32" == t32.config.compute_dtype
+    assert_bit_exact(jax.tree.map(lambda x: x.astype(jnp.float32), want), t32.params)
 
 
 def _shard(folder, tensors, split=lambda name: "layers.1." in name, names=("model-00001-of-00002.safetensors",
@@ -235,6 +239,32 @@ def test_missing_files(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # Hostile safetensors files
 # ---------------------------------------------------------------------------------------------------------------
+
+def test_writer_round_trip_every_dtype_bit_exact(tmp_path):
+    """The writer (safetensors.numpy.save_file) and our reader agree byte for byte on every dtype we use; 0-d
+    scalars stay 0-d, strided views are written by value, and the metadata comes back."""
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((4, 32)).astype(np.float32)
+    tensors = {
+        "f32": base, "f16": base.astype(np.float16), "bf16": base.astype(ml_dtypes.bfloat16),
+        "e4m3": base.astype(ml_dtypes.float8_e4m3fn), "e5m2": base.astype(ml_dtypes.float8_e5m2),
+        "u8": rng.integers(0, 256, (3, 5)).astype(np.uint8), "i32": rng.integers(-9, 9, (7,)).astype(np.int32),
+        "scalar": np.asarray(np.float32(0.125)), "empty": np.zeros((0, 3), np.float32),
+        "strided": base[:, ::2], "fortran": np.asfortranarray(base), "bool": base > 0,
+    }
+    p = tmp_path / "x.safetensors"
+    write_safetensors(p, tensors, {"format": "pt"})
+    back = read_safetensors(p)
+    assert set(back) == set(tensors)
+    for name, arr in tensors.items():
+        assert back[name].dtype == arr.dtype and back[name].shape == arr.shape, name
+        assert back[name].tobytes() == np.ascontiguousarray(arr).tobytes(), name
+    assert back["scalar"].shape == ()
+    raw = p.read_bytes()
+    assert json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])["__metadata__"] == {"format": "pt"}
+    with pytest.raises(SafetensorsError, match="cannot write tensor 'c'"):
+        write_safetensors(tmp_path / "y.safetensors", {"c": np.zeros(2, np.complex64)})
+
 
 def _raw(path: Path, header, data: bytes = b"", n: int | None = None):
     text = header if isinstance(header, bytes) else json.dumps(header).encode()
@@ -404,13 +434,16 @@ def test_orbax_round_trip_drafter_bf16_nvfp4(tmp_path):
     d = _quantize_where(d, lambda n: n == "fc" or n.endswith("_proj") and "layers.1." in n)
     assert isinstance(d.params.fc, NVFP4Array) and d.params.layers[0].mlp.up_proj.dtype == jnp.bfloat16
     dj.save(tmp_path, d)
-    d2 = dj.load_drafter(tmp_path)
+    d2 = dj.load_drafter(tmp_path, param_dtype="bfloat16")
     assert d2.config == d.config
     assert_bit_exact(d, d2)
     # Saving again into the same folder replaces the old params.
     d3 = dj.init_drafter(drafter_cfg(param_dtype="bfloat16"), jax.random.key(7))
     dj.save(tmp_path, d3)
-    assert_bit_exact(d3, dj.load_drafter(tmp_path))
+    assert_bit_exact(d3, dj.load_drafter(tmp_path, param_dtype="bfloat16"))
+    # Default: dense parameters in the compute dtype (float32 on CPU); NVFP4 leaves untouched.
+    d4 = dj.load_drafter(tmp_path)
+    assert d4.config.model.param_dtype == "float32" and d4.params.layers[0].mlp.up_proj.dtype == jnp.float32
 
 
 def test_orbax_load_honours_param_dtype(tmp_path):
@@ -672,7 +705,7 @@ def zlab_folder(tmp_path):
 
 def test_zlab_drafter_folder_loads(zlab_folder):
     folder, tensors = zlab_folder
-    d = dj.load_drafter(folder)
+    d = dj.load_drafter(folder, param_dtype="bfloat16")
     c = d.config
     assert (c.block_size, c.mask_token_id, c.target_layer_ids, c.num_target_layers) == (16, 95, (1, 3, 5), 8)
     assert c.num_taps == 3 and c.model.hidden_size == ZL_H and c.model.head_dim == ZL_HD
@@ -686,7 +719,7 @@ def test_zlab_drafter_folder_loads(zlab_folder):
     # Round trip through our own writer keeps the same 11*L + 3 names.
     dj.save_hf(folder / "again", d)
     assert set(read_header(folder / "again" / "model.safetensors")[0]) == set(tensors)
-    assert_bit_exact(d, dj.load_drafter(folder / "again"))
+    assert_bit_exact(d, dj.load_drafter(folder / "again", param_dtype="bfloat16"))
 
 
 def test_zlab_top_level_keys_variant(zlab_folder):

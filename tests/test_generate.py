@@ -425,15 +425,9 @@ def test_acceptance_lengths_match_reference_loop_position_sensitive(copy_runs):
 
 # -- 3. one generate call = one compiled program ---------------------------------------------------------------------
 
-def _static_and_args(target, drafter, prompts, max_new, *, draft_length=None, eos=(), sampling=None, seed=0):
-    """What `generate` hands to the compiled program (mirrors generate's host-side preparation)."""
-    D = drafter.config.block_size - 1 if draft_length is None else draft_length
-    padded, lens = G.prepare_prompt(prompts, target.config.vocab_size)
-    static = dict(max_new=max_new, draft_length=D, eos_ids=tuple(eos),
-                  cache_len=G._check_budget(target, lens, max_new, D + 1, None),
-                  sampling=sampling or SamplingParams.make())
-    args = (target, drafter, jnp.asarray(padded), jnp.asarray(lens), G._row_keys(seed, len(lens)))
-    return static, args
+def _call(target, drafter, prompts, max_new, **kw):
+    """What `generate` hands to the compiled program (its own host-side preparation, not run)."""
+    return G.speculative_call(target, drafter, prompts, max_new_tokens=max_new, **kw)
 
 
 HOST_PRIMITIVES = ("callback", "device_put", "infeed", "outfeed", "send", "recv", "print")
@@ -460,8 +454,8 @@ def _host_ops(names):
 def test_speculative_program_is_one_while_loop_without_host_sync():
     s = C1
     target, drafter = make_target(s.target, 0), make_drafter(s.drafter, 100)
-    static, args = _static_and_args(target, drafter, _prompt_batches(64, 0)[0], MAX_NEW)
-    closed = jax.make_jaxpr(functools.partial(G._speculative_program, **static))(*args)
+    call = _call(target, drafter, _prompt_batches(64, 0)[0], MAX_NEW)
+    closed = jax.make_jaxpr(call.unjitted)(*call.args)
     top = [e.primitive.name for e in closed.jaxpr.eqns]
     assert top.count("while") == 1, f"expected exactly one top-level while, got {top.count('while')}"
     loop = closed.jaxpr.eqns[top.index("while")]
@@ -532,13 +526,14 @@ def test_compiled_program_runs_under_transfer_guard(copy_runs):
     device->host guards are inert (np.asarray of a device array is not caught), so this only proves there is no
     implicit host->device transfer; the prefill io_callback does not trip the guard."""
     r = copy_runs
-    static, args = _static_and_args(r["target"], r["perfect"], COPY_PROMPTS, COPY_MAX_NEW)
-    compiled, _ = G._compile("speculative", G._speculative_program, static, *args)  # cached by copy_runs
-    args = jax.device_put(args)
+    call = _call(r["target"], r["perfect"], COPY_PROMPTS, COPY_MAX_NEW)
+    traces = dict(G.TRACE_COUNTS)
+    args = jax.device_put(call.args)
     with jax.transfer_guard("disallow"):
-        out = compiled(*args)
+        out = call(*args)  # compiled by copy_runs
         jax.block_until_ready(out)
-    np.testing.assert_array_equal(np.asarray(out[0]), r["sp"].tokens)
+    assert G.TRACE_COUNTS == traces
+    np.testing.assert_array_equal(np.asarray(out[0])[:, :COPY_MAX_NEW], r["sp"].tokens)
 
 
 # -- 4. GenerationResult fields --------------------------------------------------------------------------------------
@@ -585,9 +580,12 @@ def test_prefill_timing_survives_callback_on_another_thread(sampled_runs):
 @pytest.fixture
 def no_work():
     """Asserts that the call under test neither traced nor compiled anything."""
-    before = (dict(G.TRACE_COUNTS), len(G._COMPILED))
+    def state():
+        return dict(G.TRACE_COUNTS), G._SPECULATIVE._cache_size(), G._AUTOREGRESSIVE._cache_size()
+
+    before = state()
     yield
-    assert (dict(G.TRACE_COUNTS), len(G._COMPILED)) == before, "work was done before the error"
+    assert state() == before, "work was done before the error"
 
 
 @pytest.fixture(scope="module")

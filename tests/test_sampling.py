@@ -533,17 +533,14 @@ def test_pmin_sampling_output_has_target_distribution(models, enumeration):
 
 def test_negative_control_resample_from_p_fails(models, enumeration, monkeypatch):
     """Sampling the token after a rejection from p instead of the residual must fail the same test."""
-    saved = dict(gen._COMPILED)  # programs built with the real rule; put back afterwards (saves recompiles)
-    gen._COMPILED.clear()
-    try:
-        wrong = functools.partial(accept_with_bug, bug=BUGS.index("resample_from_p"))
-        monkeypatch.setattr(gen, "accept_block", wrong)  # the name the compiled program calls
-        target, drafter = models["rejecting"]
-        res = gen.generate(target, drafter, [PROMPT] * N, max_new_tokens=NEW, draft_length=3, temperature=1.0,
-                           seed=0)
-    finally:
-        gen._COMPILED.clear()
-        gen._COMPILED.update(saved)
+    # A fresh jitted program (its own, empty compile cache) traced with the wrong rule; monkeypatch puts the real
+    # program, and its compiled executables, back afterwards.
+    monkeypatch.setattr(gen, "_SPECULATIVE", gen._jit_program("speculative", gen._speculative_program,
+                                                              gen.SPECULATIVE_STATIC))
+    wrong = functools.partial(accept_with_bug, bug=BUGS.index("resample_from_p"))
+    monkeypatch.setattr(gen, "accept_block", wrong)  # the name the compiled program calls
+    target, drafter = models["rejecting"]
+    res = gen.generate(target, drafter, [PROMPT] * N, max_new_tokens=NEW, draft_length=3, temperature=1.0, seed=0)
     assert_fails(compare("NEGATIVE CONTROL resample from p", res.tokens, exact_law(enumeration["rejecting"])))
 
 

@@ -400,3 +400,14 @@ def test_nonfinite_stale_slots_beyond_length_are_ignored(cache_target):
     poisoned = cache.replace(v=tuple(v.at[:, 12].set(jnp.nan) for v in cache.v))  # slot 12 > any position used
     got, _, _ = _fwd(cache_target, tok[:, 6:], poisoned)
     assert rel_err(got, ref) < CACHE_RTOL
+
+
+def test_empty_cache_buffers_are_distinct_and_donatable():
+    """k and v (and every layer) get their own buffers, so a step can donate the cache and update it in place."""
+    cache = KVCache.empty(CACHE_CFG, 2, 8)
+    ptrs = [a.unsafe_buffer_pointer() for a in cache.k + cache.v]
+    assert len(set(ptrs)) == len(ptrs)
+    step = jax.jit(lambda c: c.replace(k=tuple(k + 1 for k in c.k), v=tuple(v + 2 for v in c.v)), donate_argnums=0)
+    out = step(cache)
+    assert all(a.is_deleted() for a in cache.k + cache.v)  # donated
+    assert float(out.k[0][0, 0, 0, 0]) == 1.0 and float(out.v[1][0, 0, 0, 0]) == 2.0

@@ -23,9 +23,8 @@ import numpy as np
 
 from dflash_jax.checkpoint import load_target, save
 from dflash_jax.config import DrafterConfig, Qwen3Config, default_target_layer_ids
-from dflash_jax.drafter import Drafter, block_pass, embed_block, fuse_context, init_drafter
+from dflash_jax.drafter import Drafter, block_pass, context_kv, embed_block, init_drafter
 from dflash_jax.decoding import generate, generate_autoregressive
-from dflash_jax.layers import project_kv
 from dflash_jax.linear import linear
 from dflash_jax.target import Target, forward_with_cache
 from dflash_jax.tokenizer import Tokenizer
@@ -106,25 +105,21 @@ def training_logits(params, batch, cfg: DrafterConfig, target_cfg: Qwen3Config) 
     else:
         _, feats, _ = forward_with_cache(target, tokens, None, cfg.target_layer_ids)
     feats = jax.lax.stop_gradient(feats)  # [B, S, K*H]: the target is frozen
-    ctx = fuse_context(drafter, feats)
-    ctx_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    ctx_kv = [project_kv(layer.self_attn, ctx, ctx_pos, cfg.model) for layer in params.layers]
+    ctx_kv = context_kv(drafter, feats, jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)))
 
     k = jnp.arange(bs, dtype=jnp.int32)
     positions = (anchors[:, :, None] + k).reshape(B, N * bs)  # [B, N*bs]
     x_a = jnp.take_along_axis(tokens, anchors, axis=1)  # [B, N]
     block = jnp.where(k[None, None, :] == 0, x_a[:, :, None], cfg.mask_token_id).reshape(B, N * bs)
     block_id = jnp.repeat(jnp.arange(N), bs)  # [N*bs]
-    anchor_of_q = jnp.repeat(anchors, bs, axis=1)  # [B, N*bs]
-    keep_q = jnp.repeat(keep, bs, axis=1)
+    keep_q = jnp.repeat(keep, bs, axis=1)  # [B, N*bs]
     # Context strictly before the anchor (the anchor's own feature is not visible, as at inference);
     # the whole own block; no other block; dropped anchors see nothing.
-    sees_ctx = jnp.arange(S)[None, None, :] < anchor_of_q[:, :, None]  # [B, Q, S]
-    sees_blk = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (B, N * bs, N * bs))
-    mask = jnp.concatenate([sees_ctx, sees_blk], axis=2) & keep_q[:, :, None]
+    ctx_len = jnp.where(keep_q, jnp.repeat(anchors, bs, axis=1), 0)  # [B, Q]: context slots < anchor
+    sees_blk = (block_id[:, None] == block_id[None, :])[None] & keep_q[:, :, None]  # [B, Q, Q]
 
     h = block_pass(drafter, embed_block(drafter, target, block), positions,
-                   [kv[0] for kv in ctx_kv], [kv[1] for kv in ctx_kv], mask)
+                   [kv[0] for kv in ctx_kv], [kv[1] for kv in ctx_kv], ctx_len, mask=sees_blk)
     h = h.reshape(B, N, bs, -1)[:, :, 1:]  # slots 1..bs-1
     return linear(h, target.lm_head).astype(jnp.float32)  # [B, N, bs-1, V]
 

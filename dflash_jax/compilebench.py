@@ -1,0 +1,232 @@
+"""Compile-time and context-scaling figures, measured in one run and printed (never asserted: machines are noisy).
+
+    python -m dflash_jax.compilebench                     # every section, on the shipped models
+    python -m dflash_jax.compilebench --sections attention,programs
+
+Sections:
+  attention  verify step (D+1 tokens) at 64 live tokens in caches of 256 and 16,384 slots: ms each and the ratio
+             (attention visits only the live chunks, so the ratio should be ~1), and decode / draft for reference.
+  programs   distinct compiled programs for 100 prompts with lengths spread over 1..1000 tokens (length buckets),
+             and for 4 temperatures x 3 EOS sets x 3 budgets on one prompt shape (traced sampling and budgets).
+  sampling   ms per loop step of the greedy program vs the sampling program run near-greedy (why greedy keeps a
+             program of its own), and their compile times.
+  cli        wall time of `dflash-jax generate "def f(x):"` run twice with a fresh persistent compilation cache.
+  scan       prototype: a 36-layer Qwen3-shaped target (hidden 256), an autoregressive decode loop with the layers
+             unrolled vs `lax.scan` over stacked layers: compile seconds and ms per decode step.
+The persistent compilation cache is on (as for every benchmark here) except where a section says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SECTIONS = ("attention", "programs", "sampling", "cli", "scan")
+
+
+def attention_section(target, drafter, *, live: int = 64, cache_lens=(256, 16384), reps: int = 20) -> dict:
+    """Steps at `live` tokens in caches of each size, all timed in turns (one round = every step at every size)."""
+    from dflash_jax import bench
+
+    steps, metas = {}, {}
+    for n in cache_lens:
+        fns = bench.step_functions(target, drafter, context_len=live, cache_len=n)
+        metas[n] = fns.pop("_meta")
+        steps.update({(n, k): v for k, v in fns.items()})
+    ms = bench.interleaved_ms(steps, reps)
+    rows = {n: {k: ms[n, k] for k in ("verify_ms", "decode_ms", "draft_ms")} for n in cache_lens}
+    for n, c in rows.items():
+        print(f"cache {n:>6} slots, {live} live tokens: verify({metas[n]['draft_length'] + 1} tok) "
+              f"{c['verify_ms']:.2f} ms | decode {c['decode_ms']:.2f} ms | draft {c['draft_ms']:.2f} ms", flush=True)
+    lo, hi = rows[min(cache_lens)], rows[max(cache_lens)]
+    out = {k: hi[k] / lo[k] for k in ("verify_ms", "decode_ms", "draft_ms")}
+    print(f"ratio {max(cache_lens)} vs {min(cache_lens)} slots: verify {out['verify_ms']:.2f}x, decode "
+          f"{out['decode_ms']:.2f}x, draft {out['draft_ms']:.2f}x (medians of {reps} interleaved rounds)")
+    return {"rows": rows, "ratios": out}
+
+
+def programs_section(target, drafter, *, n_prompts: int = 100, max_len: int = 1000, new_tokens: int = 8) -> dict:
+    from dflash_jax import decoding as G
+    from dflash_jax.decoding import generate
+
+    rng = np.random.default_rng(0)
+    V = target.config.vocab_size
+    lens = np.linspace(1, max_len, n_prompts).astype(int)
+    t0, c0 = G.TRACE_COUNTS["speculative"], time.perf_counter()
+    for n in lens:
+        generate(target, drafter, [rng.integers(2, V, int(n)).tolist()], max_new_tokens=new_tokens,
+                 prefill_timing="rerun")
+    n_len = G.TRACE_COUNTS["speculative"] - t0
+    print(f"{n_prompts} prompts, lengths {lens.min()}..{lens.max()}: {n_len} compiled programs "
+          f"({time.perf_counter() - c0:.1f} s in all)", flush=True)
+    prompt = [rng.integers(2, V, 20).tolist()]
+    t1 = G.TRACE_COUNTS["speculative"]
+    for temperature in (0.0, 0.5, 0.8, 1.0):
+        for eos in ((), (0,), (0, 5, 9)):
+            for budget in (40, 50, 60):
+                generate(target, drafter, prompt, max_new_tokens=budget, temperature=temperature, eos_ids=eos,
+                         prefill_timing="rerun")
+    n_grid = G.TRACE_COUNTS["speculative"] - t1
+    print(f"4 temperatures x 3 EOS sets x 3 budgets, one prompt shape: {n_grid} compiled programs")
+    return {"length_programs": n_len, "grid_programs": n_grid}
+
+
+def sampling_section(target, drafter, *, new_tokens: int = 300, prompt_len: int = 40, reps: int = 3) -> dict:
+    """Greedy vs sampling program. Defaults pick a budget bucket (512) the other sections do not compile, so both
+    compile times are measured (unless a persistent cache already holds them)."""
+    from dflash_jax.decoding import generate
+
+    prompt = [list(np.random.default_rng(1).integers(2, target.config.vocab_size, prompt_len))]
+    out = {}
+    for name, kw in (("greedy", dict(temperature=0.0)), ("sampling (T=1e-4)", dict(temperature=1e-4))):
+        first = generate(target, drafter, prompt, max_new_tokens=new_tokens, prefill_timing="rerun", **kw)
+        per_step = []
+        for _ in range(reps):
+            r = generate(target, drafter, prompt, max_new_tokens=new_tokens, prefill_timing="rerun", **kw)
+            per_step.append(1e3 * r.timings["decode_s"] / max(r.num_steps, 1))
+        out[name] = {"compile_s": first.timings["compile_s"], "ms_per_step": statistics.median(per_step),
+                     "tau": r.tau}
+        print(f"{name:>18}: compile {first.timings['compile_s']:.1f} s, {out[name]['ms_per_step']:.2f} ms/step, "
+              f"tau {r.tau:.2f}", flush=True)
+    g, s = out["greedy"], out["sampling (T=1e-4)"]
+    ratio = f", {s['compile_s'] / g['compile_s']:.2f}x compile" if g["compile_s"] > 0 else ""
+    print(f"sampling program / greedy program: {s['ms_per_step'] / g['ms_per_step']:.2f}x per step{ratio}")
+    return out
+
+
+def cli_section(prompt: str = "def f(x):") -> dict:
+    with tempfile.TemporaryDirectory() as xdg:
+        env = dict(os.environ, XDG_CACHE_HOME=xdg)
+        env.pop("DFLASH_JAX_NO_COMPILE_CACHE", None)
+        walls = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "dflash_jax.cli", "generate", prompt], env=env, check=True,
+                           capture_output=True)
+            walls.append(time.perf_counter() - t0)
+    print(f"dflash-jax generate {prompt!r}, fresh compilation cache: first run {walls[0]:.1f} s, second run "
+          f"{walls[1]:.1f} s -> {walls[1] / walls[0]:.2f}x")
+    return {"first_s": walls[0], "second_s": walls[1], "ratio": walls[1] / walls[0]}
+
+
+def scan_section(*, layers: int = 36, hidden: int = 256, steps: int = 64, reps: int = 3) -> dict:
+    """Prototype only (not the package's forward): layers unrolled vs lax.scan over stacked layers."""
+    from dflash_jax.config import Qwen3Config
+    from dflash_jax.layers import decoder_layer, rms_norm, write_rows
+    from dflash_jax.target import KVCache, init_target, lm_logits
+
+    cfg = Qwen3Config(vocab_size=4096, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    target = init_target(cfg, jax.random.key(0))
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *target.params.layers)
+    B, S = 1, 256
+
+    def step_unrolled(target, cache, tok):
+        x = jnp.take(target.params.embed_tokens, tok, axis=0)
+        pos = cache.lengths[:, None]
+        ks, vs = [], []
+        for i, layer in enumerate(target.params.layers):
+            x, k, v = decoder_layer(layer, x, pos, cfg, cache_k=cache.k[i], cache_v=cache.v[i],
+                                    cache_len=cache.lengths, causal=True, chunk=cfg.attention_chunk)
+            ks.append(write_rows(cache.k[i], k, pos))
+            vs.append(write_rows(cache.v[i], v, pos))
+        logits = lm_logits(target, rms_norm(x, target.params.norm, cfg.rms_norm_eps))
+        return jnp.argmax(logits[:, -1], -1), KVCache(tuple(ks), tuple(vs), cache.lengths + 1)
+
+    def step_scanned(target, cache, tok):
+        x = jnp.take(target.params.embed_tokens, tok, axis=0)
+        pos = cache.lengths[:, None]
+
+        def layer_fn(x, xs):
+            layer, ck, cv = xs
+            x, k, v = decoder_layer(layer, x, pos, cfg, cache_k=ck, cache_v=cv, cache_len=cache.lengths,
+                                    causal=True, chunk=cfg.attention_chunk)
+            return x, (write_rows(ck, k, pos), write_rows(cv, v, pos))
+
+        x, (ks, vs) = jax.lax.scan(layer_fn, x, (stacked, cache.k, cache.v))
+        logits = lm_logits(target, rms_norm(x, target.params.norm, cfg.rms_norm_eps))
+        return jnp.argmax(logits[:, -1], -1), KVCache(ks, vs, cache.lengths + 1)
+
+    def decode_loop(step):
+        def run(target, cache, tok):
+            def body(i, c):
+                tok, cache = c
+                nxt, cache = step(target, cache, tok[:, None])
+                return nxt, cache
+            return jax.lax.fori_loop(0, steps, body, (tok, cache))
+        return jax.jit(run)
+
+    out = {}
+    empty = KVCache.empty(cfg, B, S)
+    for name, step, cache in (("unrolled", step_unrolled, empty),
+                              ("scan", step_scanned, KVCache(jnp.stack(empty.k), jnp.stack(empty.v), empty.lengths))):
+        fn = decode_loop(step)
+        tok = jnp.zeros((B,), jnp.int32)
+        t0 = time.perf_counter()
+        compiled = fn.lower(target, cache, tok).compile()
+        compile_s = time.perf_counter() - t0
+        jax.block_until_ready(compiled(target, cache, tok))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(target, cache, tok))
+            times.append(time.perf_counter() - t0)
+        out[name] = {"compile_s": compile_s, "ms_per_step": 1e3 * statistics.median(times) / steps}
+        print(f"{layers} layers, hidden {hidden}, {name:>8}: compile {compile_s:.1f} s, "
+              f"{out[name]['ms_per_step']:.2f} ms per decode step", flush=True)
+    u, s = out["unrolled"], out["scan"]
+    print(f"scan / unrolled: compile {s['compile_s'] / u['compile_s']:.2f}x, decode "
+          f"{s['ms_per_step'] / u['ms_per_step']:.2f}x")
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m dflash_jax.compilebench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    ap.add_argument("--reps", type=int, default=20, help="timed repetitions per step measurement")
+    ap.add_argument("--prompts", type=int, default=100, help="prompts of the program-count section")
+    ap.add_argument("--json", default=None, help="also write the figures to this file")
+    args = ap.parse_args(argv)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    bad = sorted(set(sections) - set(SECTIONS))
+    if bad:
+        raise SystemExit(f"error: unknown sections {bad}; choose from {SECTIONS}")
+
+    from dflash_jax.compile_cache import enable_compilation_cache
+    from dflash_jax.defaults import load_default
+
+    enable_compilation_cache()
+    print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f}; one run, figures not asserted", flush=True)
+    target, drafter, _ = load_default()
+    figures = {}
+    for name in sections:
+        print(f"\n== {name}", flush=True)
+        if name == "attention":
+            figures[name] = attention_section(target, drafter, reps=args.reps)
+        elif name == "programs":
+            figures[name] = programs_section(target, drafter, n_prompts=args.prompts)
+        elif name == "sampling":
+            figures[name] = sampling_section(target, drafter)
+        elif name == "cli":
+            figures[name] = cli_section()
+        elif name == "scan":
+            figures[name] = scan_section()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1, default=float)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Every command line printed in README.md and checkpoints/README.md runs, in-process, on a tiny budget.
+
+The commands are collected from the two files (fenced code blocks and inline code spans; pieces joined by `&&`, `;`
+or `|` are separate commands), so a newly documented command is tested by construction. A command line is one that
+starts with `dflash-jax <something>` or `python -m dflash_jax...`.
+
+Budgets are shrunk generically: the command's own `--help` says which options it takes; every option named in
+TINY gets its tiny value (replacing the documented one, or added), every flag in TINY_FLAGS it takes is set (a
+command's own small mode, such as the GPU report's CPU `--smoke`), every option in OUTPUTS is sent to a fresh
+temporary folder, and the command runs with that folder as the working directory (relative default paths such as
+`.train/` land there too). A command that takes `--no-packages` runs with it when the `[corpus]` extra is not
+installed, rather than being skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata as md
+import io
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = (ROOT / "README.md", ROOT / "checkpoints" / "README.md")
+
+# Options that set how much work a command does -> the tiny value used here.
+TINY = {
+    "--max-new-tokens": "6", "--new-tokens": "6", "--prompts": "2", "--steps": "2", "--batch": "2",
+    "--seq-len": "32", "--long-seq-len": "48", "--max-prompt-tokens": "16", "--anchors": "4", "--reps": "2",
+    "--warmup": "1", "--budget-s": "30",
+}
+# Flags that switch a command to its own small configuration (e.g. the GPU report's CPU smoke run).
+TINY_FLAGS = ("--smoke",)
+# Options that name where a command writes -> a fresh temporary path.
+OUTPUTS = ("--out", "--work-dir", "--out-dir", "--output", "--output-dir")
+
+
+def _code_texts(markdown: str) -> list[str]:
+    texts = []
+    for block in re.findall(r"```[^\n]*\n(.*?)```", markdown, flags=re.S):
+        texts += block.splitlines()
+    prose = re.sub(r"```[^\n]*\n.*?```", "", markdown, flags=re.S)
+    texts += re.findall(r"`([^`\n]+)`", prose)
+    return texts
+
+
+def documented_commands() -> list[str]:
+    out: list[str] = []
+    for doc in DOCS:
+        for text in _code_texts(doc.read_text()):
+            for piece in re.split(r"&&|;|\|", text):
+                piece = re.sub(r"\s+#.*$", "", piece).strip()
+                if re.match(r"(dflash-jax\s+\S|python3? -m dflash_jax)", piece) and piece not in out:
+                    out.append(piece)
+    return out
+
+
+def _entry(argv: list[str]):
+    """(main function, its argv) for `dflash-jax ...` or `python -m <module> ...`."""
+    if argv[0] == "dflash-jax":
+        from dflash_jax import cli
+        return cli.main, argv[1:]
+    assert argv[:2] in (["python", "-m"], ["python3", "-m"]), argv
+    module = importlib.import_module(argv[2])
+    assert callable(getattr(module, "main", None)), f"{argv[2]} has no main(argv)"
+    return module.main, argv[3:]
+
+
+def _options(main, args) -> set[str]:
+    """The options the command accepts, read from its own --help."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), pytest.raises(SystemExit):
+        main(list(args) + ["--help"])
+    return set(re.findall(r"(?<![\w-])(--[a-z][\w-]*)", buf.getvalue()))
+
+
+def _set_option(args: list[str], name: str, value: str) -> list[str]:
+    """Replace the value(s) of `name` in args, or append it."""
+    if name not in args:
+        return args + [name, value]
+    i = args.index(name)
+    j = i + 1
+    while j < len(args) and not args[j].startswith("-"):
+        j += 1
+    return args[:i + 1] + [value] + args[j:]
+
+
+def _corpus_extra_installed() -> bool:
+    from dflash_jax.train.corpus import CORPUS_PACKAGES
+    try:
+        return all(md.version(name) == version for name, version in CORPUS_PACKAGES.items())
+    except md.PackageNotFoundError:
+        return False
+
+
+def tiny(command: str, tmp: Path) -> tuple[object, list[str]]:
+    main, args = _entry(shlex.split(command))
+    accepted = _options(main, args)
+    for name, value in TINY.items():
+        if name in accepted:
+            args = _set_option(args, name, value)
+    args = args + [f for f in TINY_FLAGS if f in accepted and f not in args]
+    for name in OUTPUTS:
+        if name in accepted:
+            args = _set_option(args, name, str(tmp / name.strip("-")))
+    if "--no-packages" in accepted and "--no-packages" not in args and not _corpus_extra_installed():
+        args = args + ["--no-packages"]
+    return main, args
+
+
+COMMANDS = documented_commands()
+
+
+def test_the_docs_document_commands():
+    """The collector finds the commands it must (a parsing regression would otherwise pass silently)."""
+    assert any(c.startswith("dflash-jax generate") for c in COMMANDS), COMMANDS
+    assert any(c.startswith("dflash-jax bench --tau-table") for c in COMMANDS), COMMANDS
+    assert any(c.startswith("dflash-jax train-drafter") for c in COMMANDS), COMMANDS
+
+
+def test_budget_overrides_are_generic():
+    args = _set_option(["bench", "--new-tokens", "128", "512", "--nvfp4"], "--new-tokens", "6")
+    assert args == ["bench", "--new-tokens", "6", "--nvfp4"]
+    assert _set_option(["x"], "--steps", "2") == ["x", "--steps", "2"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_documented_command_runs(command, tmp_path, monkeypatch, capsys):
+    main, args = tiny(command, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    main(args)
+    out = capsys.readouterr().out
+    assert out.strip(), f"{command!r} (run as {args}) printed nothing"
