@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from dflash_jax import sharding as shd
 from dflash_jax.config import check_pair
 from dflash_jax.drafter import Drafter, DraftCache, append_context, block_logits
 from dflash_jax.linear import backend_scope, program_backend
@@ -154,24 +155,27 @@ def _commit(state: LoopState, new_tokens: jax.Array, n_new: jax.Array, budget: B
     return out, n_out, done
 
 
-def prefill(target: Target, prompt: jax.Array, lens: jax.Array, cache_len: int, *, drafter: Drafter | None = None
-            ) -> tuple[jax.Array, jax.Array, KVCache, KVCache | None]:
+def prefill(target: Target, prompt: jax.Array, lens: jax.Array, cache_len: int, *, drafter: Drafter | None = None,
+            mesh=None) -> tuple[jax.Array, jax.Array, KVCache, KVCache | None]:
     """Run right-padded prompts [B, Tp] (row lengths [B]) into fresh caches of cache_len slots.
 
     Returns (logits at each row's last prompt token [B, V] f32, target features of the drafter's taps [B, Tp, K*H],
     the target cache with lengths = lens, and the drafter's context cache holding every prompt position, or None
     without a drafter). Padded slots stay in memory past each row's length, never visible. Only the kept row of
-    each prompt goes through the LM head (not [B, Tp, V]).
+    each prompt goes through the LM head (not [B, Tp, V]). A row of length 0 is an inert padding row (a batch padded
+    to the mesh's data axis): it writes nothing to either cache. mesh: where the caches live
+    (`sharding.cache_sharding`); None on one device.
     """
     B, _ = prompt.shape
     layer_ids = () if drafter is None else drafter.config.target_layer_ids
-    cache = KVCache.empty(target.config, B, cache_len)
-    logits, feats, cache = forward_with_cache(target, prompt, cache, layer_ids, logits_at=(lens - 1)[:, None],
-                                              empty_cache=True)
-    cache = cache.replace(lengths=lens)
+    cache = shd.constrain_cache(KVCache.empty(target.config, B, cache_len), target.config, mesh)
+    logits, feats, cache = forward_with_cache(target, prompt, cache, layer_ids,
+                                              logits_at=jnp.maximum(lens - 1, 0)[:, None], empty_cache=True)
+    cache = shd.constrain_cache(cache.replace(lengths=lens), target.config, mesh)
     dcache = None
     if drafter is not None:
-        dcache = append_context(drafter, feats, lens, DraftCache.empty(drafter.config, B, cache_len))
+        dcache = shd.constrain_cache(DraftCache.empty(drafter.config, B, cache_len), drafter.config.model, mesh)
+        dcache = shd.constrain_cache(append_context(drafter, feats, lens, dcache), drafter.config.model, mesh)
     return logits[:, 0], feats, cache, dcache
 
 
@@ -196,26 +200,31 @@ def _init_state(first, tcache, prompt_lens, keys, budget: Budget, out_len: int, 
                 dcache=None, pending=None, n_pending=None) -> LoopState:
     B = first.shape[0]
     step = _mark_prefill_done(first) if stamp else jnp.zeros((), jnp.int32)
+    # Rows of prompt length 0 are padding (to the mesh's data axis): done from the start, they never emit a token.
     state = LoopState(step=step, out=jnp.full((B, out_len + width), PAD, jnp.int32),
-                      n_out=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool), last=first,
+                      n_out=jnp.zeros((B,), jnp.int32), done=prompt_lens == 0, last=first,
                       start=prompt_lens, tcache=tcache, dcache=dcache, pending=pending, n_pending=n_pending,
                       acc=jnp.zeros((B, max(out_len - 1, 1)), jnp.int32), key=keys)
     out, n_out, done = _commit(state, first[:, None], jnp.ones((B,), jnp.int32), budget)
     return state.replace(out=out, n_out=n_out, done=done)
 
 
-def _results(final: LoopState):
-    return final.out, final.n_out, final.acc, final.step
+def _results(final: LoopState, mesh=None):
+    res = final.out, final.n_out, final.acc, final.step
+    if mesh is not None:  # replicated, so that every process can read the whole result
+        res = jax.lax.with_sharding_constraint(res, shd.replicated(mesh))
+    return res
 
 
 def _speculative_program(target: Target, drafter: Drafter, prompt, lens, keys, sampling: SamplingParams,
-                         budget: Budget, *, draft_length: int, cache_len: int, out_len: int, stamp: bool = True):
+                         budget: Budget, *, draft_length: int, cache_len: int, out_len: int, stamp: bool = True,
+                         mesh=None):
     dcfg = drafter.config
     layer_ids = dcfg.target_layer_ids
     bs, D = dcfg.block_size, draft_length
     B = prompt.shape[0]
 
-    last_logits, feats, tcache, dcache = prefill(target, prompt, lens, cache_len, drafter=drafter)
+    last_logits, feats, tcache, dcache = prefill(target, prompt, lens, cache_len, drafter=drafter, mesh=mesh)
     first, keys = sample_tokens(last_logits, keys, sampling)
     pending = jnp.zeros((B, D + 1, feats.shape[-1]), feats.dtype)
     state = _init_state(first, tcache, lens, keys, budget, out_len, D + 1, stamp, dcache=dcache, pending=pending,
@@ -240,17 +249,19 @@ def _speculative_program(target: Target, drafter: Drafter, prompt, lens, keys, s
         return s.replace(
             step=s.step + 1, out=out, n_out=n_out, done=done,
             last=jnp.where(active, bonus, s.last), start=new_start,
-            tcache=tcache.replace(lengths=new_start),  # rollback: drop rejected slots by length
-            dcache=dcache, pending=v_feats, n_pending=jnp.where(active, n_acc + 1, 0),
+            # rollback: drop rejected slots by length
+            tcache=shd.constrain_cache(tcache.replace(lengths=new_start), target.config, mesh),
+            dcache=shd.constrain_cache(dcache, dcfg.model, mesh), pending=v_feats,
+            n_pending=jnp.where(active, n_acc + 1, 0),
             acc=s.acc.at[:, s.step].set(jnp.where(active, n_acc + 1, 0)), key=keys)
 
-    return _results(jax.lax.while_loop(cond, body, state))
+    return _results(jax.lax.while_loop(cond, body, state), mesh)
 
 
 def _autoregressive_program(target: Target, prompt, lens, keys, sampling: SamplingParams, budget: Budget, *,
-                            cache_len: int, out_len: int, stamp: bool = True):
+                            cache_len: int, out_len: int, stamp: bool = True, mesh=None):
     B = prompt.shape[0]
-    last_logits, _, tcache, _ = prefill(target, prompt, lens, cache_len)
+    last_logits, _, tcache, _ = prefill(target, prompt, lens, cache_len, mesh=mesh)
     first, keys = sample_tokens(last_logits, keys, sampling)
     state = _init_state(first, tcache, lens, keys, budget, out_len, 1, stamp)
 
@@ -264,10 +275,11 @@ def _autoregressive_program(target: Target, prompt, lens, keys, sampling: Sampli
         out, n_out, done = _commit(s, nxt[:, None], jnp.ones((B,), jnp.int32), budget)
         new_start = jnp.where(active, s.start + 1, s.start)
         return s.replace(step=s.step + 1, out=out, n_out=n_out, done=done, last=jnp.where(active, nxt, s.last),
-                         start=new_start, tcache=tcache.replace(lengths=new_start),
+                         start=new_start, tcache=shd.constrain_cache(tcache.replace(lengths=new_start),
+                                                                     target.config, mesh),
                          acc=s.acc.at[:, s.step].set(active.astype(jnp.int32)), key=keys)
 
-    return _results(jax.lax.while_loop(cond, body, state))
+    return _results(jax.lax.while_loop(cond, body, state), mesh)
 
 
 # -- compiled programs ---------------------------------------------------------------------------------------------
@@ -287,8 +299,8 @@ def _jit_program(name: str, program, static: tuple[str, ...]):
     return jax.jit(traced, static_argnames=("backend", *static))
 
 
-SPECULATIVE_STATIC = ("draft_length", "cache_len", "out_len", "stamp")
-AUTOREGRESSIVE_STATIC = ("cache_len", "out_len", "stamp")
+SPECULATIVE_STATIC = ("draft_length", "cache_len", "out_len", "stamp", "mesh")
+AUTOREGRESSIVE_STATIC = ("cache_len", "out_len", "stamp", "mesh")
 _SPECULATIVE = _jit_program("speculative", _speculative_program, SPECULATIVE_STATIC)
 _AUTOREGRESSIVE = _jit_program("autoregressive", _autoregressive_program, AUTOREGRESSIVE_STATIC)
 
@@ -427,6 +439,7 @@ class ProgramCall:
     max_new: int
     draft_length: int
     eos: tuple[int, ...]
+    batch: int = 0  # rows the caller gave (the program may run more: inert padding rows to the mesh's data axis)
 
     @property
     def program(self):
@@ -448,20 +461,41 @@ def _prepare(name, target, drafter, prompt, *, max_new_tokens, draft_length, tem
     if prefill_timing not in ("stamp", "rerun"):
         raise ValueError(f"prefill_timing must be 'stamp' or 'rerun', got {prefill_timing!r}")
     sampling = SamplingParams.make(temperature, top_k, top_p, p_min, draft_sampling)
+    models = (target,) if drafter is None else (target, drafter)
+    mesh = shd.models_mesh(*models)  # refuses a pair on different meshes, or a mesh that cannot split a model
     padded, lens = prepare_prompt(prompt, target.config.vocab_size)
     limit = _check_budget(target, lens, max_new_tokens, max_cache_len)
     eos = _eos_tuple(eos_ids, target.config.vocab_size)
     out_len = bucket(int(max_new_tokens), BUDGET_BUCKET_MIN)
-    models = (target,) if drafter is None else (target, drafter)
     static = dict(out_len=out_len, stamp=prefill_timing == "stamp",
-                  backend=program_backend(*models, backend=nvfp4_backend),
+                  backend=program_backend(*models, backend=nvfp4_backend), mesh=mesh,
                   cache_len=_cache_len(padded.shape[1], out_len, 1 if drafter is None else draft_length + 1, limit))
     if drafter is not None:
         static["draft_length"] = int(draft_length)
     budget = Budget(max_new=np.int32(max_new_tokens), max_steps=np.int32(int(max_new_tokens) - 1),
                     eos=_eos_array(eos))
-    args = (*models, padded, lens, _row_keys(seed, len(lens)), sampling.as_arrays(), budget)
-    return ProgramCall(name, args, static, int(max_new_tokens), 0 if drafter is None else int(draft_length), eos)
+    batch = len(lens)
+    keys = _row_keys(seed, batch)
+    sampling = sampling.as_arrays()
+    if mesh is not None:
+        # The batch goes along "data": pad it to a multiple of the axis with inert rows (length 0: done from the
+        # start, see `_init_state`); their keys come from the same per-row streams, so real rows draw the same.
+        rows = _round_up(batch, int(mesh.shape["data"]))
+        padded = np.concatenate([padded, np.zeros((rows - batch, padded.shape[1]), np.int32)])
+        lens = np.concatenate([lens, np.zeros((rows - batch,), np.int32)])
+        keys = _row_keys(seed, rows)
+        padded, lens, keys = (shd.place(x, shd.batch_sharding(mesh, x.ndim)) for x in (padded, lens, keys))
+        sampling, budget = shd.place_tree((sampling, budget), shd.replicated(mesh))
+    args = (*models, padded, lens, keys, sampling, budget)
+    return ProgramCall(name, args, static, int(max_new_tokens), 0 if drafter is None else int(draft_length), eos,
+                       batch)
+
+
+def _host(x) -> np.ndarray:
+    """A program result on the host; with several processes, results are replicated and read from a local copy."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(jax.device_get(x))
 
 
 def _run(call: ProgramCall) -> GenerationResult:
@@ -476,12 +510,16 @@ def _run(call: ProgramCall) -> GenerationResult:
         t_prefill = _STAMPS["prefill_done"] if _STAMPS["prefill_done"] is not None else t_start
     else:  # the same program, traced budget of 0 loop steps: prefill (and the first token) only
         *rest, budget = call.args
+        zero = np.int32(0)
+        if call.static.get("mesh") is not None:
+            zero = shd.place(zero, shd.replicated(call.static["mesh"]))
         r0 = time.perf_counter()
-        jax.block_until_ready(call(*rest, budget.replace(max_steps=np.int32(0))))
+        jax.block_until_ready(call(*rest, budget.replace(max_steps=zero)))
         t_prefill = t_start + (time.perf_counter() - r0)
-    out, n_out, acc, steps = map(np.asarray, jax.device_get((out, n_out, acc, steps)))
+    out, n_out, acc, steps = map(_host, (out, n_out, acc, steps))
     steps = int(steps)
-    out, acc = out[:, :call.max_new], acc[:, :steps]
+    B = call.batch or out.shape[0]  # padding rows (to the mesh's data axis) never reach the result
+    out, n_out, acc = out[:B, :call.max_new], n_out[:B], acc[:B, :steps]
     reasons = tuple("eos" if n > 0 and int(row[n - 1]) in call.eos else "length" for row, n in zip(out, n_out))
     timings = {"prefill_s": t_prefill - t_start, "decode_s": t1 - t_prefill, "total_s": t1 - t_start,
                "compile_s": compile_s}

@@ -1,0 +1,254 @@
+"""Target and drafter over a device mesh: tensor parallelism from the parameters' logical axes, data parallelism over
+the batch, and XLA's SPMD partitioner doing the rest (no hand-written collectives).
+
+Mesh axes are ("data", "model"). Rules, from the logical axes `params.py` gives every parameter:
+
+  q_heads, mlp, vocab  -> "model"   attention heads (q_proj out, o_proj in), MLP intermediate (gate/up out, down in),
+                                    vocabulary (embedding rows, LM head rows)
+  kv_heads             -> "model"   when the model axis divides the KV head count; with FEWER KV heads than the model
+                                    axis they are replicated (each device keeps every KV head, as Megatron / vLLM do)
+  embed, head_dim, taps_embed -> replicated
+
+The batch goes along "data"; KV caches (target and drafter context) are [B, S, nKV, hd] over ("data", -, model or
+replicated, -). A sharded axis must be split at whole units (heads, not head_dim columns), so the model axis must
+divide the head count, the intermediate size and the vocabulary; anything else is refused here, before compiling.
+
+`NVFP4Array` leaves shard like the dense weight they stand for: packed codes [out, in/2] and block scales [out, in/16]
+along the same mesh axes as [out, in] (column-parallel: along out; row-parallel o_proj / down_proj: along in, where
+each shard must hold whole blocks of 16, i.e. in / model % 16 == 0), the per-tensor (and input) scale replicated, so
+`linear` sees an ordinary NVFP4Array and every scale still reaches the output (`audit_scales`).
+
+Leaves are placed with `jax.make_array_from_callback`, so the same call works with several processes (each process
+builds only the shards of its own devices), and a checkpoint loader can read each shard's slice straight from disk
+(`dflash_jax.checkpoint.load_target(..., mesh=...)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.nvfp4 import BLOCK_SIZE, NVFP4Array
+from dflash_jax.params import (abstract_drafter, abstract_target, is_spec, map_named, named_leaves, path_name)
+
+AXES = ("data", "model")
+
+
+class ShardingError(ValueError):
+    pass
+
+
+def make_mesh(data: int = 1, model: int | None = None, *, devices=None) -> Mesh:
+    """A ("data", "model") mesh over `devices` (default: every device of every process, `jax.devices()`).
+
+    model=None takes every device left after `data`. data * model must equal the number of devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    if int(data) < 1:
+        raise ShardingError(f"make_mesh: data must be >= 1, got {data}")
+    if model is None:
+        if len(devices) % int(data):
+            raise ShardingError(f"make_mesh: data={data} does not divide the {len(devices)} devices")
+        model = len(devices) // int(data)
+    if int(model) < 1 or int(data) * int(model) != len(devices):
+        raise ShardingError(f"make_mesh: data={data} x model={model} = {int(data) * int(model)} devices, but "
+                            f"{len(devices)} are available (pass devices=... to use a subset)")
+    # Devices sorted by process, then id: the model axis (the chattier one) stays inside a process where it can.
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    return Mesh(np.array(devices, dtype=object).reshape(int(data), int(model)), AXES)
+
+
+def _check_mesh(mesh: Mesh) -> None:
+    if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != AXES:
+        names = getattr(mesh, "axis_names", None)
+        raise ShardingError(f"expected a Mesh with axes {AXES} (see make_mesh), got axes {names}")
+
+
+# -- rules ---------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Logical axis -> mesh axis (or None = replicated) for one model config on one mesh, after the KV rule."""
+
+    mapping: tuple[tuple[str, str | None], ...]
+    kv_sharded: bool
+
+    def axis(self, logical: str) -> str | None:
+        return dict(self.mapping).get(logical)
+
+    def spec(self, logical_axes: tuple[str, ...]) -> P:
+        return P(*(self.axis(a) for a in logical_axes))
+
+
+def rules_for(cfg: Qwen3Config, mesh: Mesh, *, what: str = "model") -> Rules:
+    """The rules for a Qwen3 layer stack (target or drafter) of config `cfg` on `mesh`; raises ShardingError naming
+    the axis and the sizes when the model axis cannot split heads, intermediate or vocabulary into whole units."""
+    _check_mesh(mesh)
+    m = int(mesh.shape["model"])
+    problems = []
+
+    def need(name: str, count: int):
+        if count % m:
+            problems.append(f"{name} {count} is not divisible by the mesh's model axis of size {m}")
+
+    need("num_attention_heads", cfg.num_attention_heads)
+    need("intermediate_size", cfg.intermediate_size)
+    need("vocab_size", cfg.vocab_size)
+    kv_sharded = cfg.num_key_value_heads >= m
+    if kv_sharded:  # fewer KV heads than the model axis: replicated (no check); more: they must split evenly
+        need("num_key_value_heads", cfg.num_key_value_heads)
+    if problems:
+        raise ShardingError(f"cannot shard the {what} over mesh {dict(mesh.shape)}: " + "; ".join(problems))
+    mapping = (("q_heads", "model"), ("mlp", "model"), ("vocab", "model"),
+               ("kv_heads", "model" if kv_sharded and m > 1 else None),
+               ("embed", None), ("head_dim", None), ("taps_embed", None))
+    return Rules(mapping=mapping, kv_sharded=kv_sharded and m > 1)
+
+
+def _leaf_sharding(name: str, spec_axes: tuple[str, ...], leaf: Any, rules: Rules, mesh: Mesh, what: str):
+    """NamedSharding for a dense leaf, or an NVFP4Array of NamedShardings for a quantized one."""
+    pspec = rules.spec(spec_axes)
+    if not isinstance(leaf, NVFP4Array):
+        return NamedSharding(mesh, pspec)
+    if len(spec_axes) != 2:
+        raise ShardingError(f"{what} {name}: NVFP4 leaf with logical axes {spec_axes} (expected [out, in])")
+    out_ax, in_ax = pspec[0], pspec[1]
+    if in_ax is not None:  # row-parallel: each shard must hold whole blocks of 16 input features
+        k, m = leaf.shape[1], int(mesh.shape[in_ax])
+        if (k // m) % BLOCK_SIZE:
+            raise ShardingError(f"{what} {name}: NVFP4 row-parallel weight with {k} input features over the "
+                                f"'{in_ax}' axis of size {m}: {k // m} per shard is not a multiple of the "
+                                f"{BLOCK_SIZE}-element block")
+    rep = NamedSharding(mesh, P())
+    return NVFP4Array(packed=NamedSharding(mesh, pspec), block_scale=NamedSharding(mesh, pspec), global_scale=rep,
+                      shape=leaf.shape, input_scale=None if leaf.input_scale is None else rep)
+
+
+def _model_parts(tree):
+    """(params, config, abstract params, kind) of a Target or Drafter."""
+    from dflash_jax.drafter import Drafter
+    from dflash_jax.target import Target
+
+    if isinstance(tree, Target):
+        return tree.params, tree.config, abstract_target(tree.config), "target"
+    if isinstance(tree, Drafter):
+        return tree.params, tree.config.model, abstract_drafter(tree.config), "drafter"
+    raise TypeError(f"expected a Target or a Drafter, got {type(tree).__name__}")
+
+
+def param_shardings(model, mesh: Mesh):
+    """The params tree of a Target or Drafter with every leaf replaced by its NamedSharding (an NVFP4Array of
+    NamedShardings for a quantized leaf). Validates the mesh against the config first."""
+    params, cfg, abstract, kind = _model_parts(model)
+    rules = rules_for(cfg, mesh, what=kind)
+    axes = {n: s.logical_axes for n, s in named_leaves(abstract).items()}
+    return map_named(lambda n, leaf: _leaf_sharding(n, axes[n], leaf, rules, mesh, kind), params)
+
+
+def cache_sharding(cfg: Qwen3Config, mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
+    """(K/V buffers [B, S, nKV, hd], lengths [B]) shardings of a KV cache of a model of config `cfg`."""
+    rules = rules_for(cfg, mesh)
+    return (NamedSharding(mesh, P("data", None, "model" if rules.kv_sharded else None, None)),
+            NamedSharding(mesh, P("data")))
+
+
+def constrain_cache(cache, cfg: Qwen3Config, mesh: Mesh | None):
+    """`cache` (a KVCache, inside a traced program) pinned to `cache_sharding`; identity without a mesh."""
+    if mesh is None or cache is None:
+        return cache
+    kv, lens = cache_sharding(cfg, mesh)
+    c = jax.lax.with_sharding_constraint
+    return cache.replace(k=tuple(c(k, kv) for k in cache.k), v=tuple(c(v, kv) for v in cache.v),
+                         lengths=c(cache.lengths, lens))
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    return NamedSharding(mesh, P("data", *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+# -- placing -------------------------------------------------------------------------------------------------------
+
+def place(value, sharding: NamedSharding) -> jax.Array:
+    """One host value as a global array with `sharding`, built shard by shard (works across processes: every process
+    passes the same value and materializes only its own devices' shards)."""
+    if isinstance(value, jax.Array) and value.sharding == sharding:
+        return value
+    host = np.asarray(jax.device_get(value)) if isinstance(value, jax.Array) else np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def place_tree(tree, sharding: NamedSharding):
+    return jax.tree.map(lambda x: place(x, sharding), tree)
+
+
+def shard(tree, mesh: Mesh):
+    """The same Target or Drafter (dense or NVFP4) with every parameter placed on `mesh` by the rules; raises
+    ShardingError (naming the axis and the sizes) when the mesh's model axis cannot split this model."""
+    params, _, _, _ = _model_parts(tree)
+    shardings = param_shardings(tree, mesh)
+    placed = jax.tree.map(place, params, shardings)  # NVFP4Array fields pair with their own shardings
+    return tree.replace(params=placed)
+
+
+# -- meshes of placed models ------------------------------------------------------------------------------------------
+
+def _describe(mesh: Mesh) -> str:
+    return f"{dict(mesh.shape)} over devices {[d.id for d in mesh.devices.flat]}"
+
+
+def mesh_of(model) -> Mesh | None:
+    """The ("data", "model") mesh a Target / Drafter was placed on by `shard`, or None when it was not (single
+    device or a placement of the caller's own). Raises when its leaves sit on different meshes."""
+    meshes = {}
+    for leaf in jax.tree.leaves(model):
+        s = getattr(leaf, "sharding", None)
+        if isinstance(s, NamedSharding) and tuple(s.mesh.axis_names) == AXES:
+            meshes[s.mesh] = s.mesh
+    if len(meshes) > 1:
+        raise ShardingError(f"{type(model).__name__} has parameters on {len(meshes)} different meshes: "
+                            + "; ".join(_describe(m) for m in meshes.values()))
+    return next(iter(meshes.values()), None)
+
+
+def models_mesh(*models) -> Mesh | None:
+    """The one mesh all `models` (target, drafter) are sharded on, or None when none is; refuses a pair on different
+    meshes (or one sharded and one not) and a mesh whose model axis does not split a model, before compiling."""
+    found = [(type(m).__name__, mesh_of(m)) for m in models]
+    meshes = [mesh for _, mesh in found if mesh is not None]
+    if not meshes:
+        return None
+    first = meshes[0]
+    for name, mesh in found:
+        if mesh is None:
+            raise ShardingError(f"{found[0][0]} and {found[1][0]} must be sharded on the same mesh: the "
+                                f"{name} is not sharded (use dflash_jax.sharding.shard(model, mesh) on both)")
+        if mesh != first:
+            desc = "; ".join(f"{n} on mesh {_describe(m)}" for n, m in found)
+            raise ShardingError(f"target and drafter are sharded on different meshes: {desc} (shard both on one "
+                                f"mesh)")
+    for m in models:  # the rules' divisibility checks, for models placed by other means than `shard`
+        _, cfg, _, kind = _model_parts(m)
+        rules_for(cfg, first, what=kind)
+    return first
+
+
+# -- inspection ----------------------------------------------------------------------------------------------------
+
+def shard_fraction(leaf: jax.Array) -> float:
+    """Fraction of a global array's elements held by one addressable device (1 = replicated)."""
+    shard0 = leaf.addressable_shards[0].data
+    return math.prod(shard0.shape) / max(math.prod(leaf.shape), 1)
+
+
+__all__ = ["make_mesh", "shard", "mesh_of", "models_mesh", "param_shardings", "cache_sharding", "constrain_cache",
+           "rules_for", "Rules", "ShardingError", "place", "place_tree", "batch_sharding", "replicated",
+           "shard_fraction", "AXES"]
