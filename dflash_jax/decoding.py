@@ -292,7 +292,7 @@ def _jit_program(name: str, program, static: tuple[str, ...]):
     under. Each trace (= each compile) bumps TRACE_COUNTS[name]."""
     def traced(*args, backend, **kwargs):
         TRACE_COUNTS[name] += 1
-        with backend_scope(backend):
+        with backend_scope(backend), shd.mesh_scope(kwargs.get("mesh")):
             return program(*args, **kwargs)
 
     traced.__name__ = traced.__qualname__ = f"dflash_{name}"

@@ -14,6 +14,7 @@ from dflash_jax.attention import attention
 from dflash_jax.config import Qwen3Config
 from dflash_jax.linear import linear
 from dflash_jax.params import MLP, Attention, DecoderLayer
+from dflash_jax.sharding import constrain_kv
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -44,7 +45,7 @@ def project_kv(attn: Attention, h: jax.Array, positions: jax.Array, cfg: Qwen3Co
     k = linear(h, attn.k_proj).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
     k = rope(rms_norm(k, attn.k_norm, cfg.rms_norm_eps), positions, cfg)
     v = linear(h, attn.v_proj).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
-    return k, v
+    return constrain_kv(k, v, cfg)  # placed as the KV cache on a mesh (dflash_jax.sharding); identity otherwise
 
 
 def project_q(attn: Attention, h: jax.Array, positions: jax.Array, cfg: Qwen3Config) -> jax.Array:

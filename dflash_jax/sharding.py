@@ -25,8 +25,11 @@ builds only the shards of its own devices), and a checkpoint loader can read eac
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
+import re
 from typing import Any, Callable
 
 import jax
@@ -167,6 +170,32 @@ def constrain_cache(cache, cfg: Qwen3Config, mesh: Mesh | None):
                          lengths=c(cache.lengths, lens))
 
 
+# The mesh a program is traced for (set by decoding's jitted programs, from their static `mesh` argument), so that
+# layer code can pin a few activations without a mesh argument threaded through every call.
+_scoped_mesh: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("dflash_jax_mesh", default=None)
+
+
+@contextlib.contextmanager
+def mesh_scope(mesh: Mesh | None):
+    token = _scoped_mesh.set(mesh)
+    try:
+        yield
+    finally:
+        _scoped_mesh.reset(token)
+
+
+def constrain_kv(k: jax.Array, v: jax.Array, cfg: Qwen3Config) -> tuple[jax.Array, jax.Array]:
+    """New keys/values [B, T, nKV, hd] placed as the cache they are written into (identity outside `mesh_scope`).
+
+    Without this, with KV heads replicated and query heads sharded, XLA partitions the cache write like the grouped
+    queries (KV heads split 2 ways) and then all-gathers the whole cache back every step."""
+    mesh = _scoped_mesh.get()
+    if mesh is None:
+        return k, v
+    kv, _ = cache_sharding(cfg, mesh)
+    return jax.lax.with_sharding_constraint(k, kv), jax.lax.with_sharding_constraint(v, kv)
+
+
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, P("data", *([None] * (ndim - 1))))
 
@@ -243,12 +272,94 @@ def models_mesh(*models) -> Mesh | None:
 
 # -- inspection ----------------------------------------------------------------------------------------------------
 
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_COMP_HEADER = re.compile(r"^(?:ENTRY )?%([^\s(]+) ")
+_CALLS = re.compile(r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_OP = re.compile(r"^\s*(?:ROOT )?%\S+ = (\S+?)(?:\{[^}]*\})? (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    comps, entry, name = {}, None, None
+    for line in hlo.splitlines():
+        m = _COMP_HEADER.match(line)
+        if m and line.rstrip().endswith("{"):
+            name = m.group(1)
+            comps[name] = []
+            if line.startswith("ENTRY"):
+                entry = name
+        elif name is not None:
+            comps[name].append(line)
+    return comps, entry
+
+
+def _reachable(comps: dict[str, list[str]], roots: list[str]) -> set[str]:
+    seen, todo = set(), list(roots)
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        for line in comps[c]:
+            todo.extend(_CALLS.findall(line))
+            for group in _BRANCHES.findall(line):
+                todo.extend(x.strip().lstrip("%") for x in group.split(","))
+    return seen
+
+
+def _count(comps, names) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    counts, ops = {k: 0 for k in COLLECTIVES}, []
+    for c in names:
+        for line in comps[c]:
+            m = _OP.match(line)
+            if m:
+                counts[m.group(2)] += 1
+                ops.append((m.group(2), m.group(1)))
+    return counts, ops
+
+
+def hlo_collectives(hlo: str, weight_shapes=()) -> dict:
+    """Collectives of a compiled (SPMD-partitioned) generation program, from `compiled.as_text()`.
+
+    The decode loop is the top-level `while` whose body reaches the most computations (prefill's attention loops are
+    small). Returns {"decode_loop": {op: count}, "outside_loop": {op: count}, "weight_all_gathers": [shapes]}: counts
+    are instructions in the loop body and everything it calls (an instruction inside a nested loop, e.g. attention's
+    chunk loop, counts once), and weight_all_gathers lists all-gathers in the loop whose result has the global shape
+    of a parameter (`weight_shapes`: (dtype, shape) pairs, e.g. from `weight_shapes(model)`)."""
+    comps, entry = _computations(hlo)
+    loops = []
+    for line in comps.get(entry, []):
+        if " while(" in line:
+            body = re.search(r"body=%([\w.\-]+)", line).group(1)
+            cond = re.search(r"condition=%([\w.\-]+)", line).group(1)
+            loops.append(_reachable(comps, [body, cond]))
+    loop = max(loops, key=len) if loops else set()
+    inside, ops = _count(comps, loop)
+    everything, _ = _count(comps, _reachable(comps, [entry]) if entry else comps)
+    outside = {k: everything[k] - inside[k] for k in COLLECTIVES}
+    wanted = {f"{dt}[{','.join(map(str, shape))}]" for dt, shape in weight_shapes}
+    weight_gathers = [shape for op, shape in ops if op == "all-gather" and shape in wanted]
+    return {"decode_loop": inside, "outside_loop": outside, "weight_all_gathers": weight_gathers}
+
+
+_HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "uint8": "u8", "float8_e4m3fn": "f8e4m3fn"}
+
+
+def weight_shapes(*models) -> set[tuple[str, tuple[int, ...]]]:
+    """(HLO dtype, global shape) of every sharded parameter array of `models` (for `hlo_collectives`)."""
+    out = set()
+    for leaf in jax.tree.leaves(models):
+        if getattr(leaf, "ndim", 0) >= 1 and leaf.dtype.name in _HLO_DTYPES:
+            out.add((_HLO_DTYPES[leaf.dtype.name], tuple(leaf.shape)))
+    return out
+
+
 def shard_fraction(leaf: jax.Array) -> float:
     """Fraction of a global array's elements held by one addressable device (1 = replicated)."""
     shard0 = leaf.addressable_shards[0].data
     return math.prod(shard0.shape) / max(math.prod(leaf.shape), 1)
 
 
-__all__ = ["make_mesh", "shard", "mesh_of", "models_mesh", "param_shardings", "cache_sharding", "constrain_cache",
+__all__ = ["mesh_scope", "constrain_kv", "make_mesh", "shard", "mesh_of", "models_mesh", "param_shardings", "cache_sharding", "constrain_cache",
            "rules_for", "Rules", "ShardingError", "place", "place_tree", "batch_sharding", "replicated",
-           "shard_fraction", "AXES"]
+           "shard_fraction", "hlo_collectives", "weight_shapes", "AXES"]
