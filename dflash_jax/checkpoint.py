@@ -17,12 +17,14 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import NamedSharding
 
 from dflash_jax.config import (DrafterConfig, Qwen3Config, default_compute_dtype, read_config_json,
                                read_json_object)
 from dflash_jax.nvfp4 import NVFP4Array
 from dflash_jax.params import abstract_drafter, abstract_target, from_named, is_linear_name, named_leaves
-from dflash_jax.safetensors_io import SafetensorsError, read_safetensors, write_safetensors
+from dflash_jax.safetensors_io import (LazyTensor, SafetensorsError, lazy_safetensors, read_safetensors,
+                                       write_safetensors)
 
 SAVED_MARKER = "dflash_jax.json"
 NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
@@ -43,16 +45,17 @@ def _hf_prefix(kind: str, name: str) -> str:
 
 # -- HF tensors in ---------------------------------------------------------------------------------------------
 
-def _read_tensors(path: Path) -> dict[str, np.ndarray]:
+def _read_tensors(path: Path, lazy: bool = False) -> dict[str, np.ndarray]:
     try:
-        return _read_tensors_unchecked(path)
+        return _read_tensors_unchecked(path, lazy)
     except (SafetensorsError, ValueError) as e:
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(str(e)) from e
 
 
-def _read_tensors_unchecked(path: Path) -> dict[str, np.ndarray]:
+def _read_tensors_unchecked(path: Path, lazy: bool = False) -> dict[str, np.ndarray]:
+    read = lazy_safetensors if lazy else read_safetensors
     index = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
     if index.exists():
@@ -65,7 +68,7 @@ def _read_tensors_unchecked(path: Path) -> dict[str, np.ndarray]:
                 raise CheckpointError(f"{index}: shard name {shard!r} must be a file name inside the folder")
             if not (path / shard).exists():
                 raise CheckpointError(f"{index}: shard {shard} is missing")
-            part = read_safetensors(path / shard)
+            part = read(path / shard)
             for name, arr in part.items():
                 if weight_map.get(name) != shard:
                     raise CheckpointError(f"{path / shard}: tensor {name!r} is not mapped to this shard in the index")
@@ -75,7 +78,7 @@ def _read_tensors_unchecked(path: Path) -> dict[str, np.ndarray]:
             raise CheckpointError(f"{index}: tensors listed but not found in their shards: {absent[:8]}")
         return tensors
     if single.exists():
-        return read_safetensors(single)
+        return read(single)
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
@@ -139,8 +142,29 @@ def _nvfp4_from_hf(module: str, t: dict[str, np.ndarray], shape: tuple[int, int]
     return NVFP4Array(**fields)
 
 
-def _params_from_hf(kind: str, path: Path, abstract, dtype, quant: dict | None):
-    tensors = _read_tensors(path)
+def _placed_dense(key: str, arr: LazyTensor, sharding, dtype, path: Path):
+    """A global array with `sharding` whose every device shard is read from the file on its own (only that slice,
+    only when that device's shard is built), converted to `dtype` and checked for NaN / Inf."""
+    np_dtype = np.dtype(dtype)
+
+    def shard(index):
+        block = arr.read(index)
+        block32 = np.asarray(block, np.float32)
+        if not np.all(np.isfinite(block32)):
+            raise CheckpointError(f"{path}: tensor {key!r} contains NaN or Inf")
+        return block if block.dtype == np_dtype else block32.astype(np_dtype)
+
+    return jax.make_array_from_callback(tuple(arr.shape), sharding, shard)
+
+
+def _params_from_hf(kind: str, path: Path, abstract, dtype, quant: dict | None, mesh=None, cfg=None):
+    """mesh: place every parameter straight into its shards (`dflash_jax.sharding` rules for `cfg`), reading each
+    device's slice from the file on its own, one tensor at a time."""
+    if mesh is not None:
+        from dflash_jax import sharding as shd
+        rules = shd.rules_for(cfg, mesh, what=kind)  # refuses a mesh that cannot split this model, before reading
+        axes = {n: s.logical_axes for n, s in named_leaves(abstract).items()}
+    tensors = _read_tensors(path, lazy=mesh is not None)
     used: set[str] = set()
     named = {}
     for name, spec in named_leaves(abstract).items():
@@ -156,7 +180,14 @@ def _params_from_hf(kind: str, path: Path, abstract, dtype, quant: dict | None):
                                       "no weight_scale / weight_scale_2")
             if len(spec.shape) != 2 or spec.shape[1] % 16:
                 raise CheckpointError(f"{module}: in_features {spec.shape[-1]} is not a multiple of 16")
-            named[name] = _nvfp4_from_hf(module, tensors, spec.shape)
+            if mesh is None:
+                named[name] = _nvfp4_from_hf(module, tensors, spec.shape)
+            else:  # codes and scales are a quarter of a bf16 weight: read whole, then placed shard by shard
+                host = {k: np.asarray(tensors[module + k]) for k in (".weight", ".weight_scale", ".weight_scale_2",
+                                                                      ".input_scale") if module + k in tensors}
+                leaf = _nvfp4_from_hf(module, {module + k: v for k, v in host.items()}, spec.shape)
+                where = shd._leaf_sharding(name, axes[name], leaf, rules, mesh, kind)
+                named[name] = jax.tree.map(shd.place, leaf, where)
             used.update(module + s for s in (".weight", ".weight_scale", ".weight_scale_2", ".input_scale"))
             continue
         key = module + ".weight"
@@ -167,11 +198,14 @@ def _params_from_hf(kind: str, path: Path, abstract, dtype, quant: dict | None):
             raise CheckpointError(f"{path}: tensor {key!r} has shape {list(arr.shape)}, expected {list(spec.shape)}")
         if not np.issubdtype(arr.dtype, np.floating) and arr.dtype != ml_dtypes.bfloat16:
             raise CheckpointError(f"{path}: tensor {key!r} has dtype {arr.dtype}, expected a float type")
+        used.add(key)
+        if mesh is not None:
+            named[name] = _placed_dense(key, arr, NamedSharding(mesh, rules.spec(axes[name])), dtype, path)
+            continue
         arr32 = np.asarray(arr, dtype=np.float32)
         if not np.all(np.isfinite(arr32)):
             raise CheckpointError(f"{path}: tensor {key!r} contains NaN or Inf")
         named[name] = jnp.asarray(arr32, dtype=dtype)
-        used.add(key)
     # A tied target may still carry a copy of the embedding as lm_head.weight; it must be that copy.
     if kind == "target" and "lm_head.weight" in tensors and "lm_head.weight" not in used:
         head = np.asarray(tensors["lm_head.weight"], np.float32)
@@ -263,6 +297,13 @@ def _cast_dense(params, dtype):
 
 # -- public loaders ----------------------------------------------------------------------------------------------
 
+def _maybe_shard(model, mesh):
+    if mesh is None:
+        return model
+    from dflash_jax.sharding import shard
+    return shard(model, mesh)
+
+
 def _dtypes(param_dtype: str | None, compute_dtype: str | None) -> tuple[str, str]:
     """Loader defaults: compute in bfloat16 on accelerators and float32 on CPU (`default_compute_dtype`), and store
     parameters in the compute dtype, whatever a file holds: float32 weights under bf16 compute would double the
@@ -271,10 +312,13 @@ def _dtypes(param_dtype: str | None, compute_dtype: str | None) -> tuple[str, st
     return param_dtype or compute, compute
 
 
-def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dtype: str | None = None):
+def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dtype: str | None = None, mesh=None):
     """A Target from an HF Qwen3 folder (optionally ModelOpt NVFP4) or a folder written by `save`.
 
-    Dtypes: see `_dtypes` (compute: bf16 on accelerators, f32 on CPU; parameters: the compute dtype)."""
+    Dtypes: see `_dtypes` (compute: bf16 on accelerators, f32 on CPU; parameters: the compute dtype).
+    mesh: a `dflash_jax.sharding.make_mesh` mesh: HF safetensors go straight into sharded device arrays (each device
+    reads only its slice of the memory-mapped file, one tensor at a time, so host memory stays near the size of the
+    placed parameters); a `save` folder is restored, then sharded."""
     from dflash_jax.target import Target
 
     path = Path(path)
@@ -282,7 +326,7 @@ def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dty
     if (path / SAVED_MARKER).exists():
         cfg, params = _load_saved(path, "target")
         cfg = cfg.replace(param_dtype=param_dtype, compute_dtype=compute_dtype)
-        return Target(params=_cast_dense(params, cfg.storage_dtype), config=cfg)
+        return _maybe_shard(Target(params=_cast_dense(params, cfg.storage_dtype), config=cfg), mesh)
     d = read_config_json(path)
     arch = d.get("architectures") or []
     if "DFlashDraftModel" in arch:
@@ -290,14 +334,15 @@ def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dty
     if d.get("model_type") not in (None, "qwen3"):
         raise NotImplementedError(f"{path}: model_type {d.get('model_type')!r} is not supported (qwen3)")
     cfg = Qwen3Config.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
-    params = _params_from_hf("target", path, abstract_target(cfg), cfg.storage_dtype, read_quant_config(path, d))
+    params = _params_from_hf("target", path, abstract_target(cfg), cfg.storage_dtype, read_quant_config(path, d),
+                             mesh=mesh, cfg=cfg)
     return Target(params=params, config=cfg)
 
 
-def load_drafter(path: str | Path, *, param_dtype: str | None = None, compute_dtype: str | None = None):
+def load_drafter(path: str | Path, *, param_dtype: str | None = None, compute_dtype: str | None = None, mesh=None):
     """A Drafter from a z-lab DFlash HF folder (optionally ModelOpt NVFP4) or a folder written by `save`.
 
-    Dtypes: as `load_target`."""
+    Dtypes and mesh: as `load_target`."""
     from dflash_jax.drafter import Drafter
 
     path = Path(path)
@@ -306,14 +351,14 @@ def load_drafter(path: str | Path, *, param_dtype: str | None = None, compute_dt
         cfg, params = _load_saved(path, "drafter")
         model = cfg.model.replace(param_dtype=param_dtype, compute_dtype=compute_dtype)
         cfg = cfg.replace(model=model)
-        return Drafter(params=_cast_dense(params, model.storage_dtype), config=cfg)
+        return _maybe_shard(Drafter(params=_cast_dense(params, model.storage_dtype), config=cfg), mesh)
     d = read_config_json(path)
     arch = d.get("architectures") or []
     if arch and "DFlashDraftModel" not in arch:
         raise CheckpointError(f"{path}: architectures {arch} is not a DFlash drafter (DFlashDraftModel)")
     cfg = DrafterConfig.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
     params = _params_from_hf("drafter", path, abstract_drafter(cfg), cfg.model.storage_dtype,
-                             read_quant_config(path, d))
+                             read_quant_config(path, d), mesh=mesh, cfg=cfg.model)
     return Drafter(params=params, config=cfg)
 
 

@@ -87,6 +87,50 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     return out
 
 
+class LazyTensor:
+    """One tensor of a safetensors file, not read yet: `read(index)` maps only this tensor's bytes, copies the slice
+    `index` out and unmaps them again, so loading a checkpoint shard by shard never holds more than one slice (plus
+    what was already placed) in host memory. `np.asarray(t)` reads it whole."""
+
+    def __init__(self, path: Path, dtype: np.dtype, shape: tuple[int, ...], offset: int):
+        self.path, self.dtype, self.shape, self.offset = Path(path), dtype, tuple(shape), int(offset)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def read(self, index=()) -> np.ndarray:
+        if self.size == 0:
+            return np.zeros(self.shape, self.dtype)[index]
+        mm = np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=self.shape)
+        try:
+            return np.array(mm[index], copy=True)
+        finally:
+            del mm
+
+    def __array__(self, dtype=None, copy=None):
+        arr = self.read()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def __repr__(self):
+        return f"LazyTensor({self.path.name}, {self.dtype}{list(self.shape)})"
+
+
+def lazy_safetensors(path: str | Path) -> dict[str, LazyTensor]:
+    """Every tensor of a file as a `LazyTensor` (the header is validated now; no data is read)."""
+    header, data_start = read_header(path)
+    return {name: LazyTensor(Path(path), dtype, shape, data_start + begin)
+            for name, (dtype, shape, (begin, _)) in header.items()}
+
+
 def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
     """Write tensors (numpy / ml_dtypes arrays, 0-d scalars stay 0-d) with `safetensors.numpy.save_file`."""
     from safetensors.numpy import save_file
