@@ -2,7 +2,7 @@
 
 Public calls (a contract): `load_target`, `load_drafter`, `save`, `save_hf`, `target_forward`, `draft_logits`,
 `generate`, `generate_autoregressive`, `audit_scales`, `quantize_nvfp4`, `load_default`, `enable_compilation_cache`,
-and the `nvfp4` module.
+`make_mesh`, `shard` (dflash_jax.sharding), and the `nvfp4` module.
 """
 
 from dflash_jax import nvfp4
@@ -16,6 +16,7 @@ from dflash_jax.nvfp4 import NVFP4Array
 from dflash_jax.quantize import drop_global_scales, quantize_nvfp4
 from dflash_jax.target import KVCache, Target, init_target, target_forward
 from dflash_jax.defaults import load_default
+from dflash_jax.sharding import ShardingError, make_mesh, shard
 from dflash_jax.tokenizer import Tokenizer
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "generate", "generate_autoregressive", "GenerationResult",
     "load_target", "load_drafter", "save", "save_hf", "CheckpointError",
     "quantize_nvfp4", "drop_global_scales", "load_default", "Tokenizer", "enable_compilation_cache",
+    "make_mesh", "shard", "ShardingError",
 ]

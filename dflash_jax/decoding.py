@@ -467,7 +467,9 @@ def _prepare(name, target, drafter, prompt, *, max_new_tokens, draft_length, tem
     limit = _check_budget(target, lens, max_new_tokens, max_cache_len)
     eos = _eos_tuple(eos_ids, target.config.vocab_size)
     out_len = bucket(int(max_new_tokens), BUDGET_BUCKET_MIN)
-    static = dict(out_len=out_len, stamp=prefill_timing == "stamp",
+    # A host callback in a program spanning several processes would run in each of them: time prefill by a rerun.
+    stamp = prefill_timing == "stamp" and (mesh is None or jax.process_count() == 1)
+    static = dict(out_len=out_len, stamp=stamp,
                   backend=program_backend(*models, backend=nvfp4_backend), mesh=mesh,
                   cache_len=_cache_len(padded.shape[1], out_len, 1 if drafter is None else draft_length + 1, limit))
     if drafter is not None:
@@ -574,7 +576,11 @@ def generate(target: Target, drafter: Drafter, prompt, *, max_new_tokens: int, d
     nvfp4_backend: for NVFP4 weights (`dflash_jax.linear`); None = the current default, resolved now, per call.
     prefill_timing: "stamp" = one host callback marks the end of prefill (such a program never enters JAX's
     persistent compilation cache); "rerun" = no callback, prefill is timed by a second, prefill-only run of the same
-    compiled program (what the CLI and benchmarks use, with the persistent cache on).
+    compiled program (what the CLI and benchmarks use, with the persistent cache on; also what a mesh spanning several
+    processes gets).
+
+    Sharded models (`dflash_jax.sharding.shard`, or `load_target(..., mesh=)`): the prompt batch goes along the mesh's
+    "data" axis (padded with inert rows when the axis does not divide it); the tokens are those of one device.
     """
     return _run(speculative_call(target, drafter, prompt, max_new_tokens=max_new_tokens, draft_length=draft_length,
                                  temperature=temperature, eos_ids=eos_ids, seed=seed, top_k=top_k, top_p=top_p,
