@@ -48,10 +48,13 @@ class ShardingError(ValueError):
 
 
 def make_mesh(data: int = 1, model: int | None = None, *, devices=None) -> Mesh:
-    """A ("data", "model") mesh over `devices` (default: every device of every process, `jax.devices()`).
+    """A ("data", "model") mesh over `devices` (default: every device of every process, `jax.devices()`), in that
+    order, row-major (consecutive devices share a data row).
 
     model=None takes every device left after `data`. data * model must equal the number of devices."""
-    devices = list(jax.devices() if devices is None else devices)
+    if devices is None:  # by process, then id: the model axis (the chattier one) stays inside a process if it can
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    devices = list(devices)
     if int(data) < 1:
         raise ShardingError(f"make_mesh: data must be >= 1, got {data}")
     if model is None:
@@ -61,8 +64,6 @@ def make_mesh(data: int = 1, model: int | None = None, *, devices=None) -> Mesh:
     if int(model) < 1 or int(data) * int(model) != len(devices):
         raise ShardingError(f"make_mesh: data={data} x model={model} = {int(data) * int(model)} devices, but "
                             f"{len(devices)} are available (pass devices=... to use a subset)")
-    # Devices sorted by process, then id: the model axis (the chattier one) stays inside a process where it can.
-    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     return Mesh(np.array(devices, dtype=object).reshape(int(data), int(model)), AXES)
 
 

@@ -76,7 +76,7 @@ def test_each_device_holds_a_quarter_of_each_tp_weight(run8):
 
 
 def test_sharded_nvfp4_scales_all_reach_the_output(run8):
-    assert run8["audit_checked"] == 7 and run8["audit_missing"] == []  # fc + 6 linears of the drafter layer
+    assert run8["audit_checked"] == 8 and run8["audit_missing"] == []  # fc + the 7 linears of the drafter layer
     assert run8["sharded_draft_logits_close"]
 
 
@@ -91,8 +91,8 @@ def test_no_weight_all_gathers_in_the_decode_loop(run8):
 def test_bad_meshes_are_refused_before_compiling(run8):
     e = run8["errors"]
     assert "num_attention_heads 4" in e["model8"] and "model axis of size 8" in e["model8"]
-    assert "vocab_size 96" in e["model8"] and "intermediate_size 128" not in e["model8"]
-    assert "different meshes" in e["two_meshes"]
+    assert "intermediate_size" not in e["model8"] and "vocab_size" not in e["model8"]  # 128 and 96 do split in 8
+    assert "different meshes" in e["two_meshes"] and "{'data': 4, 'model': 2}" in e["two_meshes"]
     assert "not sharded" in e["unsharded_drafter"]
     assert "24 per shard" in e["nvfp4_blocks"] and "down_proj" in e["nvfp4_blocks"]
     assert "('data', 'model')" in e["mesh_axes"]
@@ -143,7 +143,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_generate_the_same_tokens(tmp_path, run8):
+def test_two_processes_generate_the_same_tokens(tmp_path):
     """The same generation on 2 processes x 4 CPU devices (mesh data 2 x model 4 over all 8): every process gets the
     whole result, equal to one device's."""
     port, out = _free_port(), tmp_path / "mp.json"
@@ -163,7 +163,7 @@ def test_two_processes_generate_the_same_tokens(tmp_path, run8):
     results = [json.loads(out.read_text()), json.loads(Path(str(out) + ".1").read_text())]
     for res in results:
         assert res["devices"] == 8 and res["processes"] == 2
-        for name in ("greedy", "nvfp4", "sampled", "autoregressive"):
+        for name in ("greedy", "nvfp4", "sampled"):
             assert res[f"{name}_equal"] == 1.0, name
         assert res["pad7_equal"]
         assert res["loaded_target_ok"] and res["loaded_drafter_ok"]
