@@ -30,15 +30,15 @@ import contextvars
 import dataclasses
 import math
 import re
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.config import Qwen3Config
 from dflash_jax.nvfp4 import BLOCK_SIZE, NVFP4Array
-from dflash_jax.params import (abstract_drafter, abstract_target, is_spec, map_named, named_leaves, path_name)
+from dflash_jax.params import abstract_drafter, abstract_target, map_named, named_leaves
 
 AXES = ("data", "model")
 
@@ -361,6 +361,6 @@ def shard_fraction(leaf: jax.Array) -> float:
     return math.prod(shard0.shape) / max(math.prod(leaf.shape), 1)
 
 
-__all__ = ["mesh_scope", "constrain_kv", "make_mesh", "shard", "mesh_of", "models_mesh", "param_shardings", "cache_sharding", "constrain_cache",
-           "rules_for", "Rules", "ShardingError", "place", "place_tree", "batch_sharding", "replicated",
+__all__ = ["make_mesh", "shard", "mesh_of", "models_mesh", "param_shardings", "cache_sharding", "constrain_cache",
+           "mesh_scope", "constrain_kv", "rules_for", "Rules", "ShardingError", "place", "place_tree", "batch_sharding", "replicated",
            "shard_fraction", "hlo_collectives", "weight_shapes", "AXES"]
