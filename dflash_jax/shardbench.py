@@ -36,6 +36,8 @@ def _parse(argv=None):
     p.add_argument("--load-gb", type=float, default=0.0, help="also measure peak host memory loading a random bf16 "
                                                                 "checkpoint of about this many GB into one shard "
                                                                 "per device (mesh 1 x devices; 0: skip)")
+    p.add_argument("--smoke", action="store_true", help="tiny random models and checkpoint instead (a quick check of "
+                                                        "the script; on fewer devices than data x model, a 1 x 1 mesh)")
     p.add_argument("--measure-load", default=None, help=argparse.SUPPRESS)  # internal: the loading subprocess
     p.add_argument("--json", default=None, help="also write the figures to this file")
     return p.parse_args(argv)
@@ -118,11 +120,11 @@ def compare(name: str, target, drafter, mesh, prompts, max_new: int) -> dict:
 
 def load_config(gb: float, model: int) -> Qwen3Config:
     """A Qwen3-shaped bf16 config of about `gb` GB whose heads, intermediate and vocabulary split over `model`."""
-    H, I, V = 2048, 6144, 32768
-    per_layer = 4 * H * H + 3 * H * I  # q, o, k+v (GQA 16 / 8 heads of 128: k+v = H*H), mlp
+    H, I, V = (2048, 6144, 32768) if gb >= 0.5 else (256, 768, 4096)
+    per_layer = 3 * H * H + 3 * H * I  # q, o, k+v (16 query / 8 KV heads of H/16: k+v = H*H), mlp
     layers = max(1, int(round((gb * 1e9 / 2 - 2 * V * H) / per_layer)))
     return Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=layers,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, param_dtype="bfloat16")
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=H // 16, param_dtype="bfloat16")
 
 
 def write_random_checkpoint(folder: Path, cfg: Qwen3Config, file_gb: float = 0.5) -> int:
@@ -199,14 +201,32 @@ def load_benchmark(gb: float, data: int, model: int, devices: int) -> dict:
     return res
 
 
-def main(args) -> dict:
+def smoke_pair():
+    cfg = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
+    dcfg = DrafterConfig(model=cfg.replace(num_hidden_layers=1), block_size=4, mask_token_id=95,
+                         target_layer_ids=(0, 1), num_target_layers=2)
+    return random_pair(cfg, dcfg)
+
+
+def main(argv=None) -> dict:
+    args = argv if isinstance(argv, argparse.Namespace) else _parse(argv)
     if args.measure_load:
         print(json.dumps(measure_load(args.measure_load, args.data, args.model)))
         return {}
-    report = {"devices": len(jax.devices()), "mesh": {"data": args.data, "model": args.model},
+    report = {"devices": len(jax.devices()),
               "backend": jax.default_backend(), "batch": args.batch, "max_new_tokens": args.max_new_tokens}
+    if args.smoke and len(jax.devices()) < args.data * args.model:
+        args.data = args.model = 1
+    report["mesh"] = {"data": args.data, "model": args.model}
     mesh = S.make_mesh(data=args.data, model=args.model, devices=jax.devices()[:args.data * args.model])
     rows = []
+    if args.smoke:
+        target, drafter = smoke_pair()
+        prompts = _prompts(target.config.vocab_size, args.batch)
+        rows.append(compare("tiny random (smoke)", target, drafter, mesh, prompts, args.max_new_tokens))
+        args.skip_embedded = args.skip_8b = True
+        args.load_gb = min(args.load_gb, 0.01)
     if not args.skip_embedded:
         target, drafter, _ = dj.load_default()
         prompts = _prompts(target.config.vocab_size, args.batch)
@@ -224,7 +244,8 @@ def main(args) -> dict:
         print(json.dumps(r))
     if args.load_gb > 0:
         # Every device its own shard (data 1 x model N): on one host a data axis would hold replicated copies.
-        report["load"] = load_benchmark(args.load_gb, 1, args.devices, args.devices)
+        n = args.devices if not args.smoke else 2
+        report["load"] = load_benchmark(args.load_gb, 1, n, n)
         print(json.dumps({"load": report["load"]}))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
