@@ -44,7 +44,7 @@ def _parse(argv=None):
 
 
 ARGS = _parse() if __name__ == "__main__" else None
-if ARGS is not None and "jax" not in sys.modules:  # virtual CPU devices must be asked for before jax starts
+if ARGS is not None:  # virtual CPU devices must be asked for before jax creates its CPU client (first device use)
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={ARGS.devices}")
 
 import jax  # noqa: E402
