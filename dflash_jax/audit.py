@@ -136,7 +136,8 @@ def _reference(q: NVFP4Array) -> _Reference:
 
 def _dense_leaf(leaf: NVFP4Array, weight: jax.Array, native: bool) -> DequantizedNVFP4:
     # The portable W4A16 path is x @ W.T; a W4A4 leaf (or the native backend) rounds x first, with the leaf's scale.
-    return DequantizedNVFP4(weight=weight, packed=leaf.packed, block_scale=jnp.ones(leaf.block_scale.shape, jnp.float32),
+    return DequantizedNVFP4(weight=weight, packed=leaf.packed,
+                            block_scale=jnp.ones(leaf.block_scale.shape, jnp.float32),
                             global_scale=jnp.ones((), jnp.float32), shape=tuple(leaf.shape),
                             input_scale=leaf.input_scale, act_scale=leaf.input_scale,
                             round_input=leaf.input_scale is not None or native)

@@ -77,7 +77,9 @@ def test_dropped_global_scale_is_named():
 
 def test_ignored_block_scale_is_named():
     def bad(p, x):
-        tamper = lambda n, w: w.replace(block_scale=jnp.ones(w.block_scale.shape, jnp.float32)) if n == "layers[1].up" else w
+        def tamper(n, w):
+            return w.replace(block_scale=jnp.ones(w.block_scale.shape, jnp.float32)) if n == "layers[1].up" else w
+
         return forward(p, x, tamper)
 
     assert audit_scales(bad, _params(), _x()).missing == ("layers[1].up: block_scale",)
@@ -94,7 +96,8 @@ def test_scale_folded_in_elsewhere_still_counts():
     audit = audit_scales(post_scaled, _params(), _x())
     assert audit.checked == ALL
     # layer 1 is unused by this forward, so all of its scales are reported.
-    assert audit.missing == tuple(f"layers[1].{n}: {s}" for n in ("up", "down") for s in ("block_scale", "global_scale"))
+    assert audit.missing == tuple(f"layers[1].{n}: {s}" for n in ("up", "down")
+                                  for s in ("block_scale", "global_scale"))
 
 
 def test_no_nvfp4_leaves():

@@ -1,7 +1,7 @@
 """Lossless sampling at temperature > 0: accept_block units, the distribution proof on tiny models, EOS, and subtle
 negative controls.
 
-Statistics (tests/stats.py). Every check is Pearson's chi-square test of a histogram against an EXACT law, at the
+Statistics (tests/stats.py). Every check is a likelihood-ratio (G) test of a histogram against an EXACT law, at the
 per-check level ALPHA = 0.1% / 400 = 2.5e-6 (Bonferroni over the at most 400 checks one run of the suite makes; this
 module's checks are counted and `test_zz_false_alarm_budget` asserts the share). So if the sampler is exact, a run
 of the whole suite fails any of these checks with probability <= 0.1% (seeds are fixed: a run that passes keeps
@@ -125,7 +125,8 @@ def accept_with_bug(d_logits, drafts, v_logits, keys, sp, bug):
     proposed = sampling._pmin_mask(d_logits, sp)
     p = processed_probs(v_logits, sp)
     q = (jax.nn.one_hot(drafts, p.shape[-1], dtype=jnp.float32) if sp.draft_sampling == "greedy"
-         else jnp.where(bug == BUGS.index("q_at_T1"), processed_probs(d_logits, dataclasses.replace(sp, temperature=1.0)),
+         else jnp.where(bug == BUGS.index("q_at_T1"),
+                        processed_probs(d_logits, dataclasses.replace(sp, temperature=1.0)),
                         processed_probs(d_logits, sp)))
     keys, uniforms = sampling._draw(keys, D + p.shape[-1])
     u = uniforms[:, :D]
@@ -648,8 +649,9 @@ def test_control_drafting_key_reused_for_acceptance_fails(models, enumeration, m
 
 def test_control_residual_from_p_fails(models, enumeration, monkeypatch):
     """The token after a rejection drawn from p instead of normalize(max(p - q, 0))."""
-    assert_fails("residual from p (distant, T=1)", _control(monkeypatch, models, enumeration, "distant",
-                                                            dict(temperature=1.0), accept_block=_bug("resample_from_p")))
+    assert_fails("residual from p (distant, T=1)",
+                 _control(monkeypatch, models, enumeration, "distant", dict(temperature=1.0),
+                          accept_block=_bug("resample_from_p")))
 
 
 def test_control_bonus_from_the_wrong_row_fails(models, enumeration, monkeypatch):
