@@ -1,6 +1,6 @@
 """False-alarm rate and power of the statistical checks (tests/stats.py), as quoted in tests/test_sampling.py.
 
-    python tests/stats_power.py            # the table (a few seconds)
+    python tests/stats_power.py            # the table, and 10^7 simulated null runs (~25 s of CPU)
     python tests/stats_power.py --laws     # also simulate the null on the laws the tests really use (~1 minute)
 
 1. False alarms: each check is made at ALPHA = RUN_ALPHA / CHECK_BUDGET; a run makes at most CHECK_BUDGET checks, so by

@@ -6,9 +6,9 @@ per-check level ALPHA = 0.1% / 400 = 2.5e-6 (Bonferroni over the at most 400 che
 module's checks are counted and `test_zz_false_alarm_budget` asserts the share). So if the sampler is exact, a run
 of the whole suite fails any of these checks with probability <= 0.1% (seeds are fixed: a run that passes keeps
 passing). Power, from `python tests/stats_power.py` (noncentral chi-square, confirmed by simulation there): a check
-of a marginal of N = 40,000 samples detects with 90% probability a total-variation bias of 0.0175 in the least
-favourable direction (0.0124 for a shift between the two most likely tokens); the hand-built accept_block checks
-(M = 40,000 per row, vocab 6) 0.0171; the EOS checks (20,000 rows per prompt) 0.026.
+of a marginal of N = 40,000 samples detects with 90% probability a total-variation bias of 0.0179 in the least
+favourable direction (0.0132 for a shift between the two most likely tokens); the hand-built accept_block checks
+(M = 40,000 per row, vocab 6) 0.0173; the EOS checks (20,000 rows per prompt) 0.026.
 
 The proof (`test_speculative_output_has_target_distribution`): one `generate` call over N rows of the same prompt (each
 row has its own PRNG stream) with a tiny vocab-8 Qwen3 target and a DFlash drafter, block size 4 (3 drafts per step),
