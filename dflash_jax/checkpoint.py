@@ -63,10 +63,12 @@ def _read_tensors_unchecked(path: Path, lazy: bool = False) -> dict[str, np.ndar
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no weight_map")
         tensors: dict[str, np.ndarray] = {}
-        for shard in sorted(set(weight_map.values())):
-            if not isinstance(shard, str) or Path(shard).name != shard:
+        # Every name is checked before any file is opened (and before sorting, which mixed types would break).
+        for shard in weight_map.values():
+            if not isinstance(shard, str) or Path(shard).name != shard or shard in (".", ".."):
                 raise CheckpointError(f"{index}: shard name {shard!r} must be a file name inside the folder")
-            if not (path / shard).exists():
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).is_file():
                 raise CheckpointError(f"{index}: shard {shard} is missing")
             part = read(path / shard)
             for name, arr in part.items():

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 import os
 from typing import Any
@@ -146,12 +147,40 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
 
-def quantize_activations(x: jax.Array, input_scale: jax.Array) -> jax.Array:
-    """W4A4 emulation: x rounded through NVFP4 with the calibrated tensor scale (blocks of 16 along in)."""
-    xq = _quantize(x.astype(jnp.float32), jnp.asarray(input_scale, jnp.float32))
-    return dequantize(xq, x.dtype)
+def quantize_activations(x: jax.Array, input_scale: jax.Array | None) -> jax.Array:
+    """W4A4 emulation: x rounded through NVFP4 with the calibrated tensor scale (blocks of 16 along in); None =
+    the dynamic per-call scale amax(x) / (6 * 448) of the native backend.
+
+    The derivative is the identity (straight-through, as in quantization-aware training): the rounding is piecewise
+    constant, so its true derivative is 0 almost everywhere and nothing upstream of a W4A4 layer would get a gradient
+    (audit_scales could then not see whether the scales of earlier layers reach the output).
+    """
+    if input_scale is None:
+        return _round_activations_dynamic(x)
+    return _round_activations(x, jnp.asarray(input_scale, jnp.float32))
 
 
+@jax.custom_jvp
+def _round_activations(x: jax.Array, input_scale: jax.Array) -> jax.Array:
+    return dequantize(_quantize(x.astype(jnp.float32), input_scale), x.dtype)
+
+
+@_round_activations.defjvp
+def _round_activations_jvp(primals, tangents):
+    return _round_activations(*primals), tangents[0]
+
+
+@jax.custom_jvp
+def _round_activations_dynamic(x: jax.Array) -> jax.Array:
+    return dequantize(_quantize(x.astype(jnp.float32), None), x.dtype)
+
+
+@_round_activations_dynamic.defjvp
+def _round_activations_dynamic_jvp(primals, tangents):
+    return _round_activations_dynamic(*primals), tangents[0]
+
+
+@jax.custom_jvp
 def _linear_native(x: jax.Array, w: NVFP4Array) -> jax.Array:
     k = x.shape[-1]
     m = math.prod(x.shape[:-1])
@@ -169,6 +198,20 @@ def _linear_native(x: jax.Array, w: NVFP4Array) -> jax.Array:
     return out.reshape(x.shape[:-1] + (w.shape[0],))
 
 
+@_linear_native.defjvp
+def _linear_native_jvp(primals, tangents):
+    # The block-scaled kernel has no derivative (and the float8 casts of its operands none either). It computes
+    # rounded(x) @ dequantize(w).T, so differentiate that instead (straight through the activation rounding): the
+    # same derivative as the portable W4A4 path, and what lets audit_scales see the block scales on this backend.
+    x, w = primals
+
+    def same_product(x, w):
+        return _dot(quantize_activations(x, w.input_scale), dequantize(w, x.dtype))
+
+    _, tangent = jax.jvp(same_product, (x, w), tangents)
+    return _linear_native(x, w), tangent.astype(jnp.float32)
+
+
 def _check_nvfp4(w: NVFP4Array) -> None:
     n, k = w.shape
     if k % BLOCK_SIZE:
@@ -177,6 +220,35 @@ def _check_nvfp4(w: NVFP4Array) -> None:
     if tuple(w.packed.shape) != (n, k // 2) or tuple(w.block_scale.shape) != (n, k // BLOCK_SIZE):
         raise ValueError(f"linear: NVFP4 weight shape {tuple(w.shape)} needs packed {(n, k // 2)} and block_scale "
                          f"{(n, k // BLOCK_SIZE)}, got {tuple(w.packed.shape)} and {tuple(w.block_scale.shape)}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DequantizedNVFP4:
+    """The exact dense equivalent of an NVFP4Array, in the same clothes: what `audit_scales` runs a forward with.
+
+    `linear` computes x @ weight.T, first rounding x through NVFP4 when `round_input` (a W4A4 leaf, or any leaf on
+    the native backend: `act_scale` None = the dynamic per-call scale). The scale fields are ONES and `input_scale`
+    is inert: the scales are already inside `weight`, so a forward that reads, replaces or multiplies a leaf's scales
+    itself sees here what a correct dequantization implies (scale x 1), and one that tampers with them changes
+    nothing in this reference.
+    """
+
+    weight: jax.Array  # [out, in] float32 e2m1(code) * block_scale * global_scale
+    packed: jax.Array  # the original codes (not used by linear)
+    block_scale: jax.Array  # ones [out, in/16]
+    global_scale: jax.Array  # 1.0
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    input_scale: Any = None  # the original leaf's (not used by linear)
+    act_scale: Any = None  # float32 [] or None: activation tensor scale when round_input
+    round_input: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    def replace(self, **fields: Any) -> "DequantizedNVFP4":
+        return dataclasses.replace(self, **fields)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
 
 
 # Calibration hook: when set (by quantize.collect_linear_inputs, in eager mode), called with (x, w) for every linear.
@@ -206,6 +278,10 @@ def linear(x: jax.Array, w: Any, *, backend: str | None = None) -> jax.Array:
         if choice == "pallas":
             return pallas_nvfp4.nvfp4_matmul(x, w)  # [..., out] in x.dtype; x reshaped to [M, in] inside
         w = dequantize(w, x.dtype)  # [out, in]
+    elif isinstance(w, DequantizedNVFP4):
+        if w.round_input:
+            x = quantize_activations(x, w.act_scale)
+        w = jnp.asarray(w.weight).astype(x.dtype)
     else:
         w = jnp.asarray(w).astype(x.dtype)
     return _dot(x, w).astype(x.dtype)

@@ -177,6 +177,56 @@ def test_sharded_index_lists_absent_tensor(sharded):
         dj.load_target(folder)
 
 
+@pytest.mark.parametrize("shard", ["../model-00001-of-00002.safetensors", "/tmp/model-00001-of-00002.safetensors",
+                                   "sub/model-00001-of-00002.safetensors", "..", 7],
+                         ids=["parent", "absolute", "subfolder", "dotdot", "not_a_string"])
+def test_sharded_index_shard_path_traversal(sharded, shard):
+    """A shard name must be a plain file name inside the folder: an index cannot make the loader read elsewhere."""
+    _, folder, weight_map = sharded
+    (folder.parent / "model-00001-of-00002.safetensors").write_bytes(
+        (folder / "model-00001-of-00002.safetensors").read_bytes())  # the escape target exists and is valid
+    weight_map["model.norm.weight"] = shard
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=re.escape(repr(shard)) + ".*must be a file name inside the folder"):
+        dj.load_target(folder)
+
+
+@pytest.mark.parametrize("index", [{"metadata": {"total_size": 1}}, {"weight_map": ["model.norm.weight"]},
+                                   {"weight_map": None}], ids=["absent", "list", "null"])
+def test_sharded_index_without_weight_map(sharded, index):
+    _, folder, _ = sharded
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: no weight_map"):
+        dj.load_target(folder)
+
+
+def test_tied_lm_head_must_equal_the_embedding(tmp_path):
+    """A tied target may carry lm_head.weight only as an exact copy of the embedding."""
+    t = _target(tie_word_embeddings=True)
+    dj.save_hf(tmp_path, t)
+    tensors = _read(tmp_path)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    _write(tmp_path, tensors)
+    assert_bit_exact(t, dj.load_target(tmp_path))  # an exact copy is accepted
+    tensors["lm_head.weight"][5, 3] += 1e-3
+    _write(tmp_path, tensors)
+    with pytest.raises(CheckpointError, match="tie_word_embeddings is true but lm_head.weight differs from "
+                                              "model.embed_tokens.weight"):
+        dj.load_target(tmp_path)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"][:32].copy()  # wrong shape
+    _write(tmp_path, tensors)
+    with pytest.raises(CheckpointError, match="lm_head.weight differs"):
+        dj.load_target(tmp_path)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3_moe"])
+def test_unsupported_model_type(tmp_path, model_type):
+    dj.save_hf(tmp_path, _target())
+    _edit_config(tmp_path, lambda c: c.update(model_type=model_type))
+    with pytest.raises(NotImplementedError, match=f"model_type '{model_type}' is not supported"):
+        dj.load_target(tmp_path)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Tensor validation errors (dense)
 # ---------------------------------------------------------------------------------------------------------------
@@ -338,9 +388,20 @@ def _c_entry_not_object(p):
     return "'a'.*malformed"
 
 
+def _c_negative_dim(p):
+    _raw(p, {"a": {"dtype": "F32", "shape": [-1, 4], "data_offsets": [0, 0]}}, b"")
+    return r"'a' has a negative dimension \(-1, 4\)"
+
+
+def _c_two_negative_dims(p):
+    # (-2) x (-2) = 4 elements = 16 bytes: the byte count matches, only the sign check can refuse it.
+    _raw(p, {"a": {"dtype": "F32", "shape": [-2, -2], "data_offsets": [0, 16]}}, b"\0" * 16)
+    return r"'a' has a negative dimension \(-2, -2\)"
+
+
 CORRUPTIONS = [_c_truncated, _c_header_too_long, _c_header_huge, _c_tiny_file, _c_offsets_out_of_range,
                _c_negative_offset, _c_overlap, _c_length_mismatch, _c_invalid_json, _c_not_utf8,
-               _c_header_not_object, _c_unknown_dtype, _c_entry_not_object]
+               _c_header_not_object, _c_unknown_dtype, _c_entry_not_object, _c_negative_dim, _c_two_negative_dims]
 
 
 @pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__[3:])
@@ -352,7 +413,8 @@ def test_corrupt_safetensors_named_errors(tmp_path, corrupt):
     assert str(p) in str(e.value)
 
 
-@pytest.mark.parametrize("corrupt", [_c_truncated, _c_header_too_long, _c_overlap, _c_invalid_json],
+@pytest.mark.parametrize("corrupt", [_c_truncated, _c_header_too_long, _c_overlap, _c_invalid_json,
+                                     _c_two_negative_dims],
                          ids=lambda f: f.__name__[3:])
 def test_corrupt_file_in_folder_names_the_file(tmp_path, corrupt):
     dj.save_hf(tmp_path, _target())
@@ -614,6 +676,38 @@ def test_nvfp4_errors_name_the_module(nvfp4_folder, mutate):
     _write(folder, tensors)
     with pytest.raises(CheckpointError, match=pattern):
         dj.load_target(folder)
+
+
+@pytest.mark.parametrize("value", [np.float32(-0.5), np.float32(0.0), np.float32(np.nan), np.float32(np.inf),
+                                   np.float16(0.01), np.array([0.01, 0.02], np.float32)],
+                         ids=["negative", "zero", "nan", "inf", "float16", "two_values"])
+def test_nvfp4_bad_input_scale_names_the_module(nvfp4_folder, value):
+    """W4A4 activation scale (ModelOpt input_scale): a finite positive float32 scalar, or the module is refused."""
+    _, folder = nvfp4_folder
+    tensors = _read(folder)
+    tensors[Q + ".input_scale"] = np.float32(0.01).reshape(())
+    _write(folder, tensors)
+    assert float(named_leaves(dj.load_target(folder).params)["layers.0.self_attn.q_proj"].input_scale) == \
+        np.float32(0.01)  # a good one loads
+    tensors[Q + ".input_scale"] = np.asarray(value).reshape(np.shape(value))
+    _write(folder, tensors)
+    with pytest.raises(CheckpointError, match=re.escape(Q) + r".input_scale: must be a finite positive float32 "
+                                                            "scalar"):
+        dj.load_target(folder)
+
+
+def test_nvfp4_in_features_not_a_multiple_of_16(tmp_path):
+    """intermediate_size 40: down_proj has 40 inputs, which NVFP4 blocks of 16 cannot cover."""
+    t = _target(intermediate_size=40)
+    dj.save_hf(tmp_path, t)
+    tensors = _read(tmp_path)
+    m = "model.layers.0.mlp.down_proj"
+    tensors[m + ".weight"] = np.zeros((32, 20), np.uint8)
+    tensors[m + ".weight_scale"] = np.ones((32, 2), F8)
+    tensors[m + ".weight_scale_2"] = np.float32(1.0).reshape(())
+    _write(tmp_path, tensors)
+    with pytest.raises(CheckpointError, match=re.escape(m) + ": in_features 40 is not a multiple of 16"):
+        dj.load_target(tmp_path)
 
 
 def test_nvfp4_missing_weight_scale_names_the_module(nvfp4_folder):

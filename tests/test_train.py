@@ -42,6 +42,43 @@ def test_training_resumes_from_checkpoint(tmp_path):
     assert all(jax.tree.leaves(chex_equal))
 
 
+class Interrupted(Exception):
+    pass
+
+
+def test_training_resumes_after_an_interruption_mid_run(tmp_path, capsys):
+    """A run killed at step 7 (checkpoints every 3 steps) and started again resumes from its step-6 checkpoint and ends
+    with exactly the parameters of an uninterrupted run: params, optimizer state (Adam moments, step count of the
+    schedule) and the batch sequence all come back."""
+    stream = np.arange(2000, dtype=np.int32) % 64
+    params = dj.init_target(CFG, jax.random.key(0)).params
+    batches = lambda s: jnp.asarray(random_windows(stream, 4, 17, np.random.default_rng(s)))
+    kw = dict(params=params, loss_fn=lm_loss(CFG), optim=OptimConfig(steps=10, lr=1e-3), ckpt_every=3)
+    straight, _ = run(batch_fn=batches, ckpt_dir=tmp_path / "straight", desc="straight", **kw)
+
+    seen, raised = [], []
+
+    def flaky(step):
+        seen.append(step)
+        if step == 7 and not raised:
+            raised.append(step)
+            raise Interrupted(f"killed at step {step}")
+        return batches(step)
+
+    with pytest.raises(Interrupted):
+        run(batch_fn=flaky, ckpt_dir=tmp_path / "resumed", desc="first", **kw)
+    assert seen == list(range(8))
+    seen.clear()
+    capsys.readouterr()
+    resumed, _ = run(batch_fn=flaky, ckpt_dir=tmp_path / "resumed", desc="second", **kw)
+    assert "[second] resumed from step 6" in capsys.readouterr().out
+    assert seen == [6, 7, 8, 9]  # steps 6 and 7 redone from the checkpoint, nothing skipped
+    same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), straight, resumed)
+    assert all(jax.tree.leaves(same)), "resumed run differs from the uninterrupted one"
+    moved = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), params, resumed)
+    assert not all(jax.tree.leaves(moved))  # and training did something
+
+
 def test_sample_anchors():
     rng = np.random.default_rng(0)
     lengths = np.array([40, 12, 9])

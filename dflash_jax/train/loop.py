@@ -68,26 +68,30 @@ def run(*, params, loss_fn: Callable, batch_fn: Callable[[int], Any], optim: Opt
     log = open(log_file, "a") if log_file else None
     bar = tqdm(range(start, optim.steps), initial=start, total=optim.steps, desc=desc, mininterval=5.0)
     t0, running = time.perf_counter(), None
-    for step in bar:
-        params, opt_state, metrics = step_fn(params, opt_state, batch_fn(step))
-        if step % 10 == 0 or step == optim.steps - 1:
-            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            running = m["loss"] if running is None else 0.9 * running + 0.1 * m["loss"]
-            bar.set_postfix(loss=f"{running:.3f}")
-            rec = {"step": step, "elapsed_s": round(time.perf_counter() - t0, 1), **m}
-            if eval_fn is not None and eval_every and (step % eval_every == 0 or step == optim.steps - 1) and step:
-                rec.update(eval_fn(params))
-                tqdm.write(f"[{desc}] step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in rec.items()
-                                                                 if isinstance(v, float)))
-            history.append(rec)
-            if log:
-                log.write(json.dumps(rec) + "\n")
-                log.flush()
-        if (step + 1) % ckpt_every == 0 or step == optim.steps - 1:
-            manager.save(step + 1, args=ocp.args.StandardSave({"params": params, "opt": opt_state}))
-    manager.wait_until_finished()
-    if log:
-        log.close()
+    try:
+        for step in bar:
+            params, opt_state, metrics = step_fn(params, opt_state, batch_fn(step))
+            if step % 10 == 0 or step == optim.steps - 1:
+                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                running = m["loss"] if running is None else 0.9 * running + 0.1 * m["loss"]
+                bar.set_postfix(loss=f"{running:.3f}")
+                rec = {"step": step, "elapsed_s": round(time.perf_counter() - t0, 1), **m}
+                if eval_fn is not None and eval_every and (step % eval_every == 0 or step == optim.steps - 1) and step:
+                    rec.update(eval_fn(params))
+                    tqdm.write(f"[{desc}] step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in rec.items()
+                                                                     if isinstance(v, float)))
+                history.append(rec)
+                if log:
+                    log.write(json.dumps(rec) + "\n")
+                    log.flush()
+            if (step + 1) % ckpt_every == 0 or step == optim.steps - 1:
+                manager.save(step + 1, args=ocp.args.StandardSave({"params": params, "opt": opt_state}))
+    finally:
+        # Saves are asynchronous: an interruption (exception, Ctrl-C) must not lose the last checkpoint in flight,
+        # or the next run resumes from an older one.
+        manager.wait_until_finished()
+        if log:
+            log.close()
     return params, history
 
 

@@ -1,0 +1,210 @@
+"""A small mutation check: plant known bugs in a copy of the package and see whether the test suite kills them.
+
+    python tests/mutants.py                 # every planted bug against its relevant tests (stop at the first failure)
+    python tests/mutants.py --all-failures  # the same, listing every failing test (slower)
+    python tests/mutants.py --list
+    python tests/mutants.py key-reuse eos-whole-block
+
+Each bug is a source-text patch (`old` -> `new`, `old` must occur exactly once) applied to a temporary copy of
+`dflash_jax/`; `alt` lists the same bug written against other versions of the code (tried in order when `old` is
+absent, so the list survives a refactoring landing). The copy's tests/ and checkpoints/ are symlinks to the real
+ones. The relevant tests then run against the mutant with `-x`: the bug is KILLED when they fail, SURVIVED when they
+pass, and a patch that no longer applies (the code moved) is reported as STALE, which fails the script like a
+survivor: keep this list in step with the code. The tests chosen for a bug are the ones meant to catch it (e.g. the
+statistical proof, not the bit-identity test of the re-derived sampler), so a kill shows that those tests have the
+power to see the bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str
+    file: str  # inside dflash_jax/
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest arguments (files, node ids, -k expressions)
+    issue: bool = False  # named in issue 15 (must be killed)
+    alt: tuple[tuple[str, str, str], ...] = ()  # (file, old, new) for other versions of the code
+
+
+# NVFP4-only tamperings planted in the model code (layers.py): dense weights pass through untouched, so only the
+# tests that run NVFP4 forwards can see them.
+_REUSE = '''
+
+def _planted(w):
+    from dflash_jax.nvfp4 import NVFP4Array
+    if isinstance(w, NVFP4Array):  # block 0's scale applied to every block of the row
+        return w.replace(block_scale=jnp.broadcast_to(w.block_scale[..., :1], w.block_scale.shape))
+    return w
+'''
+_SHIFT = '''
+
+def _planted(w):
+    from dflash_jax.nvfp4 import NVFP4Array
+    if isinstance(w, NVFP4Array):  # the block scales of row r applied to row r + 1
+        return w.replace(block_scale=jnp.roll(w.block_scale, 1, axis=0))
+    return w
+'''
+_SQUARE = '''
+
+def _planted(w):
+    from dflash_jax.nvfp4 import NVFP4Array
+    if isinstance(w, NVFP4Array):  # the tensor scale applied twice
+        return w.replace(global_scale=w.global_scale * w.global_scale)
+    return w
+'''
+
+AUDIT_TESTS = ("tests/test_quantize.py", "-k", "audit")
+# The EOS test of `_commit` since EOS ids became a traced argument (issue 14).
+_EOS_TRACED = "is_eos = (new_tokens[:, :, None] == budget.eos[None, None, :]).any(axis=-1)"
+SAMPLING = "tests/test_sampling.py"
+PROOF = "speculative_output_has_target_distribution or sampled_eos"
+
+MUTANTS = [
+    Mutant("q-temperature", "draft probabilities q computed at temperature 1 whatever is requested", "sampling.py",
+           "q = processed_probs(d_logits, sp)  # [B, D, V]",
+           "q = processed_probs(d_logits, dataclasses.replace(sp, temperature=1.0))  # [B, D, V]",
+           (SAMPLING, "-k", PROOF), issue=True),
+    Mutant("eos-whole-block", "EOS searched in the whole verified block instead of the committed prefix",
+           "decoding.py",
+           "is_eos = jnp.isin(new_tokens, jnp.asarray(eos_ids, jnp.int32)) & (j < n[:, None])",
+           "is_eos = jnp.isin(new_tokens, jnp.asarray(eos_ids, jnp.int32))",
+           ("tests/test_eos.py", "-k", "not control"), issue=True,
+           alt=(("decoding.py", _EOS_TRACED + " & (j < n[:, None])", _EOS_TRACED),)),
+    Mutant("key-reuse", "the drafting key reused for acceptance", "decoding.py",
+           "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, keys, sampling)",
+           "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, s.key, sampling)",
+           (SAMPLING, "-k", PROOF), issue=True),
+    Mutant("scale-reuse", "an MLP applies block 0's NVFP4 scale to every block", "layers.py",
+           "linear(x, p.up_proj), p.down_proj)", "linear(x, _planted(p.up_proj)), p.down_proj)", AUDIT_TESTS,
+           issue=True),
+    Mutant("scale-shift", "v_proj's NVFP4 block scales shifted by one row", "layers.py",
+           "v = linear(h, attn.v_proj).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)",
+           "v = linear(h, _planted(attn.v_proj)).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)",
+           AUDIT_TESTS, issue=True),
+    Mutant("residual-from-p", "after a rejection, the token drawn from p instead of normalize(max(p - q, 0))",
+           "sampling.py",
+           "final = _categorical(uniforms[:, D:], residual_probs(p_at, jnp.where(was_proposed, q_at, 0.0)))",
+           "final = _categorical(uniforms[:, D:], p_at)",
+           (SAMPLING, "-k", PROOF), issue=True),
+    Mutant("bonus-row", "after a full block, the bonus drawn from verify row D - 1", "sampling.py",
+           "p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]",
+           "p_at = jnp.take_along_axis(p, jnp.where(n_acc == D, D - 1, n_acc)[:, None, None], axis=1)[:, 0]",
+           (SAMPLING, "-k", PROOF), issue=True),
+    Mutant("bonus-batch-row", "after a full block, the bonus drawn from the NEIGHBOURING sequence's verify row",
+           "sampling.py",
+           "p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]",
+           "p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]\n"
+           "    p_at = jnp.where((n_acc == D)[:, None], jnp.roll(p_at, 1, axis=0), p_at)",
+           (SAMPLING, "-k", PROOF)),
+    # -- more planted bugs of the same families ------------------------------------------------------------------
+    Mutant("scale-square", "the target's o_proj NVFP4 tensor scale applied twice", "target.py",
+           "x = x + linear(attend(q, k, v, mask), layer.self_attn.o_proj)",
+           "x = x + linear(attend(q, k, v, mask), _planted(layer.self_attn.o_proj))",
+           AUDIT_TESTS, alt=(("layers.py", "x = x + linear(a, layer.self_attn.o_proj)",
+                              "x = x + linear(a, _planted(layer.self_attn.o_proj))"),)),
+    Mutant("accept-ratio-inverted", "accept while u * p(x) < q(x)", "sampling.py",
+           "ok = (u * q_x < p_x) & proposed", "ok = (u * p_x < q_x) & proposed", (SAMPLING, "-k", PROOF)),
+    Mutant("pmin-cut-residual", "at a p_min cut, the token drawn from the residual as if the slot were rejected",
+           "sampling.py", "residual_probs(p_at, jnp.where(was_proposed, q_at, 0.0))", "residual_probs(p_at, q_at)",
+           (SAMPLING, "-k", PROOF)),
+    Mutant("eos-not-emitted", "the EOS token itself dropped from the output", "decoding.py",
+           "n = jnp.where(hit, first_eos + 1, n)", "n = jnp.where(hit, first_eos, n)",
+           ("tests/test_eos.py", "-k", "not control"),
+           alt=(("decoding.py", "n = jnp.where(hit, jnp.argmax(is_eos, axis=1) + 1, n)",
+                 "n = jnp.where(hit, jnp.argmax(is_eos, axis=1), n)"),)),
+    Mutant("budget-overshoot", "a block may overshoot max_new_tokens", "decoding.py",
+           "n = jnp.minimum(n, max_new - state.n_out)  # a block may overshoot the budget: cut inside it",
+           "n = n", ("tests/test_eos.py", "-k", "budget"),
+           alt=(("decoding.py", "n = jnp.minimum(n, budget.max_new - state.n_out)", "n = n"),)),
+]
+
+# Patches whose `new` calls `_planted`: the helper appended to the patched file.
+HELPERS = {"scale-reuse": _REUSE, "scale-shift": _SHIFT, "scale-square": _SQUARE}
+
+
+def apply(m: Mutant, pkg: Path) -> str | None:
+    """Patch the copy with the first of (file, old, new), *alt whose `old` occurs exactly once; returns None, or why
+    no version applies."""
+    why = []
+    for file, old, new in ((m.file, m.old, m.new), *m.alt):
+        path = pkg / file
+        text = path.read_text()
+        n = text.count(old)
+        if n == 1:
+            path.write_text(text.replace(old, new) + HELPERS.get(m.name, ""))
+            return None
+        why.append(f"`old` occurs {n} times in {file}")
+    return "; ".join(why)
+
+
+def run_one(m: Mutant, timeout: int, all_failures: bool = False) -> tuple[str, float, str]:
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{m.name}-") as tmp:
+        tmp = Path(tmp)
+        shutil.copytree(REPO / "dflash_jax", tmp / "dflash_jax", ignore=shutil.ignore_patterns("__pycache__"))
+        for link in ("tests", "checkpoints", "notebooks"):
+            if (REPO / link).exists():
+                (tmp / link).symlink_to(REPO / link)
+        shutil.copy(REPO / "pyproject.toml", tmp / "pyproject.toml")
+        why = apply(m, tmp / "dflash_jax")
+        if why:
+            return "STALE", 0.0, why
+        env = dict(os.environ, PYTHONPATH=str(tmp), PYTHONDONTWRITEBYTECODE="1")
+        cmd = [sys.executable, "-m", "pytest", *([] if all_failures else ["-x"]), "-q", "-p", "no:cacheprovider",
+               "-rf", *m.tests]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "TIMEOUT", time.perf_counter() - t0, ""
+        dt = time.perf_counter() - t0
+        tail = [line.split(" - ")[0] for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        if proc.returncode == 0:
+            return "SURVIVED", dt, proc.stdout.splitlines()[-1] if proc.stdout else ""
+        if proc.returncode == 1 and tail:
+            return "KILLED", dt, f"{len(tail)} failed: " + ", ".join(t.split("::")[-1] for t in tail)
+        return "ERROR", dt, (proc.stdout + proc.stderr)[-2000:]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="plant known bugs and run the relevant tests against each")
+    ap.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per mutant")
+    ap.add_argument("--all-failures", action="store_true",
+                    help="run every selected test (no -x) and list all that fail (slower)")
+    args = ap.parse_args()
+    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name:22s} {'[issue 15] ' if m.issue else ''}{m.what}  ->  {' '.join(m.tests)}")
+        return 0
+    results = []
+    for m in chosen:
+        status, dt, detail = run_one(m, args.timeout, args.all_failures)
+        results.append((m, status))
+        print(f"{m.name:22s} {status:8s} {dt:7.0f}s  {detail}", flush=True)
+    killed = sum(s == "KILLED" for _, s in results)
+    issue = [(m, s) for m, s in results if m.issue]
+    print(f"\nkilled {killed} / {len(results)} planted bugs; issue-15 bugs killed "
+          f"{sum(s == 'KILLED' for _, s in issue)} / {len(issue)}")
+    return 0 if killed == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
