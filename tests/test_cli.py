@@ -64,12 +64,14 @@ def _undocumented(parser, prefix):
 
 
 def test_every_subcommand_and_option_has_help(monkeypatch):
+    from dflash_jax import device_report
     from dflash_jax.train import drafter as train_drafter, target as train_target, tokenizer_train
 
     parsers = {"dflash-jax": _parser_of(monkeypatch, cli.main, ["generate", "x"]),
                "dflash-jax train-target": _parser_of(monkeypatch, train_target.main, []),
                "dflash-jax train-drafter": _parser_of(monkeypatch, train_drafter.main, []),
-               "python -m dflash_jax.train.tokenizer_train": _parser_of(monkeypatch, tokenizer_train.main, [])}
+               "python -m dflash_jax.train.tokenizer_train": _parser_of(monkeypatch, tokenizer_train.main, []),
+               "dflash-jax bench --device-report": _parser_of(monkeypatch, device_report.main, [])}
     subcommands = parsers["dflash-jax"]._subparsers._group_actions[0].choices
     assert {"generate", "bench", "quality", "train-target", "train-drafter"} <= set(subcommands)
     missing = [m for prefix, p in parsers.items() for m in _undocumented(p, prefix)]
