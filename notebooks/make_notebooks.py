@@ -9,6 +9,10 @@ numbers its cells showed through `keep(...)` (tau, acceptance per position, the 
 and a fingerprint of the models and logs it ran on. `tests/test_notebooks.py` checks the committed notebooks against
 these files and re-executes them, failing when the committed numbers are stale.
 
+The model notebooks switch on dflash-jax's persistent compilation cache (`dj.enable_compilation_cache()`) and run
+programs without host callbacks (`prefill_timing="rerun"`), so executing them again on the same machine (the tests,
+or after retraining a model whose shapes did not change) loads compiled programs instead of compiling them.
+
 Kinds of key numbers, and how a fresh run is compared with the committed one:
 - "numbers": greedy decoding and file contents are deterministic: integers and strings exact, floats to 1e-3
   (relative or absolute: reductions may round differently on another CPU).
@@ -71,6 +75,8 @@ acceptance rate per block position. Then DFlash vs autoregressive tokens/s, meas
 import dflash_jax as dj
 from dflash_jax.train import corpus
 
+dj.enable_compilation_cache()  # compiled programs kept on disk: running the notebook again skips compiling
+CACHEABLE = dict(prefill_timing="rerun")  # no host callback in the program, so it can be cached (prefill timed apart)
 target, drafter, tok = dj.load_default()
 c = target.config
 print(f"target: {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}")
@@ -80,7 +86,7 @@ print(f"drafter: {drafter.config.model.num_hidden_layers} layer(s), block {draft
     """md:## Generate""",
     """
 prompt = "def fibonacci(n):\\n"
-res = dj.generate(target, drafter, [tok.encode(prompt)], max_new_tokens=128, eos_ids=(tok.eos_id,))
+res = dj.generate(target, drafter, [tok.encode(prompt)], max_new_tokens=128, eos_ids=(tok.eos_id,), **CACHEABLE)
 print(prompt + tok.decode(res.token_lists()[0]))
 print(f"tau = {res.tau:.2f} over {res.num_steps} steps; acceptance rate {100 * res.acceptance_rate:.1f}%")
 keep(prompt_tokens=int(res.num_tokens[0]), prompt_steps=res.num_steps, prompt_tau=res.tau,
@@ -88,7 +94,8 @@ keep(prompt_tokens=int(res.num_tokens[0]), prompt_steps=res.num_steps, prompt_ta
 """,
     """md:Greedy speculative decoding is lossless: the output equals plain greedy decoding token for token.""",
     """
-ar = dj.generate_autoregressive(target, [tok.encode(prompt)], max_new_tokens=128, eos_ids=(tok.eos_id,))
+ar = dj.generate_autoregressive(target, [tok.encode(prompt)], max_new_tokens=128, eos_ids=(tok.eos_id,),
+                                **CACHEABLE)
 assert ar.token_lists() == res.token_lists()
 print("identical to autoregressive:", ar.token_lists() == res.token_lists())
 """,
@@ -96,7 +103,7 @@ print("identical to autoregressive:", ar.token_lists() == res.token_lists())
 Position k is accepted when the drafter's k-th token and all before it equal the target's greedy choice.""",
     """
 prompts = [tok.encode(t) for t in corpus.held_out_prompts(4, seed=0)]
-batch = dj.generate(target, drafter, prompts, max_new_tokens=128, eos_ids=(tok.eos_id,))
+batch = dj.generate(target, drafter, prompts, max_new_tokens=128, eos_ids=(tok.eos_id,), **CACHEABLE)
 print(f"tau {batch.tau:.2f}; acceptance rate {100 * batch.acceptance_rate:.1f}%; steps by tokens committed: "
       f"{batch.tau_histogram[1:].tolist()}")
 keep(batch_tau=batch.tau, batch_acceptance_rate=batch.acceptance_rate, batch_tokens=batch.num_tokens,
@@ -138,6 +145,8 @@ import dflash_jax as dj
 from dflash_jax import nvfp4
 from dflash_jax.train import corpus
 
+dj.enable_compilation_cache()  # compiled programs kept on disk: running the notebook again skips compiling
+CACHEABLE = dict(prefill_timing="rerun")  # no host callback in the program, so it can be cached (prefill timed apart)
 target, drafter, tok = dj.load_default()
 print("E2M1 values by code:", nvfp4.e2m1_values())
 """,
@@ -195,7 +204,7 @@ engine drops are another matter, as the acceptance shows.""",
 Same prompts, batch of 4, greedy, 15 drafted tokens per step.""",
     """
 labels = {"dense": "dense (f32)", "nvfp4": "NVFP4", "dropped": "NVFP4, q/k/v/o tensor scales dropped"}
-runs = {name: dj.generate(target, d, prompts, max_new_tokens=96, eos_ids=(tok.eos_id,))
+runs = {name: dj.generate(target, d, prompts, max_new_tokens=96, eos_ids=(tok.eos_id,), **CACHEABLE)
         for name, d in [("dense", drafter), ("nvfp4", qd), ("dropped", broken)]}
 for name, r in runs.items():
     print(f"{labels[name]:>36}: tau {r.tau:.2f}, acceptance {100 * r.acceptance_rate:.1f}%")
@@ -224,6 +233,8 @@ import os
 import dflash_jax as dj
 from dflash_jax.train import corpus
 
+dj.enable_compilation_cache()  # compiled programs kept on disk: running the notebook again skips compiling
+CACHEABLE = dict(prefill_timing="rerun")  # no host callback in the program, so it can be cached (prefill timed apart)
 target, drafter, tok = dj.load_default()
 drafters = {"dense": drafter, "nvfp4": dj.quantize_nvfp4(drafter)}
 prompts = [tok.encode(t) for t in corpus.held_out_prompts(2, seed=0)]
@@ -236,7 +247,7 @@ print("prompt lengths", [len(p) for p in prompts], "| lengths", LENGTHS, "| temp
 rows = []
 for T in TEMPERATURES:
     for L in LENGTHS:
-        kw = dict(max_new_tokens=L, temperature=T, seed=0)
+        kw = dict(max_new_tokens=L, temperature=T, seed=0, **CACHEABLE)
         ar = dj.generate_autoregressive(target, prompts, **kw)
         for name, d in drafters.items():
             r = dj.generate(target, d, prompts, **kw)
@@ -298,8 +309,18 @@ for kind in ("target", "drafter"):
     runs[kind] = dict(report=report, log=read_log(root / kind / "train_log.jsonl"))
     print(f"{kind}: {report['steps']} steps, {report['params']:,} parameters, log records: {len(runs[kind]['log'])}")
 t = runs["target"]["report"]
-tokens_per_step = t["tokens_seen"] / t["steps"]  # constant: the long-context phase keeps batch x length
-print(f"target: {t['tokens_seen']:,} tokens seen ({tokens_per_step:,.0f} per step)")
+
+
+def tokens_after(steps):
+    \"\"\"Target tokens seen after `steps` updates: short windows, then (from long_from_step) the long-context phase.\"\"\"
+    steps = np.asarray(steps, float)
+    if "long_from_step" not in t:  # a report without the curriculum fields: tokens spread evenly over the steps
+        return steps * t["tokens_seen"] / t["steps"]
+    short = np.minimum(steps, t["long_from_step"])
+    return short * t["batch"] * t["seq_len"] + (steps - short) * t["long_batch"] * t["long_seq_len"]
+
+
+print(f"target: {t['tokens_seen']:,} tokens seen; from the report's fields: {tokens_after(t['steps']):,.0f}")
 """,
     """md:## Loss curves""",
     """
@@ -307,12 +328,12 @@ tgt, dft = runs["target"], runs["drafter"]
 held = [r for r in tgt["log"] if "heldout_loss" in r]
 fig, axs = plt.subplots(1, 2, figsize=(12, 3.5))
 if tgt["log"]:
-    axs[0].plot([(r["step"] + 1) * tokens_per_step for r in tgt["log"]], [r["loss"] for r in tgt["log"]], lw=0.8,
+    axs[0].plot(tokens_after([r["step"] + 1 for r in tgt["log"]]), [r["loss"] for r in tgt["log"]], lw=0.8,
                 alpha=0.6, label="train loss (batch)")
     for key, mark in [("heldout_loss", "o-"), ("heldout_loss_packages", "s--"), ("heldout_loss_1024", "^:")]:
         pts = [r for r in tgt["log"] if key in r]
         if pts:
-            axs[0].plot([(r["step"] + 1) * tokens_per_step for r in pts], [r[key] for r in pts], mark, label=key)
+            axs[0].plot(tokens_after([r["step"] + 1 for r in pts]), [r[key] for r in pts], mark, label=key)
 else:
     axs[0].plot([t["tokens_seen"]], [t["train_loss"]], "o", label="train loss (final)")
     axs[0].plot([t["tokens_seen"]], [t["heldout_loss"]], "s", label="heldout_loss (final)")
@@ -362,7 +383,7 @@ def fit_power_law(D, L):
 
 fig, ax = plt.subplots(figsize=(7, 3.5))
 if len(held) >= 4:
-    D = np.array([(r["step"] + 1) * tokens_per_step for r in held])  # the record at step s follows s+1 updates
+    D = tokens_after([r["step"] + 1 for r in held])  # the record at step s follows s+1 updates
     L = np.array([r["heldout_loss"] for r in held])
     fit = fit_power_law(D, L)
     law = lambda x: fit["E"] + fit["A"] * (np.asarray(x, float) / 1e6) ** -fit["alpha"]
