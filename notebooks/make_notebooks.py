@@ -196,9 +196,9 @@ print(good)
 print("buggy engine, scales that never reach the output:", *bad.missing, sep="\\n  ")
 keep(audit_checked=len(good.checked), audit_ok=good.ok, audit_missing_buggy=list(bad.missing))
 """,
-    """md:With the correct forward the audit still flags one scale: the tensor scale of `fc`. That is true, not a false
-alarm: `fc` feeds `hidden_norm`, an RMSNorm, which divides out any uniform scale of its input, so this scale does
-not change the output (up to the norm's epsilon) and dropping it would be harmless. The attention scales the buggy
+    """md:One subtlety: `fc` feeds `hidden_norm`, an RMSNorm, which divides out any uniform scale of its input, so `fc`'s
+tensor scale reaches the output only through the norm's epsilon; on some inputs its gradient rounds to exactly zero
+and the audit flags it (truly, and harmlessly: dropping that scale changes nothing). The attention scales the buggy
 engine drops are another matter, as the acceptance shows.""",
     """md:## Acceptance: dense vs NVFP4 vs scales dropped
 Same prompts, batch of 4, greedy, 15 drafted tokens per step.""",
