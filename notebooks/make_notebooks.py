@@ -439,10 +439,22 @@ def kernel_env(extra: dict | None = None) -> dict:
     return env
 
 
-def execute(nb: nbformat.NotebookNode, *, timeout: int = 1800, env: dict | None = None) -> nbformat.NotebookNode:
+def execute(nb: nbformat.NotebookNode, *, timeout: int = 4 * 3600, env: dict | None = None,
+            progress: str | None = None) -> nbformat.NotebookNode:
+    """Run every cell (per-cell `timeout` in seconds: generous, a shared CPU can be many times slower than an idle one);
+    with `progress`, print each code cell's wall time as it finishes."""
     from nbclient import NotebookClient
 
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(HERE)}})
+    t0 = time.perf_counter()
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+
+    def report(cell, cell_index, **_):
+        if progress and cell.cell_type == "code":
+            print(f"  {progress}: cell {code.index(cell_index) + 1}/{len(code)} done at {time.perf_counter() - t0:.0f}s",
+                  flush=True)
+
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(HERE)}},
+                            on_cell_complete=report)
     client.execute(env=kernel_env(env))
     return nb
 
@@ -547,7 +559,7 @@ def make(name: str, *, run: bool) -> dict | None:
     if os.environ.get(QUICK_ENV):
         raise RuntimeError(f"unset {QUICK_ENV}: the committed notebooks are the full-size runs")
     t0, cpu0 = time.perf_counter(), _children_cpu_s()
-    execute(nb)
+    execute(nb, progress=name)
     wall, cpu = time.perf_counter() - t0, _children_cpu_s() - cpu0
     if errors(nb):
         raise RuntimeError(f"{name}: the notebook raised {errors(nb)}")
