@@ -1,6 +1,7 @@
 """The `dflash-jax` command. Every subcommand defaults to the embedded models in `checkpoints/`.
 
     dflash-jax generate "def fibonacci(n):"     text, then tau and tokens/s for DFlash vs autoregressive
+    dflash-jax generate --no-compare "..."       the text and tau only (no autoregressive run)
     dflash-jax bench                             128/512/1024 new tokens on held-out prompts (medians)
     dflash-jax bench --nvfp4                     the same with NVFP4 drafters (with and without scales)
     dflash-jax bench --random-tiny               ms per step split into draft/verify/bookkeeping, r and c
@@ -32,6 +33,13 @@ def _generate(args):
     # prefill timed by a rerun rather than a host callback: programs with callbacks never enter the compile cache
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_ids=(tok.eos_id,),
               seed=args.seed, prefill_timing="rerun")
+    if args.no_compare:  # the text alone: one speculative run, nothing timed
+        sp = generate(target, drafter, [ids], draft_length=args.draft_length, **kw)
+        print(args.prompt + tok.decode(sp.token_lists()[0]))
+        print("-" * 72)
+        print(f"{int(sp.num_tokens[0])} tokens in {sp.num_steps} steps: tau {sp.tau:.2f} (tokens per draft+verify "
+              f"step, incl. bonus), acceptance rate {100 * sp.acceptance_rate:.1f}% of {sp.draft_length} drafted")
+        return
     # Each program runs once before it is timed: a first execution pays one-time costs (allocations, thread pools).
     for _ in range(2):
         ar = generate_autoregressive(target, [ids], **kw)
@@ -158,21 +166,28 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate from a prompt with the embedded models")
-    g.add_argument("prompt")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--draft-length", type=int, default=None)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("prompt", help="text to continue (encoded with the shipped tokenizer)")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    g.add_argument("--draft-length", type=int, default=None,
+                   help="tokens drafted per step, 1..block_size-1 (default: block_size-1)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (output identical to autoregressive); > 0 = lossless rejection sampling")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     g.add_argument("--nvfp4", action="store_true", help="quantize the drafter to NVFP4 first")
+    g.add_argument("--no-compare", action="store_true",
+                   help="print the text and tau only: skip the autoregressive run and the tokens/s comparison")
     b = sub.add_parser("bench", help="speculative vs autoregressive, one run, medians")
-    b.add_argument("--new-tokens", type=int, nargs="+", default=[128, 512, 1024])
-    b.add_argument("--prompts", type=int, default=8)
-    b.add_argument("--draft-length", type=int, default=None)
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--new-tokens", type=int, nargs="+", default=[128, 512, 1024],
+                   help="output lengths to measure, one table row each (default 128 512 1024)")
+    b.add_argument("--prompts", type=int, default=8, help="held-out stdlib prompts, run one at a time (default 8)")
+    b.add_argument("--draft-length", type=int, default=None,
+                   help="tokens drafted per step (default: block_size-1; 7 with --nvfp4)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the prompt sample and of sampling")
     b.add_argument("--nvfp4", action="store_true", help="add NVFP4 drafters with and without tensor scales")
     b.add_argument("--random-tiny", action="store_true", help="random tiny models: per-step cost split")
     b.add_argument("--tau-table", action="store_true", help="tau at draft lengths 3/7/15 (+ NVFP4 with --nvfp4)")
-    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy; > 0 = rejection sampling (then 'exact' is not expected to hold)")
     b.add_argument("--device-report", action="store_true",
                    help="the prepared GPU run (dflash_jax/device_report.py): linear timings per backend, step costs, "
                         "embedded pair; writes device_report.json/.md into --out")

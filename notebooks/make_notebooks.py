@@ -1,127 +1,601 @@
-"""Writes the notebooks from their cell sources (run: python notebooks/make_notebooks.py). Outputs are not stored:
-the test suite executes every notebook, so they never rot."""
+"""Writes the research notebooks from their cell sources, and with --execute runs them on the shipped models.
 
+    python notebooks/make_notebooks.py --execute            all notebooks, executed, outputs and figures stored
+    python notebooks/make_notebooks.py --execute quickstart one of them
+    python notebooks/make_notebooks.py                      sources only (outputs cleared)
+
+Each executed notebook is committed with its outputs (figures inline, PNG) and, beside it, `<name>.json`: the key
+numbers its cells showed through `keep(...)` (tau, acceptance per position, the figures' data), the number of figures,
+and a fingerprint of the models and logs it ran on. `tests/test_notebooks.py` checks the committed notebooks against
+these files and re-executes them, failing when the committed numbers are stale.
+
+The model notebooks switch on dflash-jax's persistent compilation cache (`dj.enable_compilation_cache()`) and run
+programs without host callbacks (`prefill_timing="rerun"`), so executing them again on the same machine (the tests,
+or after retraining a model whose shapes did not change) loads compiled programs instead of compiling them.
+
+Kinds of key numbers, and how a fresh run is compared with the committed one:
+- "numbers": greedy decoding and file contents are deterministic: integers and strings exact, floats to 1e-3
+  (relative or absolute: reductions may round differently on another CPU).
+- "sampled": temperature > 0 results; the same seed gives the same samples on the same platform, but a float
+  rounding difference elsewhere may flip one draw, so floats are compared to 0.35 absolute (tau is tokens per step).
+- "timings": tokens/s and speedups are machine- and load-dependent: stored and shown, never compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
 from pathlib import Path
 
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+KEYS_MIME = "application/vnd.dflash-jax.keys+json"
+QUICK_ENV = "DFLASH_JAX_NOTEBOOK_QUICK"  # set: acceptance_vs_length runs a subset (the tests' size)
+TOLERANCE = {"numbers": (1e-3, 1e-3), "sampled": (0.0, 0.35)}  # (relative, absolute)
+KINDS = ("numbers", "sampled", "timings")
 
-
-def write(name, cells):
-    nb = new_notebook(cells=[new_markdown_cell(c[3:]) if c.startswith("md:") else new_code_cell(c.strip())
-                             for c in cells])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, HERE / name)
-
-
-write("quickstart.ipynb", [
-    """md:# dflash-jax quickstart
-Load the embedded target + DFlash drafter (trained on the Python standard library, shipped in `checkpoints/`),
-generate from a prompt, and look at the acceptance: tau (tokens committed per draft+verify step, bonus included)
-and the acceptance rate per block position. Then DFlash vs autoregressive tokens/s, measured in this run.""",
-    """
-import matplotlib
-matplotlib.use("Agg")
+# The first code cell of every notebook: inline figures (captured as image/png by Jupyter and nbclient alike) and
+# `keep`, which shows key numbers and tags them so that this script can store them beside the notebook.
+SETUP = '''
+%matplotlib inline
+import json
 import matplotlib.pyplot as plt
 import numpy as np
-import dflash_jax as dj
+from IPython.display import display
 
+plt.rcParams.update({"figure.dpi": 72, "savefig.dpi": 72, "axes.grid": True, "grid.alpha": 0.3})
+
+
+def keep(kind="numbers", **values):
+    """Show key numbers; make_notebooks.py stores them beside the notebook and tests/test_notebooks.py re-checks them."""
+    values = json.loads(json.dumps(values, default=lambda x: np.asarray(x).tolist()))
+    fmt = lambda v: (f"{v:.4g}" if isinstance(v, float) else
+                     "[" + " ".join(map(fmt, v)) + "]" if isinstance(v, list) else str(v))
+    display({"''' + KEYS_MIME + '''": {kind: values},
+             "text/plain": "\\n".join(f"{kind}: {k} = {fmt(v)}" for k, v in values.items())}, raw=True)
+'''
+
+
+# -- the notebooks --------------------------------------------------------------------------------------------------
+
+QUICKSTART = [
+    """md:# dflash-jax quickstart
+Load the embedded target + DFlash drafter (trained on Python source, shipped in `checkpoints/`), generate from a
+prompt, and look at the acceptance: **tau** (tokens committed per draft+verify step, bonus included) and the
+acceptance rate per block position. Then DFlash vs autoregressive tokens/s, measured in this run on this machine.""",
+    SETUP + """
+import dflash_jax as dj
+from dflash_jax.train import corpus
+
+dj.enable_compilation_cache()  # compiled programs kept on disk: running the notebook again skips compiling
+CACHEABLE = dict(prefill_timing="rerun")  # no host callback in the program, so it can be cached (prefill timed apart)
 target, drafter, tok = dj.load_default()
-print(target.config)
-print(drafter.config.block_size, drafter.config.target_layer_ids, drafter.config.mask_token_id)
+c = target.config
+print(f"target: {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}")
+print(f"drafter: {drafter.config.model.num_hidden_layers} layer(s), block {drafter.config.block_size}, "
+      f"reads target layers {drafter.config.target_layer_ids}")
 """,
+    """md:## Generate""",
     """
 prompt = "def fibonacci(n):\\n"
-res = dj.generate(target, drafter, [tok.encode(prompt)], max_new_tokens=128, eos_ids=(tok.eos_id,))
+res = dj.generate(target, drafter, [tok.encode(prompt)], max_new_tokens=128, eos_ids=(tok.eos_id,), **CACHEABLE)
 print(prompt + tok.decode(res.token_lists()[0]))
 print(f"tau = {res.tau:.2f} over {res.num_steps} steps; acceptance rate {100 * res.acceptance_rate:.1f}%")
+keep(prompt_tokens=int(res.num_tokens[0]), prompt_steps=res.num_steps, prompt_tau=res.tau,
+     prompt_acceptance_lengths=res.acceptance_lengths[0])
 """,
     """md:Greedy speculative decoding is lossless: the output equals plain greedy decoding token for token.""",
     """
-ar = dj.generate_autoregressive(target, [tok.encode(prompt)], max_new_tokens=128, eos_ids=(tok.eos_id,))
+ar = dj.generate_autoregressive(target, [tok.encode(prompt)], max_new_tokens=128, eos_ids=(tok.eos_id,),
+                                **CACHEABLE)
 assert ar.token_lists() == res.token_lists()
 print("identical to autoregressive:", ar.token_lists() == res.token_lists())
 """,
-    """md:## Acceptance per block position over a few held-out prompts""",
+    """md:## Acceptance per block position over held-out prompts (one batched call)
+Position k is accepted when the drafter's k-th token and all before it equal the target's greedy choice.""",
     """
-from dflash_jax.train import corpus
-prompts = [tok.encode(t) for t in corpus.held_out_prompts(6, seed=0)]
-batch = dj.generate(target, drafter, prompts, max_new_tokens=128, eos_ids=(tok.eos_id,))
-print(f"tau {batch.tau:.2f}; steps by tau: {batch.tau_histogram.tolist()}")
-fig, ax = plt.subplots(figsize=(7, 3))
-ax.bar(np.arange(1, batch.draft_length + 1), batch.position_acceptance)
-ax.set_xlabel("draft position k"); ax.set_ylabel("P(accepted)"); ax.set_title("acceptance per block position")
+prompts = [tok.encode(t) for t in corpus.held_out_prompts(4, seed=0)]
+batch = dj.generate(target, drafter, prompts, max_new_tokens=128, eos_ids=(tok.eos_id,), **CACHEABLE)
+print(f"tau {batch.tau:.2f}; acceptance rate {100 * batch.acceptance_rate:.1f}%; steps by tokens committed: "
+      f"{batch.tau_histogram[1:].tolist()}")
+keep(batch_tau=batch.tau, batch_acceptance_rate=batch.acceptance_rate, batch_tokens=batch.num_tokens,
+     position_acceptance=batch.position_acceptance, tau_histogram=batch.tau_histogram)
+fig, axs = plt.subplots(1, 2, figsize=(10, 3))
+axs[0].bar(np.arange(1, batch.draft_length + 1), batch.position_acceptance)
+axs[0].set(xlabel="draft position k", ylabel="P(accepted)", title="acceptance per block position", ylim=(0, 1))
+axs[1].bar(np.arange(1, batch.draft_length + 2), batch.tau_histogram[1:])
+axs[1].set(xlabel="tokens committed in a step", ylabel="steps", title=f"steps by tokens committed (tau {batch.tau:.2f})")
 plt.show()
 """,
-    """md:## DFlash vs autoregressive tokens/s (decode loop, prefill and compile excluded; medians over prompts)""",
+    """md:## DFlash vs autoregressive tokens/s
+Batch 1, each prompt in turn; decode loop only (prefill and compilation excluded), medians over the prompts. These are
+this machine's numbers at the time of the run: on a shared CPU they move from run to run.""",
     """
 from dflash_jax import bench
-r = bench.compare(target, drafter, prompts[:4], max_new_tokens=128, eos_ids=(tok.eos_id,))
-print(bench.format_compare_table([r]))
-""",
-])
 
-write("nvfp4_drafter.ipynb", [
+r = bench.compare(target, drafter, prompts[:2], max_new_tokens=128, eos_ids=(tok.eos_id,))
+print(bench.format_compare_table([r]))
+keep(compare_tau=r["dflash"]["tau"], compare_exact=r["dflash"]["exact_match"])
+keep("timings", ar_tokens_per_s=r["ar_tokens_per_s"], dflash_tokens_per_s=r["dflash"]["tokens_per_s"],
+     speedup=r["dflash"]["speedup"])
+fig, ax = plt.subplots(figsize=(5, 3))
+bars = ax.bar(["autoregressive", "DFlash"], [r["ar_tokens_per_s"], r["dflash"]["tokens_per_s"]], color=["C7", "C0"])
+ax.bar_label(bars, fmt="%.0f tok/s")
+ax.set(ylabel="decode tokens/s", title=f"{r['dflash']['speedup']:.2f}x at tau {r['dflash']['tau']:.2f} (this run)")
+plt.show()
+""",
+]
+
+NVFP4 = [
     """md:# NVFP4 drafters
-The format (E2M1 values, E4M3 block scales, FP32 tensor scale), quantizing the shipped drafter, acceptance per block
-position bf16 vs NVFP4, and the missing-tensor-scale collapse (llama.cpp PR #28000) reproduced on purpose and caught
-by `audit_scales`. Only public calls.""",
-    """
-import matplotlib
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-import numpy as np
-import jax, jax.numpy as jnp
+The format (E2M1 values, E4M3 block scales of 16 values, one FP32 tensor scale), its block-scale and error
+histograms on a drafter weight, the acceptance of the dense, NVFP4 and scales-dropped drafters, and the
+missing-tensor-scale collapse (llama.cpp PR #28000) reproduced on purpose and named by `audit_scales`.""",
+    SETUP + """
+import jax.numpy as jnp
 import dflash_jax as dj
 from dflash_jax import nvfp4
+from dflash_jax.train import corpus
+
+dj.enable_compilation_cache()  # compiled programs kept on disk: running the notebook again skips compiling
+CACHEABLE = dict(prefill_timing="rerun")  # no host callback in the program, so it can be cached (prefill timed apart)
+target, drafter, tok = dj.load_default()
 print("E2M1 values by code:", nvfp4.e2m1_values())
 """,
-    """md:## The value grid and one weight's block scales""",
+    """md:## One weight: packed codes, block scales, error
+A value is `e2m1 * block_scale(e4m3) * tensor_scale(fp32)`; the tensor scale puts the largest block scale near the
+top of E4M3's range (448).""",
     """
-target, drafter, tok = dj.load_default()
 w = drafter.params.layers[0].self_attn.v_proj
 q = nvfp4.quantize(w)
+scales = np.asarray(q.block_scale.astype(jnp.float32)).ravel()
+err = np.asarray(nvfp4.dequantize(q) - w)
+rel = float(np.linalg.norm(err) / np.linalg.norm(np.asarray(w)))
 print("logical shape", q.shape, "| packed", q.packed.shape, q.packed.dtype, "| block scales", q.block_scale.shape,
       q.block_scale.dtype, "| tensor scale", float(q.global_scale))
-print(f"bytes: NVFP4 {q.nbytes} vs bf16 {w.size * 2} ({q.nbytes / (w.size * 2):.3f}x)")
-err = np.asarray(nvfp4.dequantize(q) - w)
-fig, axs = plt.subplots(1, 2, figsize=(10, 3))
-axs[0].hist(np.asarray(q.block_scale.astype(jnp.float32)).ravel(), bins=50); axs[0].set_title("E4M3 block scales")
-axs[1].hist(err.ravel(), bins=100); axs[1].set_title("dequantization error")
+print(f"bytes: NVFP4 {q.nbytes} vs bf16 {w.size * 2} ({q.nbytes / (w.size * 2):.3f}x); relative error {rel:.4f}")
+keep(v_proj_shape=list(q.shape), nvfp4_bytes=q.nbytes, bf16_bytes=int(w.size * 2), tensor_scale=float(q.global_scale),
+     block_scale_min=scales.min(), block_scale_median=float(np.median(scales)), block_scale_max=scales.max(),
+     relative_error=rel, abs_error_p99=float(np.quantile(np.abs(err), 0.99)))
+fig, axs = plt.subplots(1, 3, figsize=(12, 3))
+axs[0].stem(nvfp4.e2m1_values()); axs[0].set(title="E2M1 value of each 4-bit code", xlabel="code")
+axs[1].hist(scales, bins=50); axs[1].set(title="E4M3 block scales (v_proj, layer 0)", xlabel="scale")
+axs[2].hist(err.ravel(), bins=100); axs[2].set(title=f"dequantization error (relative {rel:.3f})", xlabel="error")
 plt.show()
-print("relative error (Frobenius):", float(np.linalg.norm(err) / np.linalg.norm(np.asarray(w))))
 """,
-    """md:## Quantize the whole drafter and compare acceptance""",
+    """md:## The whole drafter, and an audit that every scale reaches the output
+`quantize_nvfp4` converts every linear (ModelOpt recipe, round to nearest). `audit_scales` makes each scale a
+differentiation variable: a scale that never reaches the output has an identically zero gradient.""",
     """
-from dflash_jax.train import corpus
-prompts = [tok.encode(t) for t in corpus.held_out_prompts(6, seed=0)]
-qd = dj.quantize_nvfp4(drafter)                         # ModelOpt recipe (rtn), every linear
-broken = dj.drop_global_scales(qd)                      # the engine bug: q/k/v/o tensor scales dropped
-runs = {name: dj.generate(target, d, prompts, max_new_tokens=96, draft_length=15, eos_ids=(tok.eos_id,))
-        for name, d in [("bf16", drafter), ("nvfp4", qd), ("nvfp4, no q/k/v/o scales", broken)]}
-for name, r in runs.items():
-    print(f"{name:>26}: tau {r.tau:.2f}, acceptance {100 * r.acceptance_rate:.1f}%")
-fig, ax = plt.subplots(figsize=(8, 3))
-for i, (name, r) in enumerate(runs.items()):
-    ax.bar(np.arange(1, 16) + 0.28 * (i - 1), r.position_acceptance, width=0.28, label=name)
-ax.set_xlabel("draft position"); ax.set_ylabel("P(accepted)"); ax.legend(); plt.show()
-""",
-    """md:## The collapse is caught: `audit_scales` names exactly the projections whose tensor scale never reaches the output""",
-    """
+qd = dj.quantize_nvfp4(drafter)
+broken = dj.drop_global_scales(qd)  # what the buggy engine did: q/k/v/o tensor scales never applied
+prompts = [tok.encode(t) for t in corpus.held_out_prompts(4, seed=0)]
 features = dj.target_forward(target, np.asarray([prompts[0][:32]]), qd.config.target_layer_ids)[1]
 block = np.full((1, qd.config.block_size), qd.config.mask_token_id); block[0, 0] = prompts[0][32]
+
 
 def forward(params, features, block):
     return dj.draft_logits(qd.replace(params=params), target, features, block)
 
-print(dj.audit_scales(forward, qd.params, features, block))
 
 def forward_like_the_buggy_engine(params, features, block):
     return forward(dj.drop_global_scales(qd.replace(params=params)).params, features, block)
 
-audit = dj.audit_scales(forward_like_the_buggy_engine, qd.params, features, block)
-print("missing:", *audit.missing, sep="\\n  ")
+
+good = dj.audit_scales(forward, qd.params, features, block)
+bad = dj.audit_scales(forward_like_the_buggy_engine, qd.params, features, block)
+print(good)
+print("buggy engine, scales that never reach the output:", *bad.missing, sep="\\n  ")
+keep(audit_checked=len(good.checked), audit_ok=good.ok, audit_missing_buggy=list(bad.missing))
 """,
-])
+    """md:One subtlety: `fc` feeds `hidden_norm`, an RMSNorm, which divides out any uniform scale of its input, so `fc`'s
+tensor scale reaches the output only through the norm's epsilon; on some inputs its gradient rounds to exactly zero
+and the audit flags it (truly, and harmlessly: dropping that scale changes nothing). The attention scales the buggy
+engine drops are another matter, as the acceptance shows.""",
+    """md:## Acceptance: dense vs NVFP4 vs scales dropped
+Same prompts, batch of 4, greedy, 15 drafted tokens per step.""",
+    """
+labels = {"dense": "dense (f32)", "nvfp4": "NVFP4", "dropped": "NVFP4, q/k/v/o tensor scales dropped"}
+runs = {name: dj.generate(target, d, prompts, max_new_tokens=96, eos_ids=(tok.eos_id,), **CACHEABLE)
+        for name, d in [("dense", drafter), ("nvfp4", qd), ("dropped", broken)]}
+for name, r in runs.items():
+    print(f"{labels[name]:>36}: tau {r.tau:.2f}, acceptance {100 * r.acceptance_rate:.1f}%")
+    keep(**{f"{name}_tau": r.tau, f"{name}_acceptance_rate": r.acceptance_rate,
+            f"{name}_position_acceptance": r.position_acceptance})
+fig, ax = plt.subplots(figsize=(10, 3))
+D = runs["dense"].draft_length
+for i, (name, r) in enumerate(runs.items()):
+    ax.bar(np.arange(1, D + 1) + 0.28 * (i - 1), r.position_acceptance, width=0.28,
+           label=f"{labels[name]} (tau {r.tau:.2f})")
+ax.set(xlabel="draft position k", ylabel="P(accepted)", ylim=(0, 1), title="acceptance per block position")
+ax.legend()
+plt.show()
+""",
+]
+
+ACCEPTANCE_VS_LENGTH = [
+    """md:# Acceptance and speedup vs output length and temperature
+tau and DFlash-over-autoregressive speedup for outputs of 128 to 1024 tokens at temperature 0, 0.7 and 1.0, with
+the dense and the NVFP4 drafter. Two held-out prompts in one batch; every row runs to the full length (no EOS stop),
+so the x axis is the output length. Speedup = decode tokens/s of DFlash / of autoregressive decoding at the same
+length and temperature, measured on the same run that gives tau (prefill and compilation excluded, so each point
+costs one compile and one run). Timings are this machine's at the time of the run; tau is the model's.""",
+    SETUP + """
+import os
+import dflash_jax as dj
+from dflash_jax.train import corpus
+
+dj.enable_compilation_cache()  # compiled programs kept on disk: running the notebook again skips compiling
+CACHEABLE = dict(prefill_timing="rerun")  # no host callback in the program, so it can be cached (prefill timed apart)
+target, drafter, tok = dj.load_default()
+drafters = {"dense": drafter, "nvfp4": dj.quantize_nvfp4(drafter)}
+prompts = [tok.encode(t) for t in corpus.held_out_prompts(2, seed=0)]
+LENGTHS, TEMPERATURES = (128, 256, 512, 1024), (0.0, 0.7, 1.0)
+if os.environ.get("{QUICK_ENV}"):  # the test suite's smaller run (a subset of the same grid)
+    LENGTHS, TEMPERATURES = (128,), (0.0, 0.7)
+print("prompt lengths", [len(p) for p in prompts], "| lengths", LENGTHS, "| temperatures", TEMPERATURES)
+""".replace("{QUICK_ENV}", QUICK_ENV),
+    """
+rows = []
+for T in TEMPERATURES:
+    for L in LENGTHS:
+        kw = dict(max_new_tokens=L, temperature=T, seed=0, **CACHEABLE)
+        ar = dj.generate_autoregressive(target, prompts, **kw)
+        for name, d in drafters.items():
+            r = dj.generate(target, d, prompts, **kw)
+            rows.append(dict(drafter=name, temperature=T, length=L, tau=r.tau, acceptance_rate=r.acceptance_rate,
+                             speedup=r.decode_tokens_per_second / ar.decode_tokens_per_second,
+                             tokens_per_s=r.decode_tokens_per_second, ar_tokens_per_s=ar.decode_tokens_per_second))
+            print(f"T={T:<4} L={L:<5} {name:>6}: tau {r.tau:5.2f}  acceptance {100 * r.acceptance_rate:5.1f}%  "
+                  f"{r.decode_tokens_per_second:7.1f} vs AR {ar.decode_tokens_per_second:7.1f} tok/s "
+                  f"-> {rows[-1]['speedup']:.2f}x")
+""",
+    """md:## The figure""",
+    """
+tag = lambda r: f"{r['drafter']}_T{r['temperature']}_L{r['length']}"
+keep(**{f"tau_{tag(r)}": r["tau"] for r in rows if r["temperature"] == 0})
+keep("sampled", **{f"tau_{tag(r)}": r["tau"] for r in rows if r["temperature"] > 0})
+keep("timings", **{f"speedup_{tag(r)}": r["speedup"] for r in rows})
+fig, axs = plt.subplots(1, 2, figsize=(12, 3.5))
+for i, T in enumerate(TEMPERATURES):
+    for name, style in [("dense", "-o"), ("nvfp4", "--s")]:
+        sel = [r for r in rows if r["drafter"] == name and r["temperature"] == T]
+        for ax, key in zip(axs, ("tau", "speedup")):
+            ax.plot([r["length"] for r in sel], [r[key] for r in sel], style, color=f"C{i}",
+                    label=f"{name}, T={T}")
+for ax, key in zip(axs, ("tau (tokens per step)", "speedup vs autoregressive (this run)")):
+    ax.set(xscale="log", xlabel="output length (tokens)", ylabel=key)
+    ax.set_xticks(LENGTHS, [str(n) for n in LENGTHS])
+axs[1].axhline(1.0, color="k", lw=0.8)
+axs[0].legend(fontsize=8, ncol=2)
+plt.show()
+""",
+]
+
+TRAINING = [
+    """md:# Training: loss curves, held-out loss, and what more tokens would buy
+Read from the shipped checkpoints: `checkpoints/{target,drafter}/train_report.json` (always there) and
+`train_log.jsonl` (the training loop's log, one record every 10 steps, held-out evaluations included) when it is
+shipped too; without a log only the final numbers of the report are shown.""",
+    SETUP + """
+from dflash_jax.defaults import checkpoints_dir
+
+root = checkpoints_dir()
+
+
+def read_log(path):
+    \"\"\"Records by step; a resumed run appends the steps it redoes again, and the last write wins.\"\"\"
+    if not path.exists():
+        return []
+    by_step = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            by_step[rec["step"]] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
+runs = {}
+for kind in ("target", "drafter"):
+    report = json.loads((root / kind / "train_report.json").read_text())
+    runs[kind] = dict(report=report, log=read_log(root / kind / "train_log.jsonl"))
+    print(f"{kind}: {report['steps']} steps, {report['params']:,} parameters, log records: {len(runs[kind]['log'])}")
+t = runs["target"]["report"]
+
+
+def tokens_after(steps):
+    \"\"\"Target tokens seen after `steps` updates: short windows, then (from long_from_step) the long-context phase.\"\"\"
+    steps = np.asarray(steps, float)
+    if "long_from_step" not in t:  # a report without the curriculum fields: tokens spread evenly over the steps
+        return steps * t["tokens_seen"] / t["steps"]
+    short = np.minimum(steps, t["long_from_step"])
+    return short * t["batch"] * t["seq_len"] + (steps - short) * t["long_batch"] * t["long_seq_len"]
+
+
+print(f"target: {t['tokens_seen']:,} tokens seen; from the report's fields: {tokens_after(t['steps']):,.0f}")
+""",
+    """md:## Loss curves""",
+    """
+tgt, dft = runs["target"], runs["drafter"]
+held = [r for r in tgt["log"] if "heldout_loss" in r]
+fig, axs = plt.subplots(1, 2, figsize=(12, 3.5))
+if tgt["log"]:
+    axs[0].plot(tokens_after([r["step"] + 1 for r in tgt["log"]]), [r["loss"] for r in tgt["log"]], lw=0.8,
+                alpha=0.6, label="train loss (batch)")
+    for key, mark in [("heldout_loss", "o-"), ("heldout_loss_packages", "s--"), ("heldout_loss_1024", "^:")]:
+        pts = [r for r in tgt["log"] if key in r]
+        if pts:
+            axs[0].plot(tokens_after([r["step"] + 1 for r in pts]), [r[key] for r in pts], mark, label=key)
+else:
+    axs[0].plot([t["tokens_seen"]], [t["train_loss"]], "o", label="train loss (final)")
+    axs[0].plot([t["tokens_seen"]], [t["heldout_loss"]], "s", label="heldout_loss (final)")
+axs[0].set(xlabel="tokens seen", ylabel="cross-entropy (nats/token)", title="target")
+axs[0].legend(fontsize=8)
+d = dft["report"]
+if dft["log"]:
+    axs[1].plot([r["step"] for r in dft["log"]], [r["loss"] for r in dft["log"]], lw=0.8, label="train loss")
+    taus = [r for r in dft["log"] if "tau" in r]
+    if taus:
+        ax2 = axs[1].twinx()
+        ax2.plot([r["step"] for r in taus], [r["tau"] for r in taus], "o-", color="C3", label="tau (held-out)")
+        ax2.set_ylabel("tau (held-out prompts)", color="C3")
+else:
+    axs[1].plot([d["steps"]], [d["train_loss"]], "o", label="train loss (final)")
+axs[1].set(xlabel="step", ylabel="drafter loss (decay-weighted CE)", title="drafter")
+axs[1].legend(fontsize=8, loc="upper center")
+plt.show()
+final = {k: v for k, v in t.items() if k.startswith("heldout_loss") or k == "train_loss"}
+keep(target_final=final, target_log_records=len(tgt["log"]), drafter_log_records=len(dft["log"]),
+     drafter_train_loss=d.get("train_loss"),
+     drafter_tau_report=d.get("tau_eval_8_prompts_256_tokens_D7", d.get("tau_eval_8_prompts")),
+     heldout_curve=[[r["step"], r["heldout_loss"]] for r in held],
+     drafter_tau_curve=[[r["step"], r["tau"]] for r in dft["log"] if "tau" in r])
+""",
+    """md:## What more tokens would buy
+A saturating power law `L(D) = E + A (D / 1e6)^(-alpha)` fitted to the target's held-out loss against tokens seen
+(least squares; E and alpha on a grid, A in closed form). A within-run fit is rough: the learning rate decays on a
+cosine to the end of the run, which lowers the last points faster than a longer run would, so read the extrapolation
+as a trend, not a promise.""",
+    """
+import math
+
+
+def fit_power_law(D, L):
+    D, L = np.asarray(D, float) / 1e6, np.asarray(L, float)
+    best = None
+    for E in np.linspace(0.0, L.min() - 1e-3, 200):
+        for alpha in np.linspace(0.02, 2.0, 199):
+            x = D ** -alpha
+            A = float(x @ (L - E) / (x @ x))
+            sse = float(((E + A * x - L) ** 2).sum())
+            if A > 0 and (best is None or sse < best[0]):
+                best = (sse, E, A, alpha)
+    return dict(E=best[1], A=best[2], alpha=best[3], rmse=math.sqrt(best[0] / len(L)))
+
+
+fig, ax = plt.subplots(figsize=(7, 3.5))
+if len(held) >= 4:
+    D = tokens_after([r["step"] + 1 for r in held])  # the record at step s follows s+1 updates
+    L = np.array([r["heldout_loss"] for r in held])
+    fit = fit_power_law(D, L)
+    law = lambda x: fit["E"] + fit["A"] * (np.asarray(x, float) / 1e6) ** -fit["alpha"]
+    D_now = D[-1]
+    more = {f"x{m}": float(law(m * D_now)) for m in (2, 4, 10)}
+    print(f"fit: L = {fit['E']:.3f} + {fit['A']:.3f} (D/1e6)^-{fit['alpha']:.3f}  (rmse {fit['rmse']:.4f})")
+    print(f"held-out loss now {L[-1]:.3f} at {D_now:,.0f} tokens; predicted with "
+          + ", ".join(f"{k[1:]}x the tokens: {v:.3f}" for k, v in more.items()))
+    xs = np.geomspace(D.min(), 10 * D_now, 200)
+    ax.plot(D, L, "o", label="held-out loss")
+    ax.plot(xs, law(xs), "-", label=f"fit: E={fit['E']:.2f}, alpha={fit['alpha']:.2f}")
+    ax.plot([m * D_now for m in (2, 4, 10)], list(more.values()), "x", ms=9, color="C3", label="2x / 4x / 10x tokens")
+    ax.axhline(fit["E"], color="k", lw=0.8, ls=":")
+    keep(fit=fit, predicted_heldout_loss=more)
+else:
+    ax.plot([t["tokens_seen"]], [t["heldout_loss"]], "o", label="held-out loss (final, from train_report.json)")
+    ax.text(0.5, 0.5, "a fit needs the training log (train_log.jsonl)\\nwith >= 4 held-out evaluations",
+            transform=ax.transAxes, ha="center", va="center")
+    print(f"{len(held)} held-out evaluations in the log: no fit (need >= 4)")
+    keep(fit=None, predicted_heldout_loss=None)
+ax.set(xscale="log", xlabel="tokens seen", ylabel="held-out loss (nats/token)", title="target: loss vs tokens")
+ax.legend(fontsize=8)
+plt.show()
+""",
+]
+
+NOTEBOOKS = {
+    "quickstart": dict(cells=QUICKSTART, figures=2),
+    "nvfp4_drafter": dict(cells=NVFP4, figures=2),
+    "acceptance_vs_length": dict(cells=ACCEPTANCE_VS_LENGTH, figures=1),
+    "training": dict(cells=TRAINING, figures=2),
+}
+
+
+# -- building, executing, key numbers --------------------------------------------------------------------------------
+
+def build(name: str) -> nbformat.NotebookNode:
+    spec = NOTEBOOKS[name]
+    nb = new_notebook(cells=[new_markdown_cell(c[3:]) if c.startswith("md:") else new_code_cell(c.strip())
+                             for c in spec["cells"]])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["dflash_jax"] = {"figures": spec["figures"], "generated_by": "notebooks/make_notebooks.py"}
+    for i, cell in enumerate(nb.cells):
+        cell["id"] = f"{name[:20]}-{i}"  # stable ids: regenerating does not churn the diff
+    return nb
+
+
+def kernel_env(extra: dict | None = None) -> dict:
+    """The kernel imports this checkout's dflash_jax, whatever the working directory or installed copy."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.update(extra or {})
+    return env
+
+
+def execute(nb: nbformat.NotebookNode, *, timeout: int = 4 * 3600, env: dict | None = None,
+            progress: str | None = None) -> nbformat.NotebookNode:
+    """Run every cell (per-cell `timeout` in seconds: generous, a shared CPU can be many times slower than an idle one);
+    with `progress`, print each code cell's wall time as it finishes."""
+    from nbclient import NotebookClient
+
+    t0 = time.perf_counter()
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+
+    def report(cell, cell_index, **_):
+        if progress and cell.cell_type == "code":
+            print(f"  {progress}: cell {code.index(cell_index) + 1}/{len(code)} done at {time.perf_counter() - t0:.0f}s",
+                  flush=True)
+
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(HERE)}},
+                            on_cell_complete=report)
+    client.execute(env=kernel_env(env))
+    return nb
+
+
+def outputs(nb):
+    return [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+
+
+def figure_count(nb) -> int:
+    return sum("image/png" in o.get("data", {}) for o in outputs(nb))
+
+
+def errors(nb) -> list:
+    return [f"{o.get('ename')}: {o.get('evalue')}" for o in outputs(nb) if o.output_type == "error"]
+
+
+def key_numbers(nb) -> dict:
+    """{kind: {name: value}} from the outputs `keep` displayed, in cell order."""
+    keys: dict = {}
+    for o in outputs(nb):
+        for kind, values in o.get("data", {}).get(KEYS_MIME, {}).items():
+            keys.setdefault(kind, {}).update(values)
+    return keys
+
+
+def fingerprint() -> str:
+    """sha256 over the shipped models, tokenizer and training logs/reports: the notebooks' inputs."""
+    from dflash_jax.defaults import checkpoints_dir
+
+    root = checkpoints_dir()
+    h = hashlib.sha256()
+    files = [root / "tokenizer.json"] + sorted(p for d in ("target", "drafter") for p in (root / d).rglob("*")
+                                               if p.is_file())
+    for p in files:
+        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def differences(committed: dict, fresh: dict) -> list[str]:
+    """Key numbers of a fresh run that differ from the committed ones beyond noise (see the module docstring).
+
+    Only names present in both are compared (a quick run computes a subset); timings never are.
+    """
+    out = []
+
+    def close(a, b, tol, path):
+        if isinstance(a, bool) or isinstance(b, bool) or isinstance(a, str) or a is None or b is None:
+            if a != b:
+                out.append(f"{path}: committed {a!r}, fresh {b!r}")
+        elif isinstance(a, int) and isinstance(b, int):
+            if a != b:
+                out.append(f"{path}: committed {a}, fresh {b}")
+        elif isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            if not (math.isclose(a, b, rel_tol=tol[0], abs_tol=tol[1]) or (math.isnan(a) and math.isnan(b))):
+                out.append(f"{path}: committed {a:.6g}, fresh {b:.6g} (tolerance rel {tol[0]}, abs {tol[1]})")
+        elif isinstance(a, list) and isinstance(b, list):
+            if len(a) != len(b):
+                out.append(f"{path}: committed {len(a)} values, fresh {len(b)}")
+            else:
+                for i, (x, y) in enumerate(zip(a, b)):
+                    close(x, y, tol, f"{path}[{i}]")
+        elif isinstance(a, dict) and isinstance(b, dict):
+            if set(a) != set(b):
+                out.append(f"{path}: committed keys {sorted(a)}, fresh {sorted(b)}")
+            for k in set(a) & set(b):
+                close(a[k], b[k], tol, f"{path}.{k}")
+        else:
+            out.append(f"{path}: committed {a!r}, fresh {b!r}")
+
+    for kind, tol in TOLERANCE.items():
+        a, b = committed.get(kind, {}), fresh.get(kind, {})
+        for name in sorted(set(a) & set(b)):
+            close(a[name], b[name], tol, f"{kind}.{name}")
+    return out
+
+
+def dump_record(record: dict) -> str:
+    """JSON with one key number per line (lists stay on their line): small, readable diffs."""
+    items = []
+    for k, v in record.items():
+        if isinstance(v, dict) and v:
+            inner = ",\n".join(f"  {json.dumps(kk)}: {json.dumps(vv)}" for kk, vv in v.items())
+            items.append(f" {json.dumps(k)}: {{\n{inner}\n }}")
+        else:
+            items.append(f" {json.dumps(k)}: {json.dumps(v)}")
+    return "{\n" + ",\n".join(items) + "\n}\n"
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of finished child processes (the kernels): on a shared machine, wall time says little."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def make(name: str, *, run: bool) -> dict | None:
+    nb = build(name)
+    if not run:
+        nbformat.write(nb, HERE / f"{name}.ipynb")
+        return None
+    if os.environ.get(QUICK_ENV):
+        raise RuntimeError(f"unset {QUICK_ENV}: the committed notebooks are the full-size runs")
+    t0, cpu0 = time.perf_counter(), _children_cpu_s()
+    execute(nb, progress=name)
+    wall, cpu = time.perf_counter() - t0, _children_cpu_s() - cpu0
+    if errors(nb):
+        raise RuntimeError(f"{name}: the notebook raised {errors(nb)}")
+    want, got = nb.metadata["dflash_jax"]["figures"], figure_count(nb)
+    if got != want:
+        raise RuntimeError(f"{name}: {got} figures, the notebook promises {want}")
+    keys = key_numbers(nb)
+    record = {"notebook": f"{name}.ipynb", "figures": got, "models": fingerprint(),
+              "executed_in_s": round(wall, 1), **keys}
+    nbformat.write(nb, HERE / f"{name}.ipynb")
+    (HERE / f"{name}.json").write_text(dump_record(record))
+    size = (HERE / f"{name}.ipynb").stat().st_size
+    print(f"{name}: executed in {wall:.0f}s (kernel CPU {cpu:.0f}s), {got} figures, {size / 1e3:.0f} kB", flush=True)
+    return record
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", help=f"notebooks to write, of {', '.join(NOTEBOOKS)} (default: all)")
+    ap.add_argument("--execute", action="store_true",
+                    help="run them on the shipped models and store outputs, figures and key numbers")
+    args = ap.parse_args(argv)
+    unknown = [n for n in args.names if n not in NOTEBOOKS]
+    if unknown:
+        ap.error(f"unknown notebook(s) {unknown}; choose from {list(NOTEBOOKS)}")
+    t0, failed = time.perf_counter(), []
+    for name in args.names or list(NOTEBOOKS):
+        try:
+            make(name, run=args.execute)
+        except Exception as e:  # the others still run; nothing of a failed notebook is written
+            print(f"{name}: FAILED: {e}", file=sys.stderr, flush=True)
+            failed.append(name)
+    if args.execute:
+        print(f"total {time.perf_counter() - t0:.0f}s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,3 +20,82 @@ def test_bench_nvfp4_small(capsys):
     cli.main(["bench", "--nvfp4", "--new-tokens", "32", "--prompts", "2"])
     out = capsys.readouterr().out
     assert "nvfp4 no-scale" in out and "nvfp4 tok/s" in out
+
+
+# -- help lines: every subcommand and every option says what it does -----------------------------------------------
+
+import argparse
+
+import pytest
+
+
+class _Parsed(Exception):
+    def __init__(self, parser):
+        self.parser = parser
+
+
+def _parser_of(monkeypatch, main, argv):
+    """The ArgumentParser a `main(argv)` builds, captured at its parse_args (nothing runs)."""
+    def capture(self, *a, **k):
+        raise _Parsed(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    with pytest.raises(_Parsed) as e:
+        main(argv)
+    monkeypatch.undo()
+    return e.value.parser
+
+
+def _undocumented(parser, prefix):
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        if isinstance(action, argparse._SubParsersAction):
+            helped = {a.dest for a in action._choices_actions if a.help and a.help != argparse.SUPPRESS}
+            for cmd, sub in action.choices.items():
+                if cmd not in helped:
+                    missing.append(f"{prefix} {cmd} (subcommand)")
+                missing += _undocumented(sub, f"{prefix} {cmd}")
+        elif not (action.help and action.help.strip()) or action.help == argparse.SUPPRESS:
+            missing.append(f"{prefix} {name}")
+    return missing
+
+
+def test_every_subcommand_and_option_has_help(monkeypatch):
+    from dflash_jax import device_report
+    from dflash_jax.train import drafter as train_drafter, target as train_target, tokenizer_train
+
+    parsers = {"dflash-jax": _parser_of(monkeypatch, cli.main, ["generate", "x"]),
+               "dflash-jax train-target": _parser_of(monkeypatch, train_target.main, []),
+               "dflash-jax train-drafter": _parser_of(monkeypatch, train_drafter.main, []),
+               "python -m dflash_jax.train.tokenizer_train": _parser_of(monkeypatch, tokenizer_train.main, []),
+               "dflash-jax bench --device-report": _parser_of(monkeypatch, device_report.main, [])}
+    subcommands = parsers["dflash-jax"]._subparsers._group_actions[0].choices
+    assert {"generate", "bench", "quality", "train-target", "train-drafter"} <= set(subcommands)
+    missing = [m for prefix, p in parsers.items() for m in _undocumented(p, prefix)]
+    assert not missing, "options without a help line:\n  " + "\n  ".join(missing)
+
+
+def test_the_help_walker_catches_a_missing_line():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd")
+    s = sub.add_parser("run", help="runs")
+    s.add_argument("--fast", action="store_true")
+    sub.add_parser("quiet")
+    assert _undocumented(ap, "x") == ["x run --fast", "x quiet (subcommand)"]
+
+
+def test_generate_no_compare(capsys, monkeypatch):
+    import dflash_jax
+    from dflash_jax import decoding
+
+    def no_autoregressive(*a, **k):
+        raise AssertionError("--no-compare ran the autoregressive baseline")
+
+    for module in (dflash_jax, decoding):
+        monkeypatch.setattr(module, "generate_autoregressive", no_autoregressive)
+    cli.main(["generate", "def fibonacci(n):", "--max-new-tokens", "24", "--no-compare"])
+    out = capsys.readouterr().out
+    assert out.startswith("def fibonacci(n):") and "tau" in out and "tokens/s" not in out

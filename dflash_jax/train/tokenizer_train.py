@@ -49,8 +49,9 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int = 4096) -> Tokenizer:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--out", type=Path, default=Path("checkpoints/tokenizer.json"))
+    parser.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size, special tokens included")
+    parser.add_argument("--out", type=Path, default=Path("checkpoints/tokenizer.json"),
+                        help="where the tokenizer JSON is written")
     args = parser.parse_args(argv)
 
     train_files, eval_files = split_files(stdlib_files())
