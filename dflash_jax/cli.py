@@ -6,6 +6,7 @@
     dflash-jax bench --random-tiny               ms per step split into draft/verify/bookkeeping, r and c
     dflash-jax bench --device-report --out DIR   the prepared GPU run: NVFP4 backends, step costs (--smoke: CPU)
     dflash-jax train-target / train-drafter      reproduce the shipped checkpoints (resumable)
+    dflash-jax train-drafter --kind dflash2      train the DFlash2 drafter (checkpoints/drafter2, resumable)
 
 Compiled programs are kept in JAX's persistent compilation cache (`dflash_jax.compile_cache`: under
 $XDG_CACHE_HOME/dflash-jax, or ~/.cache/dflash-jax), so a second run skips compiling; DFLASH_JAX_NO_COMPILE_CACHE=1
@@ -184,14 +185,22 @@ def main(argv=None):
     q.add_argument("--show", type=int, default=2, help="hand-written prompts whose continuation is printed")
     q.add_argument("--seed", type=int, default=0, help="seed of the held-out prompt sample")
     sub.add_parser("train-target", help="reproduce checkpoints/target", add_help=False)
-    sub.add_parser("train-drafter", help="reproduce checkpoints/drafter", add_help=False)
+    sub.add_parser("train-drafter", help="reproduce checkpoints/drafter (--kind dflash2: checkpoints/drafter2)",
+                   add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("train-target", "train-drafter"):
+        rest = argv[1:]
         if argv[0] == "train-target":
             from dflash_jax.train.target import main as train_main
         else:
-            from dflash_jax.train.drafter import main as train_main
-        return train_main(argv[1:])
+            kind_ap = argparse.ArgumentParser(add_help=False)
+            kind_ap.add_argument("--kind", choices=("dflash", "dflash2"), default="dflash")
+            kind, rest = kind_ap.parse_known_args(rest)
+            if kind.kind == "dflash2":
+                from dflash_jax.train.drafter2 import main as train_main
+            else:
+                from dflash_jax.train.drafter import main as train_main
+        return train_main(rest)
     args = ap.parse_args(argv)
     if args.cmd == "generate":
         _generate(args)

@@ -23,14 +23,14 @@ from dflash_jax.attention import attention
 from dflash_jax.config import DrafterConfig, check_pair
 from dflash_jax.layers import mlp, project_kv, project_q, rms_norm, write_rows
 from dflash_jax.linear import backend_scope, linear, program_backend
-from dflash_jax.params import DrafterParams, abstract_drafter, init_from_abstract, static_field
+from dflash_jax.params import DFlash2Params, DrafterParams, abstract_drafter, init_from_abstract, static_field
 from dflash_jax.target import KVCache, Target
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Drafter:
-    params: DrafterParams
+    params: DrafterParams | DFlash2Params  # DFlash2Params when config.kind == "dflash2"
     config: DrafterConfig = static_field()
 
     def replace(self, **changes) -> "Drafter":
@@ -110,9 +110,10 @@ def block_pass(drafter: Drafter, x: jax.Array, positions: jax.Array, ctx_k, ctx_
         # A Qwen3 decoder layer (as layers.decoder_layer) whose two sublayers DFlash2 wraps in its convolution.
         with jax.named_scope(f"draft_layer{i}"):
             h = rms_norm(x, layer.input_layernorm, cfg.rms_norm_eps)
-            x = x + block_conv.around(layer.attention_conv, attention_sublayer, h, **conv)
+            x = x + block_conv.around(getattr(layer, "attention_conv", None), attention_sublayer, h, **conv)
             h = rms_norm(x, layer.post_attention_layernorm, cfg.rms_norm_eps)
-            x = x + block_conv.around(layer.mlp_conv, lambda u, layer=layer: mlp(layer.mlp, u), h, **conv)
+            x = x + block_conv.around(getattr(layer, "mlp_conv", None), lambda u, layer=layer: mlp(layer.mlp, u), h,
+                                      **conv)
     return rms_norm(x, drafter.params.norm, cfg.rms_norm_eps)
 
 

@@ -85,8 +85,18 @@ class DecoderLayer:
     self_attn: Attention
     post_attention_layernorm: Any  # [H]
     mlp: MLP
-    attention_conv: Any = None  # DynamicConv (DFlash2 drafters) or None
-    mlp_conv: Any = None  # DynamicConv (DFlash2 drafters) or None
+
+
+# DFlash2 gets its own classes rather than optional fields on the DFlash ones: a pytree with extra None fields no
+# longer matches orbax checkpoints saved before those fields existed (the shipped target and drafter).
+@_dataclass
+class DFlash2Layer:
+    input_layernorm: Any  # [H]
+    self_attn: Attention
+    post_attention_layernorm: Any  # [H]
+    mlp: MLP
+    attention_conv: DynamicConv
+    mlp_conv: DynamicConv
 
 
 @_dataclass
@@ -103,7 +113,15 @@ class DrafterParams:
     hidden_norm: Any  # [H]
     layers: tuple[DecoderLayer, ...]
     norm: Any  # [H]
-    candidate_selector: Any = None  # CandidateSelector (DFlash2 drafters) or None
+
+
+@_dataclass
+class DFlash2Params:
+    fc: Any  # [H, K*H]
+    hidden_norm: Any  # [H]
+    layers: tuple[DFlash2Layer, ...]
+    norm: Any  # [H]
+    candidate_selector: CandidateSelector
 
 
 def abstract_layer(cfg: Qwen3Config) -> DecoderLayer:
@@ -154,19 +172,16 @@ def abstract_selector(cfg: DrafterConfig) -> CandidateSelector:
                              hidden_projection=ParamSpec((r, H), ("selector_rank", "embed"), "zeros"))
 
 
-def abstract_drafter(cfg: DrafterConfig) -> DrafterParams:
+def abstract_drafter(cfg: DrafterConfig) -> DrafterParams | DFlash2Params:
     H = cfg.model.hidden_size
     layers = tuple(abstract_layer(cfg.model) for _ in range(cfg.model.num_hidden_layers))
-    if cfg.is_dflash2:
-        layers = tuple(dataclasses.replace(layer, attention_conv=abstract_conv(cfg), mlp_conv=abstract_conv(cfg))
-                       for layer in layers)
-    return DrafterParams(
-        fc=ParamSpec((H, cfg.num_taps * H), ("embed", "taps_embed")),
-        hidden_norm=ParamSpec((H,), ("embed",), "ones"),
-        layers=layers,
-        norm=ParamSpec((H,), ("embed",), "ones"),
-        candidate_selector=abstract_selector(cfg) if cfg.is_dflash2 else None,
-    )
+    common = dict(fc=ParamSpec((H, cfg.num_taps * H), ("embed", "taps_embed")),
+                  hidden_norm=ParamSpec((H,), ("embed",), "ones"), norm=ParamSpec((H,), ("embed",), "ones"))
+    if not cfg.is_dflash2:
+        return DrafterParams(layers=layers, **common)
+    layers = tuple(DFlash2Layer(**{f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)},
+                                attention_conv=abstract_conv(cfg), mlp_conv=abstract_conv(cfg)) for layer in layers)
+    return DFlash2Params(layers=layers, candidate_selector=abstract_selector(cfg), **common)
 
 
 def init_from_abstract(abstract, key: jax.Array, dtype, std: float = 0.02):

@@ -23,9 +23,8 @@ import numpy as np
 
 from dflash_jax.checkpoint import load_target, save
 from dflash_jax.config import DrafterConfig, Qwen3Config, default_target_layer_ids
-from dflash_jax.drafter import Drafter, block_pass, context_kv, embed_block, init_drafter
+from dflash_jax.drafter import Drafter, block_pass, context_kv, embed_block, head_logits, init_drafter
 from dflash_jax.decoding import generate, generate_autoregressive
-from dflash_jax.linear import linear
 from dflash_jax.target import Target, forward_with_cache
 from dflash_jax.tokenizer import Tokenizer
 from dflash_jax.train import corpus
@@ -88,11 +87,13 @@ def sample_anchors(lengths: np.ndarray, prompt_lens: np.ndarray, num_anchors: in
 
 # -- loss ----------------------------------------------------------------------------------------------------------
 
-def training_logits(params, batch, cfg: DrafterConfig, target_cfg: Qwen3Config) -> jax.Array:
-    """Logits [B, N, bs-1, V] of block slots 1..bs-1 for every anchor, all blocks in one forward.
+def training_hidden(params, batch, cfg: DrafterConfig, target_cfg: Qwen3Config) -> tuple[jax.Array, Target]:
+    """Final hidden states [B, N, bs-1, H] of block slots 1..bs-1 for every anchor, all blocks in one forward, and
+    the frozen target (whose lm_head turns them into logits).
 
-    For anchor a this equals inference's `draft_logits(drafter, target, features[:, :a], [x_a, M, ...])`
-    (tests check it): context strictly before the anchor, the whole own block, no other block.
+    For anchor a this equals inference's pass over [x_a, M, ...] with the target context strictly before a
+    (tests check it): context strictly before the anchor, the whole own block, no other block. Layer rules
+    (causal / sliding window) and DFlash2's block convolution apply exactly as at inference.
     """
     bs = cfg.block_size
     target = Target(params=batch["target"], config=target_cfg)
@@ -120,8 +121,14 @@ def training_logits(params, batch, cfg: DrafterConfig, target_cfg: Qwen3Config) 
 
     h = block_pass(drafter, embed_block(drafter, target, block), positions,
                    [kv[0] for kv in ctx_kv], [kv[1] for kv in ctx_kv], ctx_len, mask=sees_blk)
-    h = h.reshape(B, N, bs, -1)[:, :, 1:]  # slots 1..bs-1
-    return linear(h, target.lm_head).astype(jnp.float32)  # [B, N, bs-1, V]
+    return h.reshape(B, N, bs, -1)[:, :, 1:], target  # slots 1..bs-1
+
+
+def training_logits(params, batch, cfg: DrafterConfig, target_cfg: Qwen3Config) -> jax.Array:
+    """Logits [B, N, bs-1, V] of block slots 1..bs-1 for every anchor (see `training_hidden`); output_multiplier
+    and final_logit_softcapping applied as at inference."""
+    h, target = training_hidden(params, batch, cfg, target_cfg)
+    return head_logits(Drafter(params=params, config=cfg), target, h)  # [B, N, bs-1, V]
 
 
 def training_labels(batch, block_size: int) -> tuple[jax.Array, jax.Array]:
