@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from random_models import make_target, random_params
+from random_models import make_target, nontrivial_dflash2, random_params
 from test_generate import (COPY_MAX_NEW, COPY_PROMPTS, FLAW, PBS, _host_ops, _primitives, _prompt_batches, _pad_to,
                            assert_same, build_copy_pair, cycle_next)
 from dflash_jax.config import DrafterConfig, Qwen3Config
@@ -59,24 +59,8 @@ SETUPS = {
 }
 
 
-def _nontrivial(params, seed, codebook_scale=3.0, tap_scale=0.5, proj_scale=1.0):
-    """Random base kernels around the identity, random dynamic taps, scaled codebooks."""
-    rng = np.random.default_rng(seed)
-
-    def f(name, x):
-        x = np.asarray(x)
-        if name.endswith("base_kernel"):
-            return jnp.asarray(tap_scale * rng.standard_normal(x.shape) + (np.arange(x.shape[1]) == 0)[None, :, None],
-                               jnp.float32)
-        if name.endswith("kernel_projection"):
-            return jnp.asarray(proj_scale * rng.standard_normal(x.shape) / np.sqrt(x.shape[1]), jnp.float32)
-        if name.endswith("_codebook"):
-            return jnp.asarray(codebook_scale * rng.standard_normal(x.shape) / np.sqrt(x.shape[1]), jnp.float32)
-        if name.endswith("hidden_projection"):
-            return jnp.asarray(rng.standard_normal(x.shape) / np.sqrt(x.shape[1]), jnp.float32)
-        return jnp.asarray(x)
-
-    return map_named(f, params)
+def _nontrivial(params, seed, **scales):
+    return nontrivial_dflash2(params, seed, **scales)
 
 
 def make_dflash2(cfg: DrafterConfig, seed: int) -> dj.Drafter:
@@ -219,7 +203,7 @@ def test_sampled_dflash2_runs_and_is_reproducible(copy_runs):
     assert a.tau > 1.5  # the copy target is near-deterministic at T=1: sampled proposals are still accepted
 
 
-def test_mixed_kinds_share_nothing_but_give_the_same_text(copy_runs):
+def test_dflash_and_dflash2_copy_drafters_give_the_same_text(copy_runs):
     """The DFlash and DFlash2 copy drafters give identical greedy text (both exact)."""
     r = copy_runs
     target, flawed = build_copy_pair(FLAW)
