@@ -2,7 +2,8 @@
 
     dflash-jax generate "def fibonacci(n):"     text, then tau and tokens/s for DFlash vs autoregressive
     dflash-jax bench                             128/512/1024 new tokens on held-out prompts (medians)
-    dflash-jax bench --nvfp4                     the same with NVFP4 drafters (with and without scales)
+    dflash-jax bench --nvfp4                     the same with NVFP4 drafters (with and without scales), and
+                                                 DFlash2 rows (dense / NVFP4 / scales dropped) when one exists
     dflash-jax bench --random-tiny               ms per step split into draft/verify/bookkeeping, r and c
     dflash-jax bench --device-report --out DIR   the prepared GPU run: NVFP4 backends, step costs (--smoke: CPU)
     dflash-jax train-target / train-drafter      reproduce the shipped checkpoints (resumable)
@@ -88,12 +89,23 @@ def _bench(args):
     if args.tau_table:
         _tau_table(args, target, drafter, tok, prompts)
         return
-    extra, names = {}, ["dflash"]
+    extra, names, names2 = {}, ["dflash"], []
+    dflash2 = None
     if args.nvfp4:
-        from dflash_jax.quantize import drop_global_scales, quantize_nvfp4
+        from dflash_jax.quantize import ATTENTION_PROJECTIONS, DFLASH2_PROJECTIONS, drop_global_scales, quantize_nvfp4
         q = quantize_nvfp4(drafter)
         extra = {"nvfp4 no-scale": drop_global_scales(q), "nvfp4": q}
         names += list(extra)
+        dflash2 = _dflash2_drafter(args)
+        if dflash2 is not None:
+            q2 = quantize_nvfp4(dflash2)
+            # "no-scale": the report's bug (attention scales dropped); "no conv/sel scale": only DFlash2's own
+            # projections without their tensor scales (what llama.cpp still runs that way, nvfp4.md section 5)
+            rows2 = {"dflash2": dflash2, "dflash2 nvfp4": q2,
+                     "dflash2 nvfp4 no-scale": drop_global_scales(q2, ATTENTION_PROJECTIONS),
+                     "dflash2 nvfp4 no conv/sel scale": drop_global_scales(q2, DFLASH2_PROJECTIONS)}
+            extra.update(rows2)
+            names2 = list(rows2)
     print(f"embedded models, {len(prompts)} held-out stdlib prompts, batch 1, greedy, draft length "
           f"{args.draft_length or drafter.config.block_size - 1} (block {drafter.config.block_size}); "
           f"decode tokens/s exclude prefill and compile; medians over prompts; one run")
@@ -105,11 +117,38 @@ def _bench(args):
         results.append(bench.compare(target, drafter, prompts, max_new_tokens=n, draft_length=args.draft_length,
                                      drafters=extra, temperature=args.temperature, seed=args.seed))
     print(bench.format_compare_table(results, names))
+    if names2:
+        print()
+        print("DFlash2 drafter (same prompts, same run):")
+        print(bench.format_compare_table(results, names2))
     costs = bench.step_costs(target, drafter, context_len=256, draft_length=args.draft_length)
     print()
     print(bench.format_step_costs(costs, tau=results[0]["dflash"]["tau"]))
     print("acceptance rate per block position (first table row): "
           + " ".join(f"{x:.2f}" for x in results[0]["dflash"]["position_acceptance"]))
+    if names2:
+        print("DFlash2 acceptance rate per block position (first table row): "
+              + " ".join(f"{x:.2f}" for x in results[0]["dflash2"]["position_acceptance"]))
+        D = args.draft_length or drafter.config.block_size - 1
+        dc = bench.draft_costs(target, {"dflash": drafter, "dflash2": dflash2}, context_len=256, draft_length=D)
+        print(bench.format_draft_costs(dc))
+
+
+def _dflash2_drafter(args):
+    """The DFlash2 drafter for the bench: --dflash2 PATH, else the shipped one, else None (with a note)."""
+    from dflash_jax.checkpoint import load_drafter
+    from dflash_jax.defaults import checkpoints_dir
+
+    path = args.dflash2 or checkpoints_dir() / "drafter2"
+    try:
+        d = load_drafter(path)
+    except FileNotFoundError:
+        print(f"(no DFlash2 drafter at {path}: DFlash2 rows skipped; train one with "
+              "`dflash-jax train-drafter --kind dflash2` or pass --dflash2 PATH)")
+        return None
+    if d.config.kind != "dflash2":
+        raise SystemExit(f"error: {path} holds a {d.config.kind} drafter, not a DFlash2 one")
+    return d
 
 
 def _quality(args):
@@ -179,6 +218,7 @@ def main(argv=None):
                         "embedded pair; writes device_report.json/.md into --out")
     b.add_argument("--smoke", action="store_true", help="with --device-report: tiny shapes, runs on CPU")
     b.add_argument("--out", default=None, help="with --device-report: output folder")
+    b.add_argument("--dflash2", default=None, help="with --nvfp4: a DFlash2 drafter folder (default: the shipped one)")
     q = sub.add_parser("quality", help="the target as a language model: held-out loss and repetition (seq-rep-4)")
     q.add_argument("--prompts", type=int, default=16, help="held-out prompts to continue greedily")
     q.add_argument("--max-new-tokens", type=int, default=256, help="tokens per greedy continuation")
