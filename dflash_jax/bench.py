@@ -114,10 +114,12 @@ def _draft_fn(batch: int, D: int):
 
 
 def draft_costs(target: Target, drafters: dict, *, context_len: int = 64, draft_length: int = 7, batch: int = 1,
-                reps: int = 30, seed: int = 0) -> dict:
+                reps: int = 30, seed: int = 0, clock: str = "wall") -> dict:
     """ms of one drafter call for each drafter and of one target decode step, timed interleaved (A, B, A, B, ...)
     so that load changes hit every drafter alike; c = draft / decode per drafter. Drafters may differ in kind,
-    block size and layers, but must share the target's taps (the first drafter's are used for the context)."""
+    block size and layers, but must share the target's taps (the first drafter's are used for the context).
+    clock="cpu" times this process's CPU seconds instead of wall seconds (steadier on a shared machine)."""
+    now = {"wall": time.perf_counter, "cpu": time.process_time}[clock]
     first = next(iter(drafters.values()))
     tcfg, D = target.config, draft_length
     cache_len = context_len + max(d.config.block_size for d in drafters.values()) + 64
@@ -145,11 +147,12 @@ def draft_costs(target: Target, drafters: dict, *, context_len: int = 64, draft_
     times = {name: [] for name in calls}
     for _ in range(reps):
         for name, (fn, args) in calls.items():
-            t0 = time.perf_counter()
+            t0 = now()
             jax.block_until_ready(fn(*args))
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(now() - t0)
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-    out = {"decode_ms": ms.pop("decode"), "context_len": context_len, "draft_length": D, "batch": batch}
+    out = {"decode_ms": ms.pop("decode"), "context_len": context_len, "draft_length": D, "batch": batch,
+           "clock": clock}
     out["draft_ms"] = ms
     out["c"] = {name: v / out["decode_ms"] for name, v in ms.items()}
     return out
@@ -230,7 +233,7 @@ def format_step_costs(c: dict, tau: float | None = None, measured_step_ms: float
 def format_draft_costs(c: dict) -> str:
     names = list(c["draft_ms"])
     s = (f"draft cost at context {c['context_len']}, draft length {c['draft_length']}, batch {c['batch']} "
-         f"(decode(1 tok) {c['decode_ms']:.2f} ms; interleaved medians): "
+         f"(decode(1 tok) {c['decode_ms']:.2f} ms; interleaved medians of {c.get('clock', 'wall')} time): "
          + ", ".join(f"{n} {c['draft_ms'][n]:.2f} ms (c = {c['c'][n]:.3f})" for n in names))
     if len(names) == 2:
         a, b = names

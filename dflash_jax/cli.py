@@ -130,7 +130,8 @@ def _bench(args):
         print("DFlash2 acceptance rate per block position (first table row): "
               + " ".join(f"{x:.2f}" for x in results[0]["dflash2"]["position_acceptance"]))
         D = args.draft_length or drafter.config.block_size - 1
-        dc = bench.draft_costs(target, {"dflash": drafter, "dflash2": dflash2}, context_len=256, draft_length=D)
+        dc = bench.draft_costs(target, {"dflash": drafter, "dflash2": dflash2}, context_len=256, draft_length=D,
+                               clock="cpu")
         print(bench.format_draft_costs(dc))
 
 

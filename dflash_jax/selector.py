@@ -24,8 +24,12 @@ from dflash_jax.params import CandidateSelector
 
 def candidates(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
     """logits [B, D, V] -> (unary [B, D, k] f32, candidate ids [B, D, k] int32), best first."""
-    unary, cand = jax.lax.top_k(logits.astype(jnp.float32), top_k)
-    return unary, cand.astype(jnp.int32)
+    B, D, V = logits.shape
+    unary, cand = jax.lax.top_k(logits.reshape(B * D, V).astype(jnp.float32), top_k)
+    # The barrier keeps XLA from fusing top_k's slice into its consumers: fused, XLA:CPU no longer recognises the
+    # pattern and sorts all V logits per slot (measured: 91 ms vs 3 ms for the selector of a 7-slot, 4096-token draft).
+    unary, cand = jax.lax.optimization_barrier((unary, cand))
+    return unary.reshape(B, D, top_k), cand.astype(jnp.int32).reshape(B, D, top_k)
 
 
 def pair_scores(sel: CandidateSelector, hidden: jax.Array, predecessors: jax.Array, cand: jax.Array) -> jax.Array:
