@@ -149,10 +149,11 @@ def test_cli_trains_end_to_end_and_resumes(tmp_path):
     argv = ["train-drafter", "--kind", "dflash2", "--target", str(tmp_path / "target"),
             "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), "--layers", "1",
             "--block-size", "4", "--taps", "2", "--selector-rank", "8", "--selector-top-k", "4",
-            "--prompts", "4", "--new-tokens", "8", "--seq-len", "64", "--steps", "3", "--batch", "2",
-            "--anchors", "2", "--eval-every", "0", "--eval-prompts", "1"]
+            "--prompts", "4", "--new-tokens", "8", "--max-prompt-tokens", "56", "--no-packages", "--steps", "3",
+            "--batch", "2", "--anchors", "2", "--eval-every", "0", "--eval-prompts", "1", "--eval-tokens", "16"]
     report = cli.main(argv)
-    assert report["steps"] == 3 and np.isfinite(report["train_loss"]) and report["tau_eval_1_prompts"] >= 1
+    assert report["steps"] == 3 and np.isfinite(report["train_loss"])
+    assert report["tau_eval_1_prompts_16_tokens_D3"] >= 1
     saved = json.loads((tmp_path / "out" / "train_report.json").read_text())
     assert saved["selector_weight"] == 1.0
     first = dj.load_drafter(tmp_path / "out")
