@@ -24,7 +24,7 @@ def _generate(args):
     from dflash_jax import generate, generate_autoregressive
     from dflash_jax.defaults import load_default
 
-    target, drafter, tok = load_default()
+    target, drafter, tok = load_default(drafter=args.kind)
     if args.nvfp4:
         from dflash_jax.quantize import quantize_nvfp4
         drafter = quantize_nvfp4(drafter)
@@ -41,7 +41,8 @@ def _generate(args):
     print(args.prompt + tok.decode(sp.token_lists()[0]))
     print("-" * 72)
     same = "identical to" if sp.token_lists() == ar.token_lists() else "differs from (sampling)"
-    print(f"DFlash output {same} autoregressive output; {int(sp.num_tokens[0])} tokens, {sp.num_steps} steps")
+    print(f"{'DFlash2' if args.kind == 'dflash2' else 'DFlash'} output {same} autoregressive output; "
+          f"{int(sp.num_tokens[0])} tokens, {sp.num_steps} steps")
     print(f"tau {sp.tau:.2f} (tokens per draft+verify step, incl. bonus), acceptance rate "
           f"{100 * sp.acceptance_rate:.1f}% of {sp.draft_length} drafted per step")
     print(f"decode tokens/s: DFlash {sp.decode_tokens_per_second:.1f} vs autoregressive "
@@ -205,6 +206,7 @@ def main(argv=None):
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--nvfp4", action="store_true", help="quantize the drafter to NVFP4 first")
+    g.add_argument("--kind", choices=("dflash", "dflash2"), default="dflash", help="which shipped drafter")
     b = sub.add_parser("bench", help="speculative vs autoregressive, one run, medians")
     b.add_argument("--new-tokens", type=int, nargs="+", default=[128, 512, 1024])
     b.add_argument("--prompts", type=int, default=8)
