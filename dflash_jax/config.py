@@ -247,7 +247,8 @@ class DrafterConfig:
             unknown = sorted(set(types) - set(LAYER_TYPES))
             if unknown:
                 raise NotImplementedError(f"drafter config: layer_types {unknown} not supported ({LAYER_TYPES})")
-            object.__setattr__(self, "layer_types", types)
+            # One canonical form (configs are static pytree metadata: equal meaning must compare equal).
+            object.__setattr__(self, "layer_types", None if set(types) == {"full_attention"} else types)
         if self.sliding_window is not None:
             if isinstance(self.sliding_window, bool) or int(self.sliding_window) != self.sliding_window \
                     or int(self.sliding_window) < 1:
