@@ -345,18 +345,27 @@ class DrafterConfig:
             if dcfg.get(key):
                 raise NotImplementedError(f"drafter config.json: dflash_config.{key} is not supported; use the "
                                           "z-lab keys layer_types / sliding_window / is_causal")
-        layer_types = pick("layer_types")
-        window = pick("sliding_window")
+        # Attention layout as z-lab's attention sees it through an HF Qwen3Config (transformers 4.57):
+        # sliding_window (default 4096) is kept only when use_sliding_window is true, and a missing layer_types is
+        # derived as "sliding_attention" for layers >= max_window_layers (default 28) when a window is kept.
+        # A dflash_config.sliding_window (not an HF key) is taken as given.
+        if "sliding_window" in dcfg:
+            window = dcfg["sliding_window"]
+        else:
+            window = d.get("sliding_window", 4096 if d.get("use_sliding_window") else None)
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"drafter config.json: sliding_window must be an integer >= 1 (or null), got {window!r}")
-        # z-lab's attention reads config.sliding_window of an HF Qwen3Config, which keeps it only when
-        # use_sliding_window is true (transformers 4.57: `sliding_window if use_sliding_window else None`).
+        layer_types = pick("layer_types")
         if window is not None and "sliding_window" not in dcfg and not d.get("use_sliding_window", False):
             if layer_types and "sliding_attention" in layer_types:
                 warnings.warn(f"drafter config.json: sliding_window {window} is ignored because use_sliding_window "
                               "is not true (as HF Qwen3Config does); sliding layers attend without a window",
                               stacklevel=2)
             window = None
+        if layer_types is None and window is not None:
+            first = int(d.get("max_window_layers", 28))
+            layer_types = ["sliding_attention" if i >= first else "full_attention"
+                           for i in range(int(d["num_hidden_layers"]))]
         is_causal = pick("is_causal")
         extra = {}
         if kind == "dflash2":

@@ -241,3 +241,37 @@ def test_orbax_round_trip_dflash2_dense_and_nvfp4(folder, tmp_path):
         back = dj.load_drafter(tmp_path / name)
         assert back.config == model.config
         assert_bit_exact(model, back)
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    {"use_sliding_window": False},
+    {"is_causal": None},
+    {"layer_types": None, "max_window_layers": 1},
+    {"layer_types": None, "max_window_layers": 1, "sliding_window": None},
+    {"layer_types": None, "use_sliding_window": False},
+    {"layer_types": ["full_attention", "sliding_attention"], "is_causal": True, "sliding_window": 5},
+    {"layer_types": None, "max_window_layers": 0, "is_causal": None, "sliding_window": None},
+], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "fixture")
+def test_layer_rules_match_hf_qwen3config(changes):
+    """Per layer (causal, window) as z-lab computes them from transformers' Qwen3Config (the oracle here):
+    layer_type = config.layer_types[i]; causal = (layer_type == sliding) unless config.is_causal is set;
+    window = config.sliding_window for sliding layers."""
+    transformers = pytest.importorskip("transformers")
+    import warnings
+    d = _config()
+    for k, v in changes.items():
+        if v is None:
+            d.pop(k, None)
+        else:
+            d[k] = v
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.Qwen3Config(**{k: v for k, v in d.items() if k != "dflash_config"})
+        ours = DrafterConfig.from_hf_dict(d)
+    is_causal = d.get("is_causal")  # z-lab: getattr(config, "is_causal", None)
+    for i in range(LAYERS):
+        layer_type = hf.layer_types[i]
+        causal = layer_type == "sliding_attention" if is_causal is None else bool(is_causal)
+        window = hf.sliding_window if layer_type == "sliding_attention" else None
+        assert ours.layer_attention(i) == (causal, window), (i, hf.layer_types, hf.sliding_window)
