@@ -241,6 +241,27 @@ def format_draft_costs(c: dict) -> str:
     return s
 
 
+def format_dflash2_goals(results: list[dict], draft_costs: dict | None = None) -> str:
+    """Issue 10's goal figures from one bench run: tau ratios per table row (NVFP4 both / NVFP4 vs dense DFlash2),
+    the draft cost ratio (same run, interleaved) and greedy exactness over every row of both kinds."""
+    lines = ["DFlash2 goals (this run; tau ratios per row, D = draft length):"]
+    for r in results:
+        t = {n: r[n]["tau"] for n in ("dflash", "nvfp4", "dflash2", "dflash2 nvfp4")}
+        lines.append(f"  {r['max_new_tokens']:>5} new tok, D {r['draft_length']}: DFlash2/DFlash tau, NVFP4 both "
+                     f"{t['dflash2 nvfp4'] / t['nvfp4']:.3f} (goal >= 1.10); NVFP4/dense DFlash2 tau "
+                     f"{t['dflash2 nvfp4'] / t['dflash2']:.3f} (goal >= 0.97)")
+    if draft_costs is not None and {"dflash", "dflash2"} <= set(draft_costs["c"]):
+        c = draft_costs["c"]
+        lines.append(f"  draft cost c DFlash2/DFlash {c['dflash2'] / c['dflash']:.3f} (goal <= 1.15)")
+    if results[0]["temperature"] > 0:  # sampled runs differ from autoregressive by design
+        return "\n".join(lines)
+    names = [n for n in results[0] if isinstance(results[0][n], dict) and "exact_match" in results[0][n]]
+    exact = [tuple(map(int, r[n]["exact_match"].split("/"))) for r in results for n in names]
+    lines.append(f"  greedy output identical to autoregressive: {sum(a for a, _ in exact)}/{sum(b for _, b in exact)} "
+                 f"runs over {len(names)} drafters (goal 100%)")
+    return "\n".join(lines)
+
+
 def tau_table(target: Target, drafters: dict, prompts: Sequence[Sequence[int]], *, draft_lengths=(3, 7, 15),
               max_new_tokens: int = 128, eos_ids=(), temperature: float = 0.0) -> list[dict]:
     """tau, acceptance rate and per-position acceptance for each drafter and draft length (one batched call each)."""

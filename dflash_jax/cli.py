@@ -134,6 +134,7 @@ def _bench(args):
         dc = bench.draft_costs(target, {"dflash": drafter, "dflash2": dflash2}, context_len=256, draft_length=D,
                                clock="cpu")
         print(bench.format_draft_costs(dc))
+        print(bench.format_dflash2_goals(results, dc))
 
 
 def _dflash2_drafter(args):
@@ -186,6 +187,10 @@ def _tau_table(args, target, drafter, tok, prompts):
         dense_bf16 = sum(int(np.prod(x.shape)) * 2 for x in jax.tree.leaves(drafter.params))
         print(f"drafter weight bytes: bf16 {dense_bf16:,}; NVFP4 {param_bytes(rtn.params):,} "
               f"({param_bytes(rtn.params) / dense_bf16:.3f} of bf16; norms stay dense)")
+    dflash2 = _dflash2_drafter(args)
+    if dflash2 is not None:  # the same prompts and draft lengths, dense and NVFP4 (RTN, every projection)
+        drafters.update({"dflash2": dflash2, "dflash2 nvfp4": quantize_nvfp4(dflash2)} if args.nvfp4
+                        else {"dflash2": dflash2})
     rows = bench.tau_table(target, drafters, prompts, draft_lengths=(3, 7, 15),
                            max_new_tokens=args.new_tokens[0], temperature=args.temperature)
     print(f"{len(prompts)} held-out prompts, {args.new_tokens[0]} new tokens, temperature {args.temperature}")
@@ -221,7 +226,8 @@ def main(argv=None):
                         "embedded pair; writes device_report.json/.md into --out")
     b.add_argument("--smoke", action="store_true", help="with --device-report: tiny shapes, runs on CPU")
     b.add_argument("--out", default=None, help="with --device-report: output folder")
-    b.add_argument("--dflash2", default=None, help="with --nvfp4: a DFlash2 drafter folder (default: the shipped one)")
+    b.add_argument("--dflash2", default=None,
+                   help="with --nvfp4 / --tau-table: a DFlash2 drafter folder (default: the shipped one)")
     q = sub.add_parser("quality", help="the target as a language model: held-out loss and repetition (seq-rep-4)")
     q.add_argument("--prompts", type=int, default=16, help="held-out prompts to continue greedily")
     q.add_argument("--max-new-tokens", type=int, default=256, help="tokens per greedy continuation")
