@@ -163,3 +163,10 @@ def test_cli_trains_end_to_end_and_resumes(tmp_path):
     second = dj.load_drafter(tmp_path / "out")
     for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the cached continuations belong to that target: a retrained target reusing the data dir is refused
+    dj.save(tmp_path / "target2", dj.init_target(tcfg, jax.random.key(1)))
+    other = ["--target", str(tmp_path / "target2"), "--data-dir", str(tmp_path / "work"),
+             "--work-dir", str(tmp_path / "work2"), "--out", str(tmp_path / "out2")]
+    with pytest.raises(SystemExit, match="made with a different target"):
+        cli.main(argv + other)  # argparse: the later flags win
+    assert not (tmp_path / "out2").exists()

@@ -12,6 +12,7 @@ its LM head stay frozen: only fc, hidden_norm, the layers and norm train.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import time
@@ -211,6 +212,14 @@ def training_prompts(n: int, seed: int, *, packages: bool) -> list[str]:
     return corpus._sample_prompts([f.text for f in train], n, seed, 100, 300, 0.5, 64)
 
 
+def target_fingerprint(target: Target) -> str:
+    """sha256 (16 hex digits) of the target's config and weights: names the target a data cache was made with."""
+    h = hashlib.sha256(repr(target.config).encode())
+    for leaf in jax.tree.leaves(target.params):
+        h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    return h.hexdigest()[:16]
+
+
 def build_data(target: Target, tok, cfg: DrafterConfig, work: Path, *, prompts: int, new_tokens: int,
                max_prompt_tokens: int, sampled_fraction: float, sample_temperature: float, seed: int,
                packages: bool) -> dict[str, np.ndarray]:
@@ -218,8 +227,18 @@ def build_data(target: Target, tok, cfg: DrafterConfig, work: Path, *, prompts: 
     tag = f"{prompts}_{new_tokens}_{max_prompt_tokens}_{sampled_fraction}_{sample_temperature}_{seed}_{int(packages)}"
     seq_file, feat_file = work / f"sequences_{tag}.npz", work / f"features_{tag}_{'-'.join(map(str, cfg.target_layer_ids))}.npy"
     seq_len = max_prompt_tokens + new_tokens
+    # The cache is named by the data flags alone, so a retrained target would silently reuse the old target's
+    # continuations (e.g. a second drafter trained with --data-dir on the first one's work dir): each cache file
+    # records the target it was made with, and a different target is refused.
+    stamp_file, stamp = work / f"sequences_{tag}.target.txt", target_fingerprint(target)
+    if seq_file.exists() and stamp_file.exists() and stamp_file.read_text().strip() != stamp:
+        raise corpus.CorpusError(
+            f"{seq_file} was made with a different target (fingerprint {stamp_file.read_text().strip()}, this "
+            f"target {stamp}): use another --work-dir / --data-dir or delete the cached sequences and features")
     if seq_file.exists():
         data = dict(np.load(seq_file))
+        if not stamp_file.exists():  # a cache from before the stamps: cannot be checked
+            print(f"warning: {seq_file} records no target; reusing it as made with this target", flush=True)
     else:
         t0 = time.perf_counter()
         texts = training_prompts(prompts, seed, packages=packages)
@@ -228,6 +247,7 @@ def build_data(target: Target, tok, cfg: DrafterConfig, work: Path, *, prompts: 
                               sampled_fraction=sampled_fraction, temperature=sample_temperature, seed=seed,
                               eos_ids=(tok.eos_id,))
         np.savez(seq_file, **data)
+        stamp_file.write_text(stamp + "\n")
         print(f"drafter data: {len(ids)} target continuations, "
               f"{int((data['lengths'] - data['prompt_lens']).sum()):,} generated tokens in "
               f"{time.perf_counter() - t0:.0f}s", flush=True)
