@@ -34,7 +34,7 @@ from dflash_jax import selector as sel_mod
 from dflash_jax.config import DrafterConfig, Qwen3Config
 from dflash_jax.drafter import DraftCache, append_context, block_logits, draft_proposal, draft_tokens
 from dflash_jax.params import abstract_drafter, map_named, named_leaves
-from dflash_jax.visibility import layer_visibility
+from dflash_jax.attention import visible
 
 REL_TOL = 1e-4
 
@@ -345,10 +345,7 @@ def test_layer_visibility_matches_naive_rule(causal, window):
     rng = np.random.default_rng(int(causal) * 10 + (window or 0))
     q = np.sort(rng.integers(0, 40, (2, 6)), axis=1)
     k = np.concatenate([np.tile(np.arange(30), (2, 1)), q], axis=1)
-    got = layer_visibility(jnp.asarray(q), jnp.asarray(k), causal=causal, window=window)
-    if not causal and window is None:
-        assert got is None
-        return
+    got = visible(jnp.asarray(q)[:, :, None], jnp.asarray(k)[:, None, :], causal=causal, window=window)
     want = np.array([[[_visible(int(a), int(c), causal, window) for c in k[b]] for a in q[b]] for b in range(2)])
     np.testing.assert_array_equal(np.asarray(got), want)
 
@@ -363,11 +360,15 @@ def test_layer_attention_follows_zlab_rule():
     assert cfg.layer_attention(0) == (True, None)
 
 
-def test_window_cuts_context_in_the_cached_path():
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_window_cuts_context_in_the_cached_path(chunk):
     """Cached path (context appended in two chunks, rows of different lengths) == the one-shot path on each row's
-    own context, with a sliding window shorter than the context: the cache index is the absolute position."""
+    own context, with a sliding window shorter than the context: the cache index is the absolute position. With
+    chunk=4 the attention visits the 16 cache slots 4 at a time, from the first chunk the window reaches."""
     case = CASES[0]
     target, drafter, features, block = _build(case)
+    cfg = drafter.config
+    drafter = drafter.replace(config=cfg.replace(model=cfg.model.replace(attention_chunk=chunk)))
     lens = np.array([9, 6])
     f1, f2 = features[:, :4], np.zeros((2, 5, features.shape[-1]), np.float32)
     f2[0] = features[0, 4:9]
