@@ -109,15 +109,13 @@ def test_dflash2_negative_control_q_from_logits_fails(models, enumeration, monke
         drafts, logits, _, keys = real(*args, **kwargs)
         return drafts, logits, None, keys
 
-    saved = dict(gen._COMPILED)
-    gen._COMPILED.clear()
-    try:
-        monkeypatch.setattr(gen, "draft_step", q_from_logits)
-        target, drafter = models["rejecting"]
-        res = gen.generate(target, drafter, [PROMPT] * N, max_new_tokens=NEW, draft_length=3, temperature=1.0, seed=0)
-    finally:
-        gen._COMPILED.clear()
-        gen._COMPILED.update(saved)
+    # A fresh jitted program (its own, empty compile cache) traced with the wrong q; monkeypatch puts the real
+    # program, and its compiled executables, back afterwards.
+    monkeypatch.setattr(gen, "_SPECULATIVE", gen._jit_program("speculative", gen._speculative_program,
+                                                              gen.SPECULATIVE_STATIC))
+    monkeypatch.setattr(gen, "draft_step", q_from_logits)  # the name the compiled program calls
+    target, drafter = models["rejecting"]
+    res = gen.generate(target, drafter, [PROMPT] * N, max_new_tokens=NEW, draft_length=3, temperature=1.0, seed=0)
     assert_fails(compare("NEGATIVE CONTROL DFlash2 q = softmax(logits)", res.tokens, exact_law(enumeration["rejecting"])))
 
 
