@@ -89,7 +89,7 @@ def _hf_name(param_name: str) -> str:
 
 def test_dflash2_folder_loads(folder):
     path, tensors = folder
-    d = dj.load_drafter(path)
+    d = dj.load_drafter(path, param_dtype="bfloat16")
     c = d.config
     assert c.kind == "dflash2" and c.is_dflash2
     assert (c.block_size, c.mask_token_id, c.target_layer_ids, c.num_target_layers) == (8, 95, (1, 3, 5), 8)
@@ -106,7 +106,7 @@ def test_dflash2_folder_loads(folder):
 
 def test_save_hf_writes_zlab_names_and_round_trips_bit_exact(folder):
     path, tensors = folder
-    d = dj.load_drafter(path)
+    d = dj.load_drafter(path, param_dtype="bfloat16")
     out = dj.save_hf(path / "again", d)
     assert set(read_header(out / "model.safetensors")[0]) == set(tensors)  # same names, codebooks without .weight
     cfg = json.loads((out / "config.json").read_text())
@@ -117,7 +117,7 @@ def test_save_hf_writes_zlab_names_and_round_trips_bit_exact(folder):
                                "final_logit_softcapping")} == {k: _config()["dflash_config"][k] for k in dc}
     assert cfg["layer_types"] == ["sliding_attention"] * LAYERS and cfg["sliding_window"] == 16
     assert cfg["use_sliding_window"] is True
-    back = dj.load_drafter(out)
+    back = dj.load_drafter(out, param_dtype="bfloat16")
     assert back.config == d.config
     assert_bit_exact(d, back)
 
@@ -127,9 +127,9 @@ def test_codebooks_with_weight_suffix_load_identically(folder):
     for name in ("predecessor_codebook", "successor_codebook"):
         tensors[f"candidate_selector.{name}.weight"] = tensors.pop(f"candidate_selector.{name}")
     write_safetensors(path / "model.safetensors", tensors)
-    d = dj.load_drafter(path)
+    d = dj.load_drafter(path, param_dtype="bfloat16")
     write_safetensors(path / "model.safetensors", _tensors())
-    assert_bit_exact(d, dj.load_drafter(path))
+    assert_bit_exact(d, dj.load_drafter(path, param_dtype="bfloat16"))
 
 
 def test_codebook_stored_twice_is_refused(folder):
@@ -220,14 +220,14 @@ def test_modelopt_nvfp4_dflash2_folder_round_trip(folder):
         assert {m + s for s in (".weight", ".weight_scale", ".weight_scale_2")} <= set(header)
         assert header[m + ".weight"][0] == np.uint8 and header[m + ".weight_scale_2"][1] == ()
     assert "candidate_selector.predecessor_codebook" in header and "layers.1.mlp_conv.base_kernel" in header
-    back = dj.load_drafter(out)
+    back = dj.load_drafter(out, param_dtype="bfloat16")
     assert_bit_exact(q, back)
     # A ModelOpt export that kept the selector dense (excluded by a prefix wildcard) loads it dense.
     partial = quantize_nvfp4(d, exclude=("candidate_selector.*",))
     out2 = dj.save_hf(path / "partial", partial)
     assert json.loads((out2 / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"] == [
         "candidate_selector.hidden_projection"]
-    back2 = dj.load_drafter(out2)
+    back2 = dj.load_drafter(out2, param_dtype="bfloat16")
     assert not isinstance(back2.params.candidate_selector.hidden_projection, NVFP4Array)
     assert isinstance(back2.params.layers[0].mlp_conv.kernel_projection, NVFP4Array)
     assert_bit_exact(partial, back2)
@@ -235,10 +235,10 @@ def test_modelopt_nvfp4_dflash2_folder_round_trip(folder):
 
 def test_orbax_round_trip_dflash2_dense_and_nvfp4(folder, tmp_path):
     path, _ = folder
-    d = dj.load_drafter(path)
+    d = dj.load_drafter(path, param_dtype="bfloat16")
     for model, name in ((d, "dense"), (quantize_nvfp4(d), "nvfp4")):
         dj.save(tmp_path / name, model)
-        back = dj.load_drafter(tmp_path / name)
+        back = dj.load_drafter(tmp_path / name, param_dtype="bfloat16")
         assert back.config == model.config
         assert_bit_exact(model, back)
 
