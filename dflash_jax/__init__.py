@@ -1,8 +1,9 @@
 """dflash-jax: DFlash block-diffusion speculative decoding with NVFP4 drafters, in JAX.
 
 Public calls (a contract): `load_target`, `load_drafter`, `save`, `save_hf`, `target_forward`, `draft_logits`,
-`generate`, `generate_autoregressive`, `audit_scales`, `quantize_nvfp4`, `load_default`, `enable_compilation_cache`,
-`make_mesh`, `shard` (dflash_jax.sharding), and the `nvfp4` module.
+`draft_tokens`, `generate`, `generate_autoregressive`, `audit_scales`, `quantize_nvfp4`, `load_default`,
+`enable_compilation_cache`, `make_mesh`, `shard` (dflash_jax.sharding), and the `nvfp4` module. Drafters are DFlash or
+DFlash2 (`DrafterConfig.kind`); every call takes either.
 """
 
 from dflash_jax import nvfp4
@@ -10,7 +11,7 @@ from dflash_jax.audit import ScaleAudit, audit_scales
 from dflash_jax.checkpoint import CheckpointError, load_drafter, load_target, save, save_hf
 from dflash_jax.compile_cache import enable_compilation_cache
 from dflash_jax.config import DrafterConfig, Qwen3Config, default_target_layer_ids
-from dflash_jax.drafter import Drafter, draft_logits, init_drafter
+from dflash_jax.drafter import Drafter, draft_logits, draft_tokens, init_drafter
 from dflash_jax.decoding import GenerationResult, generate, generate_autoregressive
 from dflash_jax.nvfp4 import NVFP4Array
 from dflash_jax.quantize import drop_global_scales, quantize_nvfp4
@@ -23,7 +24,7 @@ __all__ = [
     "nvfp4", "NVFP4Array", "audit_scales", "ScaleAudit",
     "Qwen3Config", "DrafterConfig", "default_target_layer_ids",
     "Target", "KVCache", "init_target", "target_forward",
-    "Drafter", "init_drafter", "draft_logits",
+    "Drafter", "init_drafter", "draft_logits", "draft_tokens",
     "generate", "generate_autoregressive", "GenerationResult",
     "load_target", "load_drafter", "save", "save_hf", "CheckpointError",
     "quantize_nvfp4", "drop_global_scales", "load_default", "Tokenizer", "enable_compilation_cache",

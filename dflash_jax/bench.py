@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.drafter import Drafter, append_context, block_logits
+from dflash_jax.drafter import Drafter, DraftCache, append_context, block_hidden, propose_from_hidden
 from dflash_jax.decoding import generate, generate_autoregressive, prefill
-from dflash_jax.target import Target, forward_with_cache
+from dflash_jax.target import KVCache, Target, forward_with_cache
 
 # Benchmarks run with the persistent compilation cache on (cli.py), which never stores a program with a host
 # callback: prefill is timed by a prefill-only rerun of the same compiled program instead of a callback stamp.
@@ -73,8 +73,11 @@ def step_functions(target: Target, drafter: Drafter, *, context_len: int = 64, d
 
     @functools.partial(jax.jit, donate_argnums=(2,))
     def draft(drafter, target, dcache, pending, block):
+        # as the loop drafts: append the pending context, one block pass, the proposals (DFlash: argmax of the
+        # logits; DFlash2: the selector walk)
         dc = append_context(drafter, pending, jnp.full((batch,), D + 1, jnp.int32), dcache)
-        return jnp.argmax(block_logits(drafter, target, block, dc, num_slots=D), -1), dc.replace(lengths=dcache.lengths)
+        h = block_hidden(drafter, target, block, dc)[:, 1:1 + D]
+        return propose_from_hidden(drafter, target, h, block[:, 0]).tokens, dc.replace(lengths=dcache.lengths)
 
     tok = prompt[:, -1:]
     toks = prompt[:, -(D + 1):]
@@ -96,6 +99,62 @@ def step_costs(target: Target, drafter: Drafter, *, context_len: int = 64, draft
     out["r"] = out["verify_ms"] / out["decode_ms"]
     out["c"] = out["draft_ms"] / out["decode_ms"]
     out.update(meta)
+    return out
+
+
+def _draft_fn(batch: int, D: int):
+    """One greedy draft call as the loop makes it: append the pending context, one block pass, the proposals
+    (DFlash: argmax of the logits; DFlash2: the selector walk)."""
+    @jax.jit
+    def draft(drafter, target, dcache, pending, block):
+        dc = append_context(drafter, pending, jnp.full((batch,), D + 1, jnp.int32), dcache)
+        h = block_hidden(drafter, target, block, dc)[:, 1:1 + D]
+        return propose_from_hidden(drafter, target, h, block[:, 0]).tokens
+    return draft
+
+
+def draft_costs(target: Target, drafters: dict, *, context_len: int = 64, draft_length: int = 7, batch: int = 1,
+                reps: int = 30, seed: int = 0, clock: str = "wall") -> dict:
+    """ms of one drafter call for each drafter and of one target decode step, timed interleaved (A, B, A, B, ...)
+    so that load changes hit every drafter alike; c = draft / decode per drafter. Drafters may differ in kind,
+    block size and layers, but must share the target's taps (the first drafter's are used for the context).
+    clock="cpu" times this process's CPU seconds instead of wall seconds (steadier on a shared machine)."""
+    now = {"wall": time.perf_counter, "cpu": time.process_time}[clock]
+    first = next(iter(drafters.values()))
+    tcfg, D = target.config, draft_length
+    cache_len = context_len + max(d.config.block_size for d in drafters.values()) + 64
+    prompt = jnp.asarray(np.random.default_rng(seed).integers(0, tcfg.vocab_size, (batch, context_len)), jnp.int32)
+    taps = first.config.target_layer_ids
+    if any(d.config.target_layer_ids != taps for d in drafters.values()):
+        raise ValueError("draft_costs: all drafters must tap the same target layers")
+    _, feats, tcache = jax.jit(lambda t, p: forward_with_cache(t, p, KVCache.empty(tcfg, batch, cache_len), taps))(
+        target, prompt)
+
+    @jax.jit
+    def decode(target, tcache, tok):
+        logits, _, c = forward_with_cache(target, tok, tcache)
+        return jnp.argmax(logits, -1), c.lengths
+
+    calls = {"decode": (decode, (target, tcache, prompt[:, -1:]))}
+    draft = _draft_fn(batch, D)
+    for name, d in drafters.items():
+        dcache = jax.jit(lambda d, f: append_context(d, f, jnp.full((batch,), context_len, jnp.int32),
+                                                     DraftCache.empty(d.config, batch, cache_len)))(d, feats)
+        block = jnp.full((batch, d.config.block_size), d.config.mask_token_id, jnp.int32).at[:, 0].set(prompt[:, -1])
+        calls[name] = (draft, (d, target, dcache, feats[:, :D + 1], block))
+    for fn, args in calls.values():  # compile + warm up
+        jax.block_until_ready(fn(*args))
+    times = {name: [] for name in calls}
+    for _ in range(reps):
+        for name, (fn, args) in calls.items():
+            t0 = now()
+            jax.block_until_ready(fn(*args))
+            times[name].append(now() - t0)
+    ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    out = {"decode_ms": ms.pop("decode"), "context_len": context_len, "draft_length": D, "batch": batch,
+           "clock": clock}
+    out["draft_ms"] = ms
+    out["c"] = {name: v / out["decode_ms"] for name, v in ms.items()}
     return out
 
 
@@ -169,6 +228,38 @@ def format_step_costs(c: dict, tau: float | None = None, measured_step_ms: float
     if tau is not None:
         s += f"\ntau {tau:.2f}: predicted speedup tau/(r+c) = {tau / (c['r'] + c['c']):.2f}x"
     return s
+
+
+def format_draft_costs(c: dict) -> str:
+    names = list(c["draft_ms"])
+    s = (f"draft cost at context {c['context_len']}, draft length {c['draft_length']}, batch {c['batch']} "
+         f"(decode(1 tok) {c['decode_ms']:.2f} ms; interleaved medians of {c.get('clock', 'wall')} time): "
+         + ", ".join(f"{n} {c['draft_ms'][n]:.2f} ms (c = {c['c'][n]:.3f})" for n in names))
+    if len(names) == 2:
+        a, b = names
+        s += f"\n{b} / {a} draft cost c ratio: {c['c'][b] / c['c'][a]:.3f}"
+    return s
+
+
+def format_dflash2_goals(results: list[dict], draft_costs: dict | None = None) -> str:
+    """Issue 10's goal figures from one bench run: tau ratios per table row (NVFP4 both / NVFP4 vs dense DFlash2),
+    the draft cost ratio (same run, interleaved) and greedy exactness over every row of both kinds."""
+    lines = ["DFlash2 goals (this run; tau ratios per row, D = draft length):"]
+    for r in results:
+        t = {n: r[n]["tau"] for n in ("dflash", "nvfp4", "dflash2", "dflash2 nvfp4")}
+        lines.append(f"  {r['max_new_tokens']:>5} new tok, D {r['draft_length']}: DFlash2/DFlash tau, NVFP4 both "
+                     f"{t['dflash2 nvfp4'] / t['nvfp4']:.3f} (goal >= 1.10); NVFP4/dense DFlash2 tau "
+                     f"{t['dflash2 nvfp4'] / t['dflash2']:.3f} (goal >= 0.97)")
+    if draft_costs is not None and {"dflash", "dflash2"} <= set(draft_costs["c"]):
+        c = draft_costs["c"]
+        lines.append(f"  draft cost c DFlash2/DFlash {c['dflash2'] / c['dflash']:.3f} (goal <= 1.15)")
+    if results[0]["temperature"] > 0:  # sampled runs differ from autoregressive by design
+        return "\n".join(lines)
+    names = [n for n in results[0] if isinstance(results[0][n], dict) and "exact_match" in results[0][n]]
+    exact = [tuple(map(int, r[n]["exact_match"].split("/"))) for r in results for n in names]
+    lines.append(f"  greedy output identical to autoregressive: {sum(a for a, _ in exact)}/{sum(b for _, b in exact)} "
+                 f"runs over {len(names)} drafters (goal 100%)")
+    return "\n".join(lines)
 
 
 def tau_table(target: Target, drafters: dict, prompts: Sequence[Sequence[int]], *, draft_lengths=(3, 7, 15),

@@ -43,6 +43,16 @@ def _hf_prefix(kind: str, name: str) -> str:
     return name
 
 
+def _dense_keys(kind: str, name: str) -> tuple[str, ...]:
+    """The HF tensor names a dense parameter may be stored under, the one `save_hf` writes first."""
+    module = _hf_prefix(kind, name)
+    if name.endswith(".base_kernel"):
+        return (module,)
+    if name.endswith("_codebook"):
+        return (module, module + ".weight")
+    return (module + ".weight",)
+
+
 # -- HF tensors in ---------------------------------------------------------------------------------------------
 
 def _read_tensors(path: Path, lazy: bool = False) -> dict[str, np.ndarray]:
@@ -192,9 +202,13 @@ def _params_from_hf(kind: str, path: Path, abstract, dtype, quant: dict | None, 
                 named[name] = jax.tree.map(shd.place, leaf, where)
             used.update(module + s for s in (".weight", ".weight_scale", ".weight_scale_2", ".input_scale"))
             continue
-        key = module + ".weight"
-        if key not in tensors:
-            raise CheckpointError(f"{path}: missing tensor {key!r} (expected shape {list(spec.shape)})")
+        candidates = _dense_keys(kind, name)
+        present = [k for k in candidates if k in tensors]
+        if not present:
+            raise CheckpointError(f"{path}: missing tensor {candidates[0]!r} (expected shape {list(spec.shape)})")
+        if len(present) > 1:
+            raise CheckpointError(f"{path}: tensor {name!r} is stored twice, as {present}")
+        key = present[0]
         arr = tensors[key]
         if tuple(arr.shape) != tuple(spec.shape):
             raise CheckpointError(f"{path}: tensor {key!r} has shape {list(arr.shape)}, expected {list(spec.shape)}")
@@ -331,8 +345,8 @@ def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dty
         return _maybe_shard(Target(params=_cast_dense(params, cfg.storage_dtype), config=cfg), mesh)
     d = read_config_json(path)
     arch = d.get("architectures") or []
-    if "DFlashDraftModel" in arch:
-        raise CheckpointError(f"{path}: is a DFlash drafter, not a target (use load_drafter)")
+    if "DFlashDraftModel" in arch or "DFlash2DraftModel" in arch:
+        raise CheckpointError(f"{path}: is a DFlash drafter ({arch[0]}), not a target (use load_drafter)")
     if d.get("model_type") not in (None, "qwen3"):
         raise NotImplementedError(f"{path}: model_type {d.get('model_type')!r} is not supported (qwen3)")
     cfg = Qwen3Config.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
@@ -342,8 +356,11 @@ def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dty
 
 
 def load_drafter(path: str | Path, *, param_dtype: str | None = None, compute_dtype: str | None = None, mesh=None):
-    """A Drafter from a z-lab DFlash HF folder (optionally ModelOpt NVFP4) or a folder written by `save`.
+    """A Drafter from a z-lab DFlash or DFlash2 HF folder (optionally ModelOpt NVFP4) or a folder written by `save`.
 
+    `architectures: ["DFlash2DraftModel"]` selects a DFlash2 drafter: its conv (`layers.{i}.{attention,mlp}_conv.
+    base_kernel`, `...kernel_projection.weight`) and selector (`candidate_selector.{predecessor,successor}_codebook`
+    with or without `.weight`, `candidate_selector.hidden_projection.weight`) tensors are then required.
     Dtypes and mesh: as `load_target`."""
     from dflash_jax.drafter import Drafter
 
@@ -356,9 +373,13 @@ def load_drafter(path: str | Path, *, param_dtype: str | None = None, compute_dt
         return _maybe_shard(Drafter(params=_cast_dense(params, model.storage_dtype), config=cfg), mesh)
     d = read_config_json(path)
     arch = d.get("architectures") or []
-    if arch and "DFlashDraftModel" not in arch:
-        raise CheckpointError(f"{path}: architectures {arch} is not a DFlash drafter (DFlashDraftModel)")
-    cfg = DrafterConfig.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
+    if arch and "DFlashDraftModel" not in arch and "DFlash2DraftModel" not in arch:
+        raise CheckpointError(f"{path}: architectures {arch} is not a DFlash drafter (DFlashDraftModel or "
+                              "DFlash2DraftModel)")
+    try:
+        cfg = DrafterConfig.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     params = _params_from_hf("drafter", path, abstract_drafter(cfg), cfg.model.storage_dtype,
                              read_quant_config(path, d), mesh=mesh, cfg=cfg.model)
     return Drafter(params=params, config=cfg)
@@ -372,7 +393,8 @@ def _np_dense(x, dtype_name: str) -> np.ndarray:
 
 
 def save_hf(path: str | Path, model, *, dtype: str | None = None, quant_algo: str | None = None) -> Path:
-    """Write an HF folder: a Qwen3 target (`Qwen3ForCausalLM`) or a z-lab DFlash drafter (`DFlashDraftModel`).
+    """Write an HF folder: a Qwen3 target (`Qwen3ForCausalLM`) or a z-lab DFlash / DFlash2 drafter
+    (`DFlashDraftModel` / `DFlash2DraftModel`, tensor names as z-lab stores them).
 
     NVFP4 leaves are written in ModelOpt's export format with `hf_quant_config.json` and a `quantization_config`
     in config.json; dense leaves in `dtype` (default: the model's storage dtype). Loading the folder back with
@@ -406,7 +428,7 @@ def save_hf(path: str | Path, model, *, dtype: str | None = None, quant_algo: st
                 has_input_scale = True
             quantized.append(module)
         else:
-            tensors[module + ".weight"] = _np_dense(leaf, dtype)
+            tensors[_dense_keys(kind, name)[0]] = _np_dense(leaf, dtype)
             if is_linear_name(name):
                 excluded.append(module)
     if quantized:

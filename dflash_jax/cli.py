@@ -3,10 +3,12 @@
     dflash-jax generate "def fibonacci(n):"     text, then tau and tokens/s for DFlash vs autoregressive
     dflash-jax generate --no-compare "..."       the text and tau only (no autoregressive run)
     dflash-jax bench                             128/512/1024 new tokens on held-out prompts (medians)
-    dflash-jax bench --nvfp4                     the same with NVFP4 drafters (with and without scales)
+    dflash-jax bench --nvfp4                     the same with NVFP4 drafters (with and without scales), and
+                                                 DFlash2 rows (dense / NVFP4 / scales dropped) when one exists
     dflash-jax bench --random-tiny               ms per step split into draft/verify/bookkeeping, r and c
     dflash-jax bench --device-report --out DIR   the prepared GPU run: NVFP4 backends, step costs (--smoke: CPU)
     dflash-jax train-target / train-drafter      reproduce the shipped checkpoints (resumable)
+    dflash-jax train-drafter --kind dflash2      train the DFlash2 drafter (checkpoints/drafter2, resumable)
 
 Compiled programs are kept in JAX's persistent compilation cache (`dflash_jax.compile_cache`: under
 $XDG_CACHE_HOME/dflash-jax, or ~/.cache/dflash-jax), so a second run skips compiling; DFLASH_JAX_NO_COMPILE_CACHE=1
@@ -23,7 +25,7 @@ def _generate(args):
     from dflash_jax import generate, generate_autoregressive
     from dflash_jax.defaults import load_default
 
-    target, drafter, tok = load_default()
+    target, drafter, tok = load_default(drafter=args.kind)
     if args.nvfp4:
         from dflash_jax.quantize import quantize_nvfp4
         drafter = quantize_nvfp4(drafter)
@@ -47,7 +49,8 @@ def _generate(args):
     print(args.prompt + tok.decode(sp.token_lists()[0]))
     print("-" * 72)
     same = "identical to" if sp.token_lists() == ar.token_lists() else "differs from (sampling)"
-    print(f"DFlash output {same} autoregressive output; {int(sp.num_tokens[0])} tokens, {sp.num_steps} steps")
+    print(f"{'DFlash2' if args.kind == 'dflash2' else 'DFlash'} output {same} autoregressive output; "
+          f"{int(sp.num_tokens[0])} tokens, {sp.num_steps} steps")
     print(f"tau {sp.tau:.2f} (tokens per draft+verify step, incl. bonus), acceptance rate "
           f"{100 * sp.acceptance_rate:.1f}% of {sp.draft_length} drafted per step")
     print(f"decode tokens/s: DFlash {sp.decode_tokens_per_second:.1f} vs autoregressive "
@@ -95,12 +98,23 @@ def _bench(args):
     if args.tau_table:
         _tau_table(args, target, drafter, tok, prompts)
         return
-    extra, names = {}, ["dflash"]
+    extra, names, names2 = {}, ["dflash"], []
+    dflash2 = None
     if args.nvfp4:
-        from dflash_jax.quantize import drop_global_scales, quantize_nvfp4
+        from dflash_jax.quantize import ATTENTION_PROJECTIONS, DFLASH2_PROJECTIONS, drop_global_scales, quantize_nvfp4
         q = quantize_nvfp4(drafter)
         extra = {"nvfp4 no-scale": drop_global_scales(q), "nvfp4": q}
         names += list(extra)
+        dflash2 = _dflash2_drafter(args)
+        if dflash2 is not None:
+            q2 = quantize_nvfp4(dflash2)
+            # "no-scale": the report's bug (attention scales dropped); "no conv/sel scale": only DFlash2's own
+            # projections without their tensor scales (what llama.cpp still runs that way, nvfp4.md section 5)
+            rows2 = {"dflash2": dflash2, "dflash2 nvfp4": q2,
+                     "dflash2 nvfp4 no-scale": drop_global_scales(q2, ATTENTION_PROJECTIONS),
+                     "dflash2 nvfp4 no conv/sel scale": drop_global_scales(q2, DFLASH2_PROJECTIONS)}
+            extra.update(rows2)
+            names2 = list(rows2)
     print(f"embedded models, {len(prompts)} held-out stdlib prompts, batch 1, greedy, draft length "
           f"{args.draft_length or drafter.config.block_size - 1} (block {drafter.config.block_size}); "
           f"decode tokens/s exclude prefill and compile; medians over prompts; one run")
@@ -112,11 +126,40 @@ def _bench(args):
         results.append(bench.compare(target, drafter, prompts, max_new_tokens=n, draft_length=args.draft_length,
                                      drafters=extra, temperature=args.temperature, seed=args.seed))
     print(bench.format_compare_table(results, names))
+    if names2:
+        print()
+        print("DFlash2 drafter (same prompts, same run):")
+        print(bench.format_compare_table(results, names2))
     costs = bench.step_costs(target, drafter, context_len=256, draft_length=args.draft_length)
     print()
     print(bench.format_step_costs(costs, tau=results[0]["dflash"]["tau"]))
     print("acceptance rate per block position (first table row): "
           + " ".join(f"{x:.2f}" for x in results[0]["dflash"]["position_acceptance"]))
+    if names2:
+        print("DFlash2 acceptance rate per block position (first table row): "
+              + " ".join(f"{x:.2f}" for x in results[0]["dflash2"]["position_acceptance"]))
+        D = args.draft_length or drafter.config.block_size - 1
+        dc = bench.draft_costs(target, {"dflash": drafter, "dflash2": dflash2}, context_len=256, draft_length=D,
+                               clock="cpu")
+        print(bench.format_draft_costs(dc))
+        print(bench.format_dflash2_goals(results, dc))
+
+
+def _dflash2_drafter(args):
+    """The DFlash2 drafter for the bench: --dflash2 PATH, else the shipped one, else None (with a note)."""
+    from dflash_jax.checkpoint import load_drafter
+    from dflash_jax.defaults import checkpoints_dir
+
+    path = args.dflash2 or checkpoints_dir() / "drafter2"
+    try:
+        d = load_drafter(path)
+    except FileNotFoundError:
+        print(f"(no DFlash2 drafter at {path}: DFlash2 rows skipped; train one with "
+              "`dflash-jax train-drafter --kind dflash2` or pass --dflash2 PATH)")
+        return None
+    if d.config.kind != "dflash2":
+        raise SystemExit(f"error: {path} holds a {d.config.kind} drafter, not a DFlash2 one")
+    return d
 
 
 def _quality(args):
@@ -152,6 +195,10 @@ def _tau_table(args, target, drafter, tok, prompts):
         dense_bf16 = sum(int(np.prod(x.shape)) * 2 for x in jax.tree.leaves(drafter.params))
         print(f"drafter weight bytes: bf16 {dense_bf16:,}; NVFP4 {param_bytes(rtn.params):,} "
               f"({param_bytes(rtn.params) / dense_bf16:.3f} of bf16; norms stay dense)")
+    dflash2 = _dflash2_drafter(args)
+    if dflash2 is not None:  # the same prompts and draft lengths, dense and NVFP4 (RTN, every projection)
+        drafters.update({"dflash2": dflash2, "dflash2 nvfp4": quantize_nvfp4(dflash2)} if args.nvfp4
+                        else {"dflash2": dflash2})
     rows = bench.tau_table(target, drafters, prompts, draft_lengths=(3, 7, 15),
                            max_new_tokens=args.new_tokens[0], temperature=args.temperature)
     print(f"{len(prompts)} held-out prompts, {args.new_tokens[0]} new tokens, temperature {args.temperature}")
@@ -176,6 +223,7 @@ def main(argv=None):
     g.add_argument("--nvfp4", action="store_true", help="quantize the drafter to NVFP4 first")
     g.add_argument("--no-compare", action="store_true",
                    help="print the text and tau only: skip the autoregressive run and the tokens/s comparison")
+    g.add_argument("--kind", choices=("dflash", "dflash2"), default="dflash", help="which shipped drafter")
     b = sub.add_parser("bench", help="speculative vs autoregressive, one run, medians")
     b.add_argument("--new-tokens", type=int, nargs="+", default=[128, 512, 1024],
                    help="output lengths to measure, one table row each (default 128 512 1024)")
@@ -193,20 +241,30 @@ def main(argv=None):
                         "embedded pair; writes device_report.json/.md into --out")
     b.add_argument("--smoke", action="store_true", help="with --device-report: tiny shapes, runs on CPU")
     b.add_argument("--out", default=None, help="with --device-report: output folder")
+    b.add_argument("--dflash2", default=None,
+                   help="with --nvfp4 / --tau-table: a DFlash2 drafter folder (default: the shipped one)")
     q = sub.add_parser("quality", help="the target as a language model: held-out loss and repetition (seq-rep-4)")
     q.add_argument("--prompts", type=int, default=16, help="held-out prompts to continue greedily")
     q.add_argument("--max-new-tokens", type=int, default=256, help="tokens per greedy continuation")
     q.add_argument("--show", type=int, default=2, help="hand-written prompts whose continuation is printed")
     q.add_argument("--seed", type=int, default=0, help="seed of the held-out prompt sample")
     sub.add_parser("train-target", help="reproduce checkpoints/target", add_help=False)
-    sub.add_parser("train-drafter", help="reproduce checkpoints/drafter", add_help=False)
+    sub.add_parser("train-drafter", help="reproduce checkpoints/drafter (--kind dflash2: checkpoints/drafter2)",
+                   add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("train-target", "train-drafter"):
+        rest = argv[1:]
         if argv[0] == "train-target":
             from dflash_jax.train.target import main as train_main
         else:
-            from dflash_jax.train.drafter import main as train_main
-        return train_main(argv[1:])
+            kind_ap = argparse.ArgumentParser(add_help=False)
+            kind_ap.add_argument("--kind", choices=("dflash", "dflash2"), default="dflash")
+            kind, rest = kind_ap.parse_known_args(rest)
+            if kind.kind == "dflash2":
+                from dflash_jax.train.drafter2 import main as train_main
+            else:
+                from dflash_jax.train.drafter import main as train_main
+        return train_main(rest)
     args = ap.parse_args(argv)
     if args.cmd == "generate":
         _generate(args)

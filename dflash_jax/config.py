@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -182,11 +183,28 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int
     return tuple(int(round(1 + i * (num_target_layers - 4) / (num_taps - 1))) for i in range(num_taps))
 
 
+DRAFTER_KINDS = ("dflash", "dflash2")
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# DFlash2 keys that a DFlash2DraftModel config must carry (z-lab reads them with int(...), no default).
+DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
     """A DFlash drafter: a Qwen3 layer stack plus `fc` + `hidden_norm` over concatenated target features.
 
     The drafter has no embedding and no LM head of its own: it borrows the target's at run time.
+
+    `kind="dflash2"` (z-lab `DFlash2DraftModel`, dflash.md section 7) adds a grouped dynamic causal convolution around
+    every attention and MLP sublayer (`conv_kernel_size` taps, one dynamic tap per `conv_group_size` channels) and
+    a pairwise candidate selector over the `selector_top_k` best draft logits (`selector_rank`-dim codebooks).
+
+    Attention per layer follows z-lab: a layer whose `layer_types` entry is "sliding_attention" attends within
+    `sliding_window` positions and is causal inside the block unless `is_causal` says otherwise; "full_attention"
+    layers are non-causal unless `is_causal` is true. `input_embedding_scale` multiplies the block embeddings;
+    draft logits are `lm_head(h) * output_multiplier`, then `cap * tanh(logits / cap)` when
+    `final_logit_softcapping` is set. The defaults are the original DFlash drafter.
     """
 
     model: Qwen3Config  # the drafter's own layer stack (vocab/tie fields describe the target it borrows from)
@@ -194,9 +212,22 @@ class DrafterConfig:
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     num_target_layers: int
+    kind: str = "dflash"
+    layer_types: tuple[str, ...] | None = None  # per drafter layer; None = all "full_attention"
+    sliding_window: int | None = None
+    is_causal: bool | None = None  # None: causal exactly in the sliding-attention layers (z-lab's rule)
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    conv_kernel_size: int = 2  # DFlash2 only (the fields below are ignored for kind="dflash")
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
 
     def __post_init__(self):
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if self.kind not in DRAFTER_KINDS:
+            raise ValueError(f"drafter config: kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
         if self.block_size < 2:
             raise ValueError(f"drafter config: block_size must be >= 2, got {self.block_size}")
         if not self.target_layer_ids:
@@ -208,6 +239,52 @@ class DrafterConfig:
         if not 0 <= self.mask_token_id < self.model.vocab_size:
             raise ValueError(f"drafter config: mask_token_id {self.mask_token_id} outside the vocabulary "
                              f"[0, {self.model.vocab_size})")
+        n = self.model.num_hidden_layers
+        if self.layer_types is not None:
+            types = tuple(str(t) for t in self.layer_types)
+            if len(types) != n:
+                raise ValueError(f"drafter config: layer_types has {len(types)} entries for {n} layers")
+            unknown = sorted(set(types) - set(LAYER_TYPES))
+            if unknown:
+                raise NotImplementedError(f"drafter config: layer_types {unknown} not supported ({LAYER_TYPES})")
+            # One canonical form (configs are static pytree metadata: equal meaning must compare equal).
+            object.__setattr__(self, "layer_types", None if set(types) == {"full_attention"} else types)
+        if self.sliding_window is not None:
+            if isinstance(self.sliding_window, bool) or int(self.sliding_window) != self.sliding_window \
+                    or int(self.sliding_window) < 1:
+                raise ValueError(f"drafter config: sliding_window must be an integer >= 1, got "
+                                 f"{self.sliding_window!r}")
+            object.__setattr__(self, "sliding_window", int(self.sliding_window))
+        if self.is_causal is not None:
+            object.__setattr__(self, "is_causal", bool(self.is_causal))
+        for name in ("input_embedding_scale", "output_multiplier"):
+            value = float(getattr(self, name))
+            if not math.isfinite(value):
+                raise ValueError(f"drafter config: {name} must be finite, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, value)
+        cap = self.final_logit_softcapping
+        if cap is not None:
+            cap = float(cap)
+            if not math.isfinite(cap):
+                raise ValueError(f"drafter config: final_logit_softcapping must be finite, got {cap!r}")
+            # z-lab applies the cap only when it is > 0; 0 (or less) means none.
+            object.__setattr__(self, "final_logit_softcapping", cap if cap > 0 else None)
+        if self.kind == "dflash2":
+            self._check_dflash2()
+
+    def _check_dflash2(self):
+        H, V = self.model.hidden_size, self.model.vocab_size
+        for name in DFLASH2_REQUIRED:
+            value = getattr(self, name)
+            if isinstance(value, bool) or int(value) != value or int(value) < 1:
+                raise ValueError(f"drafter config: {name} must be an integer >= 1, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        if H % self.conv_group_size:
+            raise ValueError(f"drafter config: conv_group_size {self.conv_group_size} does not divide the hidden "
+                             f"size {H}")
+        if self.selector_top_k > V:
+            raise ValueError(f"drafter config: selector_top_k {self.selector_top_k} is larger than the vocabulary "
+                             f"({V})")
 
     @property
     def num_taps(self) -> int:
@@ -217,6 +294,21 @@ class DrafterConfig:
     def hidden_size(self) -> int:
         return self.model.hidden_size
 
+    @property
+    def is_dflash2(self) -> bool:
+        return self.kind == "dflash2"
+
+    @property
+    def conv_groups(self) -> int:
+        return self.model.hidden_size // self.conv_group_size
+
+    def layer_attention(self, i: int) -> tuple[bool, int | None]:
+        """(causal inside the block, sliding window or None) of drafter layer i, by z-lab's rule."""
+        layer_type = self.layer_types[i] if self.layer_types else "full_attention"
+        sliding = layer_type == "sliding_attention"
+        causal = sliding if self.is_causal is None else self.is_causal
+        return causal, (self.sliding_window if sliding else None)
+
     def replace(self, **changes) -> "DrafterConfig":
         return dataclasses.replace(self, **changes)
 
@@ -224,10 +316,15 @@ class DrafterConfig:
     def from_hf_dict(cls, d: dict, *, param_dtype: str | None = None, compute_dtype: str | None = None
                      ) -> "DrafterConfig":
         dcfg = d.get("dflash_config") or {}
+        if not isinstance(dcfg, dict):
+            raise ValueError(f"drafter config.json: dflash_config must be an object, got {type(dcfg).__name__}")
 
-        def pick(key):  # z-lab reads dflash_config first, then the top level
-            return dcfg.get(key, d.get(key))
+        def pick(key, default=None):  # z-lab reads dflash_config first, then the top level
+            value = dcfg.get(key, d.get(key))
+            return default if value is None else value
 
+        arch = d.get("architectures") or []
+        kind = "dflash2" if ARCHITECTURES["dflash2"] in arch else "dflash"
         block_size = pick("block_size")
         mask_token_id = pick("mask_token_id")
         if block_size is None:
@@ -242,22 +339,74 @@ class DrafterConfig:
             layer_ids = default_target_layer_ids(int(n_target), int(d["num_hidden_layers"]))
             warnings.warn(f"drafter config.json has no target_layer_ids; derived {list(layer_ids)} by the "
                           "standard rule (check that it matches fc's input width)", stacklevel=2)
-        if pick("is_causal") or pick("causal") or pick("use_swa"):
-            raise NotImplementedError("drafter config.json: causal / sliding-window drafters are not supported")
-        model = Qwen3Config.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        # Other engines' spellings whose exact semantics are not pinned down by z-lab's code: refuse them rather
+        # than guess (z-lab's own keys are layer_types / sliding_window / is_causal).
+        for key in ("causal", "use_swa", "swa_window_size", "attention_sink_bias"):
+            if dcfg.get(key):
+                raise NotImplementedError(f"drafter config.json: dflash_config.{key} is not supported; use the "
+                                          "z-lab keys layer_types / sliding_window / is_causal")
+        # Attention layout as z-lab's attention sees it through an HF Qwen3Config (transformers 4.57):
+        # sliding_window (default 4096) is kept only when use_sliding_window is true, and a missing layer_types is
+        # derived as "sliding_attention" for layers >= max_window_layers (default 28) when a window is kept.
+        # A dflash_config.sliding_window (not an HF key) is taken as given.
+        if "sliding_window" in dcfg:
+            window = dcfg["sliding_window"]
+        else:
+            window = d.get("sliding_window", 4096 if d.get("use_sliding_window") else None)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"drafter config.json: sliding_window must be an integer >= 1 (or null), got {window!r}")
+        layer_types = pick("layer_types")
+        if window is not None and "sliding_window" not in dcfg and not d.get("use_sliding_window", False):
+            if layer_types and "sliding_attention" in layer_types:
+                warnings.warn(f"drafter config.json: sliding_window {window} is ignored because use_sliding_window "
+                              "is not true (as HF Qwen3Config does); sliding layers attend without a window",
+                              stacklevel=2)
+            window = None
+        if layer_types is None and window is not None:
+            first = int(d.get("max_window_layers", 28))
+            layer_types = ["sliding_attention" if i >= first else "full_attention"
+                           for i in range(int(d["num_hidden_layers"]))]
+        is_causal = pick("is_causal")
+        extra = {}
+        if kind == "dflash2":
+            missing = [k for k in DFLASH2_REQUIRED if pick(k) is None]
+            if missing:
+                raise ValueError(f"drafter config.json: DFlash2DraftModel config is missing {missing} "
+                                 "(dflash_config or top level)")
+            extra = {k: pick(k) for k in DFLASH2_REQUIRED}
+        cap = pick("final_logit_softcapping")
+        stripped = {k: v for k, v in d.items() if k != "layer_types"}  # the drafter handles its own layer types
+        model = Qwen3Config.from_hf_dict(stripped, param_dtype=param_dtype, compute_dtype=compute_dtype)
         return cls(model=model, block_size=int(block_size), mask_token_id=int(mask_token_id),
-                   target_layer_ids=tuple(int(i) for i in layer_ids), num_target_layers=int(n_target))
+                   target_layer_ids=tuple(int(i) for i in layer_ids), num_target_layers=int(n_target), kind=kind,
+                   layer_types=tuple(layer_types) if layer_types else None, sliding_window=window,
+                   is_causal=is_causal, input_embedding_scale=pick("input_embedding_scale", 1.0),
+                   output_multiplier=pick("output_multiplier", 1.0), final_logit_softcapping=cap, **extra)
 
     def to_hf_dict(self) -> dict:
         d = self.model.to_hf_dict()
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.kind == "dflash2":
+            dflash.update(block_size=self.block_size, **{k: getattr(self, k) for k in DFLASH2_REQUIRED})
+        if self.input_embedding_scale != 1.0:
+            dflash["input_embedding_scale"] = self.input_embedding_scale
+        if self.output_multiplier != 1.0:
+            dflash["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        arch = ARCHITECTURES[self.kind]
         d.update({
-            "architectures": ["DFlashDraftModel"],
-            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "architectures": [arch],
+            "auto_map": {"AutoModel": f"dflash.{arch}"},
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
-            "dflash_config": {"mask_token_id": self.mask_token_id,
-                              "target_layer_ids": list(self.target_layer_ids)},
+            "dflash_config": dflash,
+            "layer_types": list(self.layer_types or ["full_attention"] * self.model.num_hidden_layers),
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
         })
+        if self.is_causal is not None:
+            d["is_causal"] = self.is_causal
         return d
 
 

@@ -6,6 +6,7 @@ Layout of one DFlash step for a row whose last committed token `last` sits at po
   accept  a = number of leading j with d_{j+1} == post[j]  (cumprod)   ->  commit post[0..a] (a drafts + bonus)
   roll    target cache length := start+a+1; drafter context += verify features of rows 0..a; start += a+1
 Everything is on device inside one `lax.while_loop`; rows that finish are frozen by masks, not removed.
+A DFlash2 drafter proposes d_1..d_D with its candidate selector (a `lax.scan` inside the loop body, draft_step.py).
 
 Compilation: each program is a `jax.jit` function, so its cache is keyed on everything that changes the program:
 shapes, dtypes, shardings and tree structure of the arguments, plus the static arguments (draft length, buckets,
@@ -31,7 +32,8 @@ from jax.experimental import io_callback
 
 from dflash_jax import sharding as shd
 from dflash_jax.config import check_pair
-from dflash_jax.drafter import Drafter, DraftCache, append_context, block_logits
+from dflash_jax.draft_step import draft_step
+from dflash_jax.drafter import Drafter, DraftCache, append_context
 from dflash_jax.linear import backend_scope, program_backend
 from dflash_jax.sampling import SamplingParams, accept_block, sample_tokens
 from dflash_jax.target import KVCache, Target, forward_with_cache
@@ -237,11 +239,12 @@ def _speculative_program(target: Target, drafter: Drafter, prompt, lens, keys, s
         active = ~s.done
         dcache = append_context(drafter, s.pending, s.n_pending, s.dcache)
         block = jnp.full((B, bs), dcfg.mask_token_id, jnp.int32).at[:, 0].set(s.last)
-        d_logits = block_logits(drafter, target, block, dcache, num_slots=D)  # [B, D, V]
-        drafts, keys = sample_tokens(d_logits, s.key, sampling, draft=True)  # [B, D]
+        # drafts [B, D]; d_logits [B, D, V]; d_probs: the DFlash2 selector's q (None for DFlash)
+        drafts, d_logits, d_probs, keys = draft_step(drafter, target, block, dcache, D, s.key, sampling)
         verify_in = jnp.concatenate([s.last[:, None], drafts], axis=1)  # [B, D+1]
         v_logits, v_feats, tcache = forward_with_cache(target, verify_in, s.tcache, layer_ids)
-        n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, keys, sampling)  # [B], [B, D+1]
+        q_kw = {} if d_probs is None else {"draft_probs": d_probs}
+        n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, keys, sampling, **q_kw)  # [B], [B, D+1]
         chex.assert_shape(committed, (B, D + 1))
         out, n_out, done = _commit(s, committed, n_acc + 1, budget)
         new_start = jnp.where(active, s.start + n_acc + 1, s.start)

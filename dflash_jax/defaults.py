@@ -1,4 +1,5 @@
-"""The embedded default models: the small target and DFlash drafter trained and shipped in `checkpoints/`."""
+"""The embedded default models: the small target and the DFlash (and, once trained, DFlash2) drafters shipped in
+`checkpoints/`."""
 
 from __future__ import annotations
 
@@ -27,13 +28,25 @@ def checkpoints_dir() -> Path:
         f"from a clone of the repository, or set {ENV_VAR} to a folder holding tokenizer.json, target/ and drafter/")
 
 
-def load_default(*, compute_dtype: str | None = None, param_dtype: str | None = None):
-    """(target, drafter, tokenizer) from `checkpoints_dir()`.
+DRAFTER_FOLDERS = {"dflash": "drafter", "dflash2": "drafter2"}
+
+
+def load_default(*, compute_dtype: str | None = None, param_dtype: str | None = None, drafter: str = "dflash"):
+    """(target, drafter, tokenizer) from `checkpoints_dir()`; drafter="dflash2" gives the shipped DFlash2 drafter.
 
     Dtypes default as for `load_target`: compute in bfloat16 on accelerators and float32 on CPU, parameters stored in
     the compute dtype (so no linear converts its weights inside the decode loop)."""
+    if drafter not in DRAFTER_FOLDERS:
+        raise ValueError(f"drafter must be one of {sorted(DRAFTER_FOLDERS)}, got {drafter!r}")
     root = checkpoints_dir()
+    folder = root / DRAFTER_FOLDERS[drafter]
+    if not folder.exists():
+        raise FileNotFoundError(
+            f"no shipped {drafter.upper().replace('DFLASH', 'DFlash')} drafter in {folder}: train one with "
+            f"`dflash-jax train-drafter --kind {drafter}` (it writes {folder})")
     tokenizer = Tokenizer.from_file(root / "tokenizer.json")
     target = load_target(root / "target", compute_dtype=compute_dtype, param_dtype=param_dtype)
-    drafter = load_drafter(root / "drafter", compute_dtype=compute_dtype, param_dtype=param_dtype)
-    return target, drafter, tokenizer
+    model = load_drafter(folder, compute_dtype=compute_dtype, param_dtype=param_dtype)
+    if model.config.kind != drafter:
+        raise ValueError(f"{folder} holds a {model.config.kind} drafter, not a {drafter} one")
+    return target, model, tokenizer

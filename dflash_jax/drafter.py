@@ -4,6 +4,10 @@ Per layer, the fused context `ctx = hidden_norm(fc(concat of target layer output
 `k_proj`/`k_norm`/`v_proj` (RoPE at the context tokens' absolute positions) into keys/values that sit in front of the
 block's own keys/values. Context K/V are cached (post-RoPE) with per-row lengths; the block's K/V are scratch and are
 never written, so the cache only ever holds committed positions (< block start).
+
+DFlash2 drafters (config.kind == "dflash2") run the same pass with a grouped dynamic convolution around every
+attention and MLP sublayer (block_conv.py), and propose tokens with the candidate selector (selector.py) instead of
+the argmax of the draft logits. Layers may be causal and/or sliding-window (the rule is applied by attention.py), for both kinds.
 """
 
 from __future__ import annotations
@@ -14,17 +18,19 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from dflash_jax import block_conv, selector
+from dflash_jax.attention import attention
 from dflash_jax.config import DrafterConfig, check_pair
-from dflash_jax.layers import decoder_layer, project_kv, rms_norm, write_rows
+from dflash_jax.layers import mlp, project_kv, project_q, rms_norm, write_rows
 from dflash_jax.linear import backend_scope, linear, program_backend
-from dflash_jax.params import DrafterParams, abstract_drafter, init_from_abstract, static_field
+from dflash_jax.params import DFlash2Params, DrafterParams, abstract_drafter, init_from_abstract, static_field
 from dflash_jax.target import KVCache, Target
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Drafter:
-    params: DrafterParams
+    params: DrafterParams | DFlash2Params  # DFlash2Params when config.kind == "dflash2"
     config: DrafterConfig = static_field()
 
     def replace(self, **changes) -> "Drafter":
@@ -76,40 +82,70 @@ def append_context(drafter: Drafter, features: jax.Array, n_valid: jax.Array, ca
 
 
 def block_pass(drafter: Drafter, x: jax.Array, positions: jax.Array, ctx_k, ctx_v, ctx_len: jax.Array, *,
-               mask: jax.Array | None = None, causal: bool = False,
-               windows: tuple[int | None, ...] | None = None, chunk: int | None = None) -> jax.Array:
-    """The drafter layer stack over block queries x [B, Q, H] at positions [B, Q].
+               mask: jax.Array | None = None, chunk: int | None = None, block_len: int | None = None) -> jax.Array:
+    """The drafter layer stack over block queries x [B, Q, H] at positions [B, Q]: Q / block_len whole blocks
+    (default block_len = block_size); DFlash2's convolution never crosses from one block into the next.
 
     ctx_k/ctx_v: per layer [B, S, nKV, hd] context keys/values, slot = position, valid below ctx_len ([B] per row,
-    or [B, Q] per query); mask [B, Q, Q]: which block keys each query sees (None: the whole block). causal / windows:
-    the layers' visibility rule (DFlash drafters: non-causal, full). Inference (one block, cache) and training (many
-    blocks per sequence, one mask) both call this, so what is trained is exactly what runs. Returns the final-normed
-    hidden states [B, Q, H].
+    or [B, Q] per query); mask [B, Q, Q]: which block keys each query sees (None: the whole block). Each layer's
+    causality and sliding window come from the config (`layer_attention`, z-lab's rule) and are applied by
+    `attention` to context and block keys alike, by absolute position. Inference (one block, cache) and training
+    (many blocks per sequence, one mask) both call this, so what is trained is exactly what runs. Returns the
+    final-normed hidden states [B, Q, H].
     """
-    cfg = drafter.config.model
-    windows = (None,) * len(drafter.params.layers) if windows is None else tuple(windows)
-    if len(windows) != len(drafter.params.layers):
-        raise ValueError(f"windows: {len(windows)} entries for {len(drafter.params.layers)} drafter layers")
+    dcfg = drafter.config
+    cfg = dcfg.model
+    conv = dict(kernel_size=dcfg.conv_kernel_size, group_size=dcfg.conv_group_size,
+                block_len=dcfg.block_size if block_len is None else block_len)
     for i, layer in enumerate(drafter.params.layers):
+        causal, window = dcfg.layer_attention(i)
+
+        def attention_sublayer(u, layer=layer, i=i, causal=causal, window=window):
+            q = project_q(layer.self_attn, u, positions, cfg)
+            kb, vb = project_kv(layer.self_attn, u, positions, cfg)
+            a = attention(q, positions, cache_k=ctx_k[i], cache_v=ctx_v[i], cache_len=ctx_len, k=kb, v=vb,
+                          k_pos=positions, k_mask=mask, causal=causal, window=window, chunk=chunk)
+            return linear(a, layer.self_attn.o_proj)
+
+        # A Qwen3 decoder layer (as layers.decoder_layer) whose two sublayers DFlash2 wraps in its convolution.
         with jax.named_scope(f"draft_layer{i}"):
-            x, _, _ = decoder_layer(layer, x, positions, cfg, cache_k=ctx_k[i], cache_v=ctx_v[i], cache_len=ctx_len,
-                                    mask=mask, causal=causal, window=windows[i], chunk=chunk)
+            h = rms_norm(x, layer.input_layernorm, cfg.rms_norm_eps)
+            x = x + block_conv.around(getattr(layer, "attention_conv", None), attention_sublayer, h, **conv)
+            h = rms_norm(x, layer.post_attention_layernorm, cfg.rms_norm_eps)
+            x = x + block_conv.around(getattr(layer, "mlp_conv", None), lambda u, layer=layer: mlp(layer.mlp, u), h,
+                                      **conv)
     return rms_norm(x, drafter.params.norm, cfg.rms_norm_eps)
 
 
 def embed_block(drafter: Drafter, target: Target, block: jax.Array) -> jax.Array:
-    """Block tokens are embedded with the target's (frozen) embedding table."""
-    return jnp.take(target.params.embed_tokens, block, axis=0).astype(drafter.config.model.dtype)
+    """Block tokens are embedded with the target's (frozen) embedding table, times input_embedding_scale."""
+    x = jnp.take(target.params.embed_tokens, block, axis=0).astype(drafter.config.model.dtype)
+    scale = drafter.config.input_embedding_scale
+    return x if scale == 1.0 else x * jnp.asarray(scale, x.dtype)
+
+
+def head_logits(drafter: Drafter, target: Target, h: jax.Array) -> jax.Array:
+    """Draft logits [.., V] f32 of final hidden states h [.., H]: the target's lm_head, times output_multiplier,
+    then cap * tanh(logits / cap) when final_logit_softcapping is set (z-lab `compute_logits`)."""
+    dcfg = drafter.config
+    logits = linear(h, target.lm_head).astype(jnp.float32)
+    if dcfg.output_multiplier != 1.0:
+        logits = logits * dcfg.output_multiplier
+    if dcfg.final_logit_softcapping is not None:
+        cap = dcfg.final_logit_softcapping
+        logits = jnp.tanh(logits / cap) * cap
+    return logits
 
 
 def block_hidden(drafter: Drafter, target: Target, block: jax.Array, cache: KVCache) -> jax.Array:
-    """One non-causal pass over block [B, bs] at positions lengths..lengths+bs-1 -> final hidden [B, bs, H].
+    """One pass over block [B, bs] at positions lengths..lengths+bs-1 -> final hidden [B, bs, H].
 
-    Every block slot sees all committed context (cache slots below the row's length) and the whole block."""
+    Every block slot sees all committed context (cache slots below the row's length) and the whole block, narrowed
+    by the layers' causal / sliding-window rules."""
     B, bs = block.shape
     positions = cache.lengths[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]  # [B, bs]
     return block_pass(drafter, embed_block(drafter, target, block), positions, cache.k, cache.v, cache.lengths,
-                      chunk=drafter.config.model.attention_chunk)
+                      chunk=drafter.config.model.attention_chunk, block_len=bs)
 
 
 def block_logits(drafter: Drafter, target: Target, block: jax.Array, cache: KVCache,
@@ -117,36 +153,89 @@ def block_logits(drafter: Drafter, target: Target, block: jax.Array, cache: KVCa
     """Logits [B, num_slots, V] f32 for block slots 1..num_slots (slot k predicts position start+k itself)."""
     num_slots = block.shape[1] - 1 if num_slots is None else num_slots
     h = block_hidden(drafter, target, block, cache)[:, 1:1 + num_slots]
-    return linear(h, target.lm_head).astype(jnp.float32)
+    return head_logits(drafter, target, h)
 
 
-def draft_logits(drafter: Drafter, target: Target, features, block, *,
-                 nvfp4_backend: str | None = None) -> jax.Array:
-    """Public call (no cache): logits [B, bs-1, V] for block slots 1..bs-1.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    """What one draft step proposes for slots 1..D."""
 
-    features [B, C, K*H]: target layer outputs of context positions 0..C-1; block [B, bs] at positions C..C+bs-1.
-    nvfp4_backend: for NVFP4 weights (see `dflash_jax.linear`); None = the current default, resolved per call.
+    tokens: jax.Array  # [B, D] int32
+    logits: jax.Array  # [B, D, V] f32 base draft logits (DFlash2: before the selector)
+    scores: jax.Array | None = None  # DFlash2: [B, D, k] selector scores along the chosen path
+    candidates: jax.Array | None = None  # DFlash2: [B, D, k] candidate ids
+
+
+def propose_from_hidden(drafter: Drafter, target: Target, h: jax.Array, anchor: jax.Array, *, temperature=0.0,
+                        uniforms: jax.Array | None = None) -> Proposal:
+    """Proposals from the final hidden states h [B, D, H] of slots 1..D; anchor [B] = the block's first token.
+
+    DFlash: the argmax of the draft logits (callers that sample draw from `logits` themselves). DFlash2: the
+    selector walk from the anchor, greedy, or sampled at temperature > 0 from uniforms [B, D, k].
     """
+    logits = head_logits(drafter, target, h)
+    if not drafter.config.is_dflash2:
+        return Proposal(tokens=jnp.argmax(logits, axis=-1).astype(jnp.int32), logits=logits)
+    tokens, cand, scores = selector.select(drafter.params.candidate_selector, h, logits, anchor,
+                                           drafter.config.selector_top_k, temperature=temperature, uniforms=uniforms)
+    return Proposal(tokens=tokens, logits=logits, scores=scores, candidates=cand)
+
+
+def _check_inputs(drafter: Drafter, target: Target, features, block):
     check_pair(drafter.config, target.config)
     features, block = jnp.asarray(features), jnp.asarray(block)
-    B, C = features.shape[:2]
+    B = features.shape[0] if features.ndim else 0
     if block.ndim != 2 or block.shape[0] != B:
         raise ValueError(f"block must be [B={B}, bs], got {list(block.shape)}")
     want = drafter.config.num_taps * drafter.config.model.hidden_size
     if features.ndim != 3 or features.shape[-1] != want:
         raise ValueError(f"features must be [B, C, {want}] (len(target_layer_ids) * hidden), got "
                          f"{list(features.shape)}")
-    return _draft_logits_jit(drafter, target, features, block, program_backend(drafter, target, backend=nvfp4_backend))
+    return features, block
+
+
+def draft_logits(drafter: Drafter, target: Target, features, block, *,
+                 nvfp4_backend: str | None = None) -> jax.Array:
+    """Public call (no cache): logits [B, bs-1, V] for block slots 1..bs-1 (after output_multiplier and
+    final_logit_softcapping; for DFlash2 these are the base logits the selector starts from).
+
+    features [B, C, K*H]: target layer outputs of context positions 0..C-1; block [B, bs] at positions C..C+bs-1.
+    nvfp4_backend: for NVFP4 weights (see `dflash_jax.linear`); None = the current default, resolved per call.
+    """
+    return draft_proposal(drafter, target, features, block, nvfp4_backend=nvfp4_backend).logits
+
+
+def draft_tokens(drafter: Drafter, target: Target, features, block, *,
+                 nvfp4_backend: str | None = None) -> jax.Array:
+    """Public call (no cache): the greedy proposals [B, bs-1] int32 for block slots 1..bs-1, either kind.
+
+    DFlash: argmax of `draft_logits`. DFlash2: the candidate selector's greedy walk from block[:, 0].
+    """
+    return draft_proposal(drafter, target, features, block, nvfp4_backend=nvfp4_backend).tokens
+
+
+def draft_proposal(drafter: Drafter, target: Target, features, block, *,
+                   nvfp4_backend: str | None = None) -> Proposal:
+    """`draft_tokens` with its logits and (DFlash2) selector scores and candidates, e.g. for `audit_scales`."""
+    features, block = _check_inputs(drafter, target, features, block)
+    return _draft_jit(drafter, target, features, block, program_backend(drafter, target, backend=nvfp4_backend))
+
+
+def cached_context(drafter: Drafter, features: jax.Array) -> KVCache:
+    """A draft cache holding all C context positions of features [B, C, K*H]."""
+    B, C = features.shape[:2]
+    cache = DraftCache.empty(drafter.config, B, C)
+    return append_context(drafter, features, jnp.full((B,), C, jnp.int32), cache)
 
 
 @jax.jit(static_argnums=(4,))
-def _draft_logits_jit(drafter, target, features, block, backend):
-    B, C = features.shape[:2]
+def _draft_jit(drafter, target, features, block, backend):
     # The whole context is live here: one dense attention pass (no chunk loop, whose traced trip count would also
     # make the call impossible to differentiate in reverse mode, e.g. by audit_scales).
     cfg = drafter.config
     drafter = drafter.replace(config=cfg.replace(model=cfg.model.replace(attention_chunk=None)))
     with backend_scope(backend):
-        cache = DraftCache.empty(drafter.config, B, C)
-        cache = append_context(drafter, features, jnp.full((B,), C, jnp.int32), cache)
-        return block_logits(drafter, target, block, cache)
+        cache = cached_context(drafter, features)
+        h = block_hidden(drafter, target, block, cache)[:, 1:]
+        return propose_from_hidden(drafter, target, h, block[:, 0])

@@ -34,7 +34,7 @@ def static_field(**kwargs):
 class ParamSpec:
     shape: tuple[int, ...]
     logical_axes: tuple[str, ...]
-    init: str = "normal"  # "normal" (std 0.02) | "ones"
+    init: str = "normal"  # "normal" (std 0.02) | "ones" | "zeros" | "unit_normal" (std 1) | "conv_identity"
 
     def __post_init__(self):
         if len(self.shape) != len(self.logical_axes):
@@ -63,11 +63,40 @@ class MLP:
 
 
 @_dataclass
+class DynamicConv:
+    """DFlash2's grouped dynamic causal convolution around one sublayer (see block_conv.py)."""
+
+    base_kernel: Any  # [2, Kc, H]: side 0 convolves the sublayer input, side 1 its output; tap o reads x_{t-o}
+    kernel_projection: Any  # [2*Kc*groups, H] linear: per-token dynamic taps, one per group of conv_group_size
+
+
+@_dataclass
+class CandidateSelector:
+    """DFlash2's pairwise candidate selector (see selector.py)."""
+
+    predecessor_codebook: Any  # [V, r]
+    successor_codebook: Any  # [V, r]
+    hidden_projection: Any  # [r, H] linear
+
+
+@_dataclass
 class DecoderLayer:
     input_layernorm: Any  # [H]
     self_attn: Attention
     post_attention_layernorm: Any  # [H]
     mlp: MLP
+
+
+# DFlash2 gets its own classes rather than optional fields on the DFlash ones: a pytree with extra None fields no
+# longer matches orbax checkpoints saved before those fields existed (the shipped target and drafter).
+@_dataclass
+class DFlash2Layer:
+    input_layernorm: Any  # [H]
+    self_attn: Attention
+    post_attention_layernorm: Any  # [H]
+    mlp: MLP
+    attention_conv: DynamicConv
+    mlp_conv: DynamicConv
 
 
 @_dataclass
@@ -84,6 +113,15 @@ class DrafterParams:
     hidden_norm: Any  # [H]
     layers: tuple[DecoderLayer, ...]
     norm: Any  # [H]
+
+
+@_dataclass
+class DFlash2Params:
+    fc: Any  # [H, K*H]
+    hidden_norm: Any  # [H]
+    layers: tuple[DFlash2Layer, ...]
+    norm: Any  # [H]
+    candidate_selector: CandidateSelector
 
 
 def abstract_layer(cfg: Qwen3Config) -> DecoderLayer:
@@ -118,14 +156,32 @@ def abstract_target(cfg: Qwen3Config) -> TargetParams:
     )
 
 
-def abstract_drafter(cfg: DrafterConfig) -> DrafterParams:
+def abstract_conv(cfg: DrafterConfig) -> DynamicConv:
+    H, Kc = cfg.model.hidden_size, cfg.conv_kernel_size
+    # Initialised as the identity (base tap 0 = 1, dynamic taps 0), so a fresh DFlash2 layer is a DFlash layer.
+    return DynamicConv(base_kernel=ParamSpec((2, Kc, H), ("conv_side", "conv_taps", "embed"), "conv_identity"),
+                       kernel_projection=ParamSpec((2 * Kc * cfg.conv_groups, H), ("conv_dynamic", "embed"), "zeros"))
+
+
+def abstract_selector(cfg: DrafterConfig) -> CandidateSelector:
+    V, H, r = cfg.model.vocab_size, cfg.model.hidden_size, cfg.selector_rank
+    # hidden_projection starts at zero: the pair term is 0 and the selector picks the top draft logit, as DFlash
+    # does; unit-variance codebooks give it a gradient from the first step.
+    return CandidateSelector(predecessor_codebook=ParamSpec((V, r), ("vocab", "selector_rank"), "unit_normal"),
+                             successor_codebook=ParamSpec((V, r), ("vocab", "selector_rank"), "unit_normal"),
+                             hidden_projection=ParamSpec((r, H), ("selector_rank", "embed"), "zeros"))
+
+
+def abstract_drafter(cfg: DrafterConfig) -> DrafterParams | DFlash2Params:
     H = cfg.model.hidden_size
-    return DrafterParams(
-        fc=ParamSpec((H, cfg.num_taps * H), ("embed", "taps_embed")),
-        hidden_norm=ParamSpec((H,), ("embed",), "ones"),
-        layers=tuple(abstract_layer(cfg.model) for _ in range(cfg.model.num_hidden_layers)),
-        norm=ParamSpec((H,), ("embed",), "ones"),
-    )
+    layers = tuple(abstract_layer(cfg.model) for _ in range(cfg.model.num_hidden_layers))
+    common = dict(fc=ParamSpec((H, cfg.num_taps * H), ("embed", "taps_embed")),
+                  hidden_norm=ParamSpec((H,), ("embed",), "ones"), norm=ParamSpec((H,), ("embed",), "ones"))
+    if not cfg.is_dflash2:
+        return DrafterParams(layers=layers, **common)
+    layers = tuple(DFlash2Layer(**{f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)},
+                                attention_conv=abstract_conv(cfg), mlp_conv=abstract_conv(cfg)) for layer in layers)
+    return DFlash2Params(layers=layers, candidate_selector=abstract_selector(cfg), **common)
 
 
 def init_from_abstract(abstract, key: jax.Array, dtype, std: float = 0.02):
@@ -136,6 +192,12 @@ def init_from_abstract(abstract, key: jax.Array, dtype, std: float = 0.02):
     for spec, k in zip(leaves, keys):
         if spec.init == "ones":
             out.append(jnp.ones(spec.shape, dtype))
+        elif spec.init == "zeros":
+            out.append(jnp.zeros(spec.shape, dtype))
+        elif spec.init == "conv_identity":  # [2, Kc, H]: out_t = x_t on both sides
+            out.append(jnp.zeros(spec.shape, dtype).at[:, 0].set(1))
+        elif spec.init == "unit_normal":
+            out.append(jax.random.normal(k, spec.shape, jnp.float32).astype(dtype))
         else:
             out.append((std * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype))
     return jax.tree.unflatten(treedef, out)
@@ -185,7 +247,9 @@ def map_named(fn: Callable[[str, Any], Any], tree):
 
 
 def is_linear_name(name: str) -> bool:
-    return bool(re.search(r"(^fc$|_proj$|^lm_head$)", name))
+    """Linear weights [out, in] (NVFP4-quantizable): fc, every *_proj, DFlash2's conv `kernel_projection` and
+    selector `hidden_projection`, lm_head. Norms, embeddings, codebooks and conv base kernels are not."""
+    return bool(re.search(r"(^fc$|_proj$|_projection$|^lm_head$)", name))
 
 
 def param_bytes(tree) -> int:

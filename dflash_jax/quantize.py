@@ -23,6 +23,8 @@ from dflash_jax.nvfp4 import BLOCK_SIZE, E2M1_GRID, E2M1_MAX, E4M3_MAX, NVFP4Arr
 from dflash_jax.params import is_linear_name, map_named, named_leaves
 
 ATTENTION_PROJECTIONS = ("*self_attn.q_proj", "*self_attn.k_proj", "*self_attn.v_proj", "*self_attn.o_proj")
+# DFlash2's own linears: the matmuls llama.cpp still runs without their tensor scales (nvfp4.md section 5).
+DFLASH2_PROJECTIONS = ("*_conv.kernel_projection", "candidate_selector.hidden_projection")
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:

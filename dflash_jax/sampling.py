@@ -120,15 +120,22 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, sp: SamplingParams, draft:
     return _categorical(u.reshape(probs.shape), probs), keys
 
 
-def _pmin_mask(d_logits: jax.Array, sp: SamplingParams) -> jax.Array:
-    """[B, D] True while the draft's top probability stays >= p_min (then False from the first low slot on)."""
-    def mask(d_logits):
-        probs = (jax.nn.softmax(d_logits.astype(jnp.float32), axis=-1) if sp.greedy
-                 else processed_probs(d_logits, sp))
+def _pmin_mask(d_logits: jax.Array, sp: SamplingParams, draft_probs: jax.Array | None = None) -> jax.Array:
+    """[B, D] True while the draft's top probability stays >= p_min (then False from the first low slot on).
+
+    draft_probs [B, D, V]: the drafter's own distribution when it is not a softmax of d_logits (DFlash2 selector)."""
+    def mask(operands):
+        d_logits, draft_probs = operands
+        if draft_probs is not None:
+            probs = draft_probs
+        else:
+            probs = (jax.nn.softmax(d_logits.astype(jnp.float32), axis=-1) if sp.greedy
+                     else processed_probs(d_logits, sp))
         confident = probs.max(axis=-1) >= sp.p_min
         return jnp.cumprod(confident.astype(jnp.int32), axis=1).astype(bool)
 
-    return jax.lax.cond(jnp.asarray(sp.p_min) > 0, mask, lambda d: jnp.ones(d.shape[:2], bool), d_logits)
+    return jax.lax.cond(jnp.asarray(sp.p_min) > 0, mask, lambda o: jnp.ones(o[0].shape[:2], bool),
+                        (d_logits, draft_probs))
 
 
 def residual_probs(p: jax.Array, q: jax.Array) -> jax.Array:
@@ -141,15 +148,18 @@ def residual_probs(p: jax.Array, q: jax.Array) -> jax.Array:
     return jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p)
 
 
-def accept_block(d_logits: jax.Array, drafts: jax.Array, v_logits: jax.Array, keys: jax.Array, sp: SamplingParams):
+def accept_block(d_logits: jax.Array, drafts: jax.Array, v_logits: jax.Array, keys: jax.Array, sp: SamplingParams,
+                 draft_probs: jax.Array | None = None):
     """Decide how many drafts to keep and what comes after them.
 
     d_logits [B, D, V] drafter logits for slots 1..D; drafts [B, D]; v_logits [B, D+1, V] target logits of the
-    verify rows (row j predicts the token after slot j). Returns (n_acc [B] in 0..D, committed [B, D+1], keys):
+    verify rows (row j predicts the token after slot j). draft_probs [B, D, V]: the distribution the drafts were
+    drawn from when it is not processed_probs(d_logits) (the DFlash2 selector's q); None for DFlash.
+    Returns (n_acc [B] in 0..D, committed [B, D+1], keys):
     committed[:, :n_acc] are the accepted drafts and committed[:, n_acc] is the correction / bonus token.
     """
     B, D = drafts.shape
-    proposed = _pmin_mask(d_logits, sp)  # [B, D]
+    proposed = _pmin_mask(d_logits, sp, draft_probs)  # [B, D]
     if sp.greedy:
         post = jnp.argmax(v_logits, axis=-1).astype(jnp.int32)  # [B, D+1]
         ok = (drafts == post[:, :D]) & proposed
@@ -160,6 +170,8 @@ def accept_block(d_logits: jax.Array, drafts: jax.Array, v_logits: jax.Array, ke
     V = p.shape[-1]
     if sp.draft_sampling == "greedy":
         q = jax.nn.one_hot(drafts, V, dtype=jnp.float32)  # point-mass proposal
+    elif draft_probs is not None:
+        q = draft_probs.astype(jnp.float32)  # [B, D, V]
     else:
         q = processed_probs(d_logits, sp)  # [B, D, V]
     keys, uniforms = _draw(keys, D + V)

@@ -219,6 +219,46 @@ ax.set(xlabel="draft position k", ylabel="P(accepted)", ylim=(0, 1), title="acce
 ax.legend()
 plt.show()
 """,
+    """md:## DFlash vs DFlash2, dense vs NVFP4, at the report's draft length 7
+DFlash2 (z-lab `DFlash2DraftModel`) wraps every attention and MLP sublayer in a grouped dynamic causal convolution
+inside the block and re-ranks the top-k draft logits with a pairwise candidate selector, walking the block left to
+right. NVFP4 covers its new projections too (`*_conv.kernel_projection`, `candidate_selector.hidden_projection`).
+The shipped DFlash2 drafter is used when `checkpoints/drafter2` exists (`dflash-jax train-drafter --kind dflash2`).
+Until then this section runs a DFlash2 drafter lifted from the DFlash one (identity convolution, zero selector:
+exactly DFlash, so the DFlash and DFlash2 columns agree): it shows the pipeline, not DFlash2's gain.""",
+    """
+from dflash_jax.defaults import checkpoints_dir
+if (checkpoints_dir() / "drafter2").exists():
+    drafter2 = dj.load_drafter(checkpoints_dir() / "drafter2")
+    print("shipped DFlash2 drafter:", drafter2.config.model.num_hidden_layers, "layers, selector top-k",
+          drafter2.config.selector_top_k)
+else:
+    from dflash_jax.train.drafter2 import warm_start
+    cfg2 = drafter.config.replace(kind="dflash2", is_causal=False, conv_kernel_size=2, conv_group_size=16,
+                                  selector_rank=64, selector_top_k=16)
+    drafter2 = dj.Drafter(params=warm_start(cfg2, dj.init_drafter(cfg2, jax.random.key(0)).params, drafter),
+                          config=cfg2)
+    print("no shipped DFlash2 drafter yet: a DFlash2 drafter lifted from the DFlash one (identity conv, zero selector)")
+q2 = dj.quantize_nvfp4(drafter2)
+audit2 = dj.audit_scales(lambda p, f, b: dj.draft_logits(q2.replace(params=p), target, f, b), q2.params, features,
+                         block)
+print(f"NVFP4 DFlash2: {len(audit2.checked)} NVFP4 projections, DFlash2's own:",
+      [n for n in audit2.checked if "conv" in n or "selector" in n])
+side = {"DFlash": drafter, "DFlash NVFP4": qd, "DFlash2": drafter2, "DFlash2 NVFP4": q2}
+runs2 = {name: dj.generate(target, d, prompts[:4], max_new_tokens=64, draft_length=7, eos_ids=(tok.eos_id,),
+                           **CACHEABLE)
+         for name, d in side.items()}
+for name, r in runs2.items():
+    same = r.token_lists() == runs2["DFlash"].token_lists()
+    print(f"{name:>14}: tau {r.tau:.2f}, acceptance {100 * r.acceptance_rate:.1f}%, output == DFlash's: {same}")
+    keep(**{f"side_{name.replace(' ', '_')}_tau": r.tau, f"side_{name.replace(' ', '_')}_same_output": same})
+print(f"DFlash2/DFlash tau, NVFP4 both: {runs2['DFlash2 NVFP4'].tau / runs2['DFlash NVFP4'].tau:.3f}; "
+      f"NVFP4/dense DFlash2 tau: {runs2['DFlash2 NVFP4'].tau / runs2['DFlash2'].tau:.3f}")
+fig, ax = plt.subplots(figsize=(8, 3))
+for i, (name, r) in enumerate(runs2.items()):
+    ax.bar(np.arange(1, 8) + 0.2 * (i - 1.5), r.position_acceptance, width=0.2, label=name)
+ax.set_xlabel("draft position"); ax.set_ylabel("P(accepted)"); ax.legend(); plt.show()
+""",
 ]
 
 ACCEPTANCE_VS_LENGTH = [
@@ -412,7 +452,7 @@ plt.show()
 
 NOTEBOOKS = {
     "quickstart": dict(cells=QUICKSTART, figures=2),
-    "nvfp4_drafter": dict(cells=NVFP4, figures=2),
+    "nvfp4_drafter": dict(cells=NVFP4, figures=3),
     "acceptance_vs_length": dict(cells=ACCEPTANCE_VS_LENGTH, figures=1),
     "training": dict(cells=TRAINING, figures=2),
 }

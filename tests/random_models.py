@@ -35,3 +35,29 @@ def make_target(cfg, seed: int, std: float | None = None) -> dj.Target:
 
 def make_drafter(cfg, seed: int, std: float | None = None) -> dj.Drafter:
     return dj.Drafter(params=random_params(abstract_drafter(cfg), seed, std), config=cfg)
+
+
+def nontrivial_dflash2(params, seed: int, *, codebook_scale: float = 3.0, tap_scale: float = 0.5,
+                       proj_scale: float = 1.0):
+    """A DFlash2 drafter's conv and selector made non-trivial: random base kernels around the identity (tap 0 ~ 1,
+    other taps clearly non-zero), random dynamic-tap and hidden projections, codebooks scaled so that the pair term
+    competes with the logits. Other parameters are returned unchanged."""
+    from dflash_jax.params import map_named
+
+    rng = np.random.default_rng(seed)
+
+    def f(name, x):
+        x = np.asarray(x)
+        if name.endswith("base_kernel"):
+            w = tap_scale * rng.standard_normal(x.shape) + (np.arange(x.shape[1]) == 0)[None, :, None]
+        elif name.endswith("kernel_projection"):
+            w = proj_scale * rng.standard_normal(x.shape) / np.sqrt(x.shape[1])
+        elif name.endswith("_codebook"):
+            w = codebook_scale * rng.standard_normal(x.shape) / np.sqrt(x.shape[1])
+        elif name.endswith("hidden_projection"):
+            w = rng.standard_normal(x.shape) / np.sqrt(x.shape[1])
+        else:
+            return jnp.asarray(x)
+        return jnp.asarray(w, jnp.float32)
+
+    return map_named(f, params)

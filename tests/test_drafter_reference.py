@@ -398,11 +398,16 @@ def test_from_hf_dict_errors(edit, match):
         DrafterConfig.from_hf_dict(d)
 
 
-def test_from_hf_dict_rejects_causal_and_swa_drafters():
-    for extra in ({"is_causal": True}, {"use_swa": True}):
+def test_from_hf_dict_causal_and_sliding_window_keys():
+    """z-lab's keys (is_causal, layer_types, sliding_window) are supported (tests/test_dflash2_reference.py checks
+    their forward); other engines' spellings with unpinned semantics are refused by name."""
+    d = zlab_8b_config()
+    d["dflash_config"] = dict(d["dflash_config"], is_causal=True)
+    assert DrafterConfig.from_hf_dict(d).layer_attention(0) == (True, None)
+    for key in ("use_swa", "causal", "swa_window_size"):
         d = zlab_8b_config()
-        d["dflash_config"] = dict(d["dflash_config"], **extra)
-        with pytest.raises(NotImplementedError, match="causal / sliding-window"):
+        d["dflash_config"] = dict(d["dflash_config"], **{key: 1})
+        with pytest.raises(NotImplementedError, match=f"dflash_config.{key} is not supported"):
             DrafterConfig.from_hf_dict(d)
 
 

@@ -12,6 +12,7 @@ its LM head stay frozen: only fc, hidden_norm, the layers and norm train.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import time
@@ -23,9 +24,8 @@ import numpy as np
 
 from dflash_jax.checkpoint import load_target, save
 from dflash_jax.config import DrafterConfig, Qwen3Config, default_target_layer_ids
-from dflash_jax.drafter import Drafter, block_pass, context_kv, embed_block, init_drafter
+from dflash_jax.drafter import Drafter, block_pass, context_kv, embed_block, head_logits, init_drafter
 from dflash_jax.decoding import generate, generate_autoregressive
-from dflash_jax.linear import linear
 from dflash_jax.target import Target, forward_with_cache
 from dflash_jax.tokenizer import Tokenizer
 from dflash_jax.train import corpus
@@ -88,11 +88,13 @@ def sample_anchors(lengths: np.ndarray, prompt_lens: np.ndarray, num_anchors: in
 
 # -- loss ----------------------------------------------------------------------------------------------------------
 
-def training_logits(params, batch, cfg: DrafterConfig, target_cfg: Qwen3Config) -> jax.Array:
-    """Logits [B, N, bs-1, V] of block slots 1..bs-1 for every anchor, all blocks in one forward.
+def training_hidden(params, batch, cfg: DrafterConfig, target_cfg: Qwen3Config) -> tuple[jax.Array, Target]:
+    """Final hidden states [B, N, bs-1, H] of block slots 1..bs-1 for every anchor, all blocks in one forward, and
+    the frozen target (whose lm_head turns them into logits).
 
-    For anchor a this equals inference's `draft_logits(drafter, target, features[:, :a], [x_a, M, ...])`
-    (tests check it): context strictly before the anchor, the whole own block, no other block.
+    For anchor a this equals inference's pass over [x_a, M, ...] with the target context strictly before a
+    (tests check it): context strictly before the anchor, the whole own block, no other block. Layer rules
+    (causal / sliding window) and DFlash2's block convolution apply exactly as at inference.
     """
     bs = cfg.block_size
     target = Target(params=batch["target"], config=target_cfg)
@@ -120,8 +122,14 @@ def training_logits(params, batch, cfg: DrafterConfig, target_cfg: Qwen3Config) 
 
     h = block_pass(drafter, embed_block(drafter, target, block), positions,
                    [kv[0] for kv in ctx_kv], [kv[1] for kv in ctx_kv], ctx_len, mask=sees_blk)
-    h = h.reshape(B, N, bs, -1)[:, :, 1:]  # slots 1..bs-1
-    return linear(h, target.lm_head).astype(jnp.float32)  # [B, N, bs-1, V]
+    return h.reshape(B, N, bs, -1)[:, :, 1:], target  # slots 1..bs-1
+
+
+def training_logits(params, batch, cfg: DrafterConfig, target_cfg: Qwen3Config) -> jax.Array:
+    """Logits [B, N, bs-1, V] of block slots 1..bs-1 for every anchor (see `training_hidden`); output_multiplier
+    and final_logit_softcapping applied as at inference."""
+    h, target = training_hidden(params, batch, cfg, target_cfg)
+    return head_logits(Drafter(params=params, config=cfg), target, h)  # [B, N, bs-1, V]
 
 
 def training_labels(batch, block_size: int) -> tuple[jax.Array, jax.Array]:
@@ -204,6 +212,14 @@ def training_prompts(n: int, seed: int, *, packages: bool) -> list[str]:
     return corpus._sample_prompts([f.text for f in train], n, seed, 100, 300, 0.5, 64)
 
 
+def target_fingerprint(target: Target) -> str:
+    """sha256 (16 hex digits) of the target's config and weights: names the target a data cache was made with."""
+    h = hashlib.sha256(repr(target.config).encode())
+    for leaf in jax.tree.leaves(target.params):
+        h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    return h.hexdigest()[:16]
+
+
 def build_data(target: Target, tok, cfg: DrafterConfig, work: Path, *, prompts: int, new_tokens: int,
                max_prompt_tokens: int, sampled_fraction: float, sample_temperature: float, seed: int,
                packages: bool) -> dict[str, np.ndarray]:
@@ -211,8 +227,18 @@ def build_data(target: Target, tok, cfg: DrafterConfig, work: Path, *, prompts: 
     tag = f"{prompts}_{new_tokens}_{max_prompt_tokens}_{sampled_fraction}_{sample_temperature}_{seed}_{int(packages)}"
     seq_file, feat_file = work / f"sequences_{tag}.npz", work / f"features_{tag}_{'-'.join(map(str, cfg.target_layer_ids))}.npy"
     seq_len = max_prompt_tokens + new_tokens
+    # The cache is named by the data flags alone, so a retrained target would silently reuse the old target's
+    # continuations (e.g. a second drafter trained with --data-dir on the first one's work dir): each cache file
+    # records the target it was made with, and a different target is refused.
+    stamp_file, stamp = work / f"sequences_{tag}.target.txt", target_fingerprint(target)
+    if seq_file.exists() and stamp_file.exists() and stamp_file.read_text().strip() != stamp:
+        raise corpus.CorpusError(
+            f"{seq_file} was made with a different target (fingerprint {stamp_file.read_text().strip()}, this "
+            f"target {stamp}): use another --work-dir / --data-dir or delete the cached sequences and features")
     if seq_file.exists():
         data = dict(np.load(seq_file))
+        if not stamp_file.exists():  # a cache from before the stamps: cannot be checked
+            print(f"warning: {seq_file} records no target; reusing it as made with this target", flush=True)
     else:
         t0 = time.perf_counter()
         texts = training_prompts(prompts, seed, packages=packages)
@@ -221,6 +247,7 @@ def build_data(target: Target, tok, cfg: DrafterConfig, work: Path, *, prompts: 
                               sampled_fraction=sampled_fraction, temperature=sample_temperature, seed=seed,
                               eos_ids=(tok.eos_id,))
         np.savez(seq_file, **data)
+        stamp_file.write_text(stamp + "\n")
         print(f"drafter data: {len(ids)} target continuations, "
               f"{int((data['lengths'] - data['prompt_lens']).sum()):,} generated tokens in "
               f"{time.perf_counter() - t0:.0f}s", flush=True)

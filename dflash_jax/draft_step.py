@@ -1,0 +1,49 @@
+"""One draft step inside generate's loop, for either drafter kind: the proposals and the q that verifies them.
+
+DFlash: drafts are the argmax of the draft logits (greedy), or samples from q = their processed softmax (T > 0,
+draft_sampling "sample"); q is recomputed from the logits by `accept_block`.
+DFlash2: drafts are the candidate selector's walk from the block's first token: greedy, or at T > 0 sampled slot by
+slot from q_t = softmax(S_t / T) over the k candidates (z-lab draws the selector at temperature T without top-k /
+top-p). That q, scattered onto the vocabulary, is the draft distribution of rejection sampling: the proposals are
+drawn sequentially and each q_t is conditioned on the previous proposal, which is exactly the accepted prefix
+whenever slot t is tested, so the rule stays lossless. With p_min, a DFlash2 slot's confidence is the selector's
+own top probability (softmax of its scores at T, or at 1 when greedy); z-lab does not define this interaction.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from dflash_jax import selector
+from dflash_jax.drafter import Drafter, block_hidden, head_logits, propose_from_hidden
+from dflash_jax.sampling import SamplingParams, _draw, sample_tokens
+from dflash_jax.target import KVCache, Target
+
+
+def draft_step(drafter: Drafter, target: Target, block: jax.Array, cache: KVCache, num_slots: int, keys: jax.Array,
+               sp: SamplingParams):
+    """block [B, bs] (slot 0 = last committed token) over the draft cache -> (drafts [B, D] int32,
+    draft logits [B, D, V] f32, draft probs [B, D, V] f32 or None (DFlash: derived from the logits), keys)."""
+    D = num_slots
+    h = block_hidden(drafter, target, block, cache)[:, 1:1 + D]  # [B, D, H]
+    if not drafter.config.is_dflash2:
+        logits = head_logits(drafter, target, h)
+        drafts, keys = sample_tokens(logits, keys, sp, draft=True)
+        return drafts, logits, None, keys
+    B = block.shape[0]
+    k = drafter.config.selector_top_k
+    sample = not sp.greedy and sp.draft_sampling == "sample"
+    uniforms = None
+    if sample:
+        keys, u = _draw(keys, D * k)
+        uniforms = u.reshape(B, D, k)
+    prop = propose_from_hidden(drafter, target, h, block[:, 0], temperature=sp.temperature if sample else 0.0,
+                               uniforms=uniforms)
+    # p_min is traced (one program serves every value), so the selector's q is always formed; a greedy run uses it
+    # only for p_min's confidence, under that test's lax.cond (softmax at T = 1 there).
+    q = selector.selector_probs(prop.scores, 1.0 if sp.greedy else sp.temperature)  # [B, D, k]
+    probs = selector.scatter_to_vocab(q, prop.candidates, prop.logits.shape[-1])
+    return prop.tokens, prop.logits, probs, keys
+
+
+__all__ = ["draft_step"]

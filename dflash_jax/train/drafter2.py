@@ -1,0 +1,223 @@
+"""Train a DFlash2 drafter for a frozen target: the DFlash recipe plus a selector loss.
+
+The block part is train/drafter.py's recipe unchanged (its data, anchors and batches are imported, not copied): the
+target's own continuations of corpus prompts; random anchors a per sequence; block [x_a, M x (bs-1)] at positions
+a..a+bs-1 seeing the target context strictly before a and its own whole block; slot k predicts x_{a+k} with weight
+w_k = exp(-(k-1)/gamma); target, embedding and LM head frozen. The DFlash2 drafter runs its grouped dynamic
+convolutions and layer rules (causal / sliding window) inside that same forward, exactly as at inference.
+
+Objective: loss = base + selector_weight * selector, with
+  base      the DFlash loss on the drafter's base logits (after output_multiplier / softcapping, as at inference);
+  selector  at every slot t: the selector's k candidates are the top-k of the base logits, scored
+            S_t(b) = U_t(b) + <A[prev] * P(h_t), B[b]>, where prev is the TRUE previous token (x_{a+t-1}; the anchor
+            x_a for t = 1); cross-entropy of softmax(S_t) against the index of the true token x_{a+t} among the
+            candidates, with the same weights w_k; slots whose true token is not among the candidates are left out
+            (nothing to pick), normalised by the weight of the slots kept.
+Why this objective (the official one is unpublished; NeMo describes the same shape, dflash.md section 7):
+  * teacher forcing with the true predecessor is not an approximation for speculative decoding: slot t can only be
+    accepted when every earlier slot was, i.e. when the walk's predecessor IS the true token, so the conditioning
+    the loss trains is exactly the one under which the selector's choice matters;
+  * the softmax over the k candidates is the selector's q at T = 1, so the loss trains the very distribution that
+    rejection sampling uses, and its argmax (greedy) at the same time;
+  * the same decay weights as the base loss: late slots are rarely reached, for the selector as for the logits;
+  * gradients flow into everything the scores depend on: codebooks, hidden projection, the drafter body (via h_t)
+    and the unary scores (the top-k values of the base logits; the top-k choice itself is not differentiable). The
+    conv has no separate loss: it is trained by both terms through h_t.
+Initialisation makes a fresh DFlash2 drafter exactly a DFlash drafter (identity base kernels, zero dynamic taps,
+zero hidden projection: the selector picks the top logit); `--init-from` can start the shared weights from a
+trained DFlash drafter.
+
+    dflash-jax train-drafter --kind dflash2          # -> checkpoints/drafter2 (resumable: rerun the same command)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import selector as sel_mod
+from dflash_jax.checkpoint import load_drafter, load_target, save
+from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.drafter import Drafter, head_logits, init_drafter
+from dflash_jax.params import abstract_drafter, from_named, named_leaves
+from dflash_jax.train import corpus
+from dflash_jax.train.drafter import (CHECKPOINTS, build_data, decay_gamma, make_batch_fn, measure_tau,
+                                      shipped_drafter_config, training_hidden, training_labels)
+from dflash_jax.train.loop import OptimConfig, cross_entropy, load_training_tokenizer, run
+
+
+def shipped_drafter2_config(target_cfg: Qwen3Config, mask_token_id: int, *, layers: int = 1, block_size: int = 16,
+                            taps: int = 3, tap_ids=None, conv_kernel_size: int = 2, conv_group_size: int = 16,
+                            selector_rank: int = 64, selector_top_k: int = 16,
+                            sliding_window: int | None = None) -> DrafterConfig:
+    """The DFlash drafter's layout plus DFlash2's modules; non-causal like z-lab's DFlash2 configs. With a sliding
+    window every layer is "sliding_attention" (non-causal, window both ways)."""
+    base = shipped_drafter_config(target_cfg, mask_token_id, layers=layers, block_size=block_size, taps=taps,
+                                  tap_ids=tap_ids)
+    return base.replace(kind="dflash2", is_causal=False, conv_kernel_size=conv_kernel_size,
+                        conv_group_size=conv_group_size, selector_rank=selector_rank, selector_top_k=selector_top_k,
+                        layer_types=("sliding_attention",) * layers if sliding_window else None,
+                        sliding_window=sliding_window)
+
+
+def selector_terms(params, h: jax.Array, logits: jax.Array, batch, cfg: DrafterConfig):
+    """Teacher-forced selector scores for every slot: h [B, N, D, H], logits [B, N, D, V] ->
+    (scores [B, N, D, k], target index [B, N, D], usable [B, N, D]: label valid and among the candidates)."""
+    B, N, D, H = h.shape
+    labels, valid = training_labels(batch, cfg.block_size)  # [B, N, D]
+    x_a = jnp.take_along_axis(batch["tokens"], batch["anchors"], axis=1)  # [B, N]
+    prev = jnp.concatenate([x_a[:, :, None], labels[:, :, :-1]], axis=2)  # true predecessor of slot t
+    unary, cand = sel_mod.candidates(logits.reshape(B * N, D, -1), cfg.selector_top_k)  # [B*N, D, k]
+    pair = sel_mod.pair_scores(params.candidate_selector, h.reshape(B * N, D, H), prev.reshape(B * N, D, 1), cand)
+    scores = (unary + pair[:, :, 0]).reshape(B, N, D, -1)
+    hit = cand.reshape(B, N, D, -1) == labels[..., None]  # [B, N, D, k]
+    return scores, jnp.argmax(hit, axis=-1), valid & hit.any(axis=-1)
+
+
+def drafter2_loss(cfg: DrafterConfig, target_cfg: Qwen3Config, gamma: float | None = None,
+                  selector_weight: float = 1.0):
+    """loss_fn(params, batch) -> (base + selector_weight * selector, metrics). See the module docstring."""
+    if not cfg.is_dflash2:
+        raise ValueError("drafter2_loss needs a DFlash2 drafter config (kind='dflash2')")
+    bs = cfg.block_size
+    gamma = decay_gamma(bs) if gamma is None else gamma
+    weights = jnp.exp(-jnp.arange(bs - 1, dtype=jnp.float32) / gamma)  # slot k=1..bs-1 -> exp(-(k-1)/gamma)
+
+    def loss_fn(params, batch):
+        h, target = training_hidden(params, batch, cfg, target_cfg)  # [B, N, D, H]
+        logits = head_logits(Drafter(params=params, config=cfg), target, h)  # [B, N, D, V]
+        labels, valid = training_labels(batch, bs)
+        w = weights[None, None, :] * valid
+        base = jnp.sum(w * cross_entropy(logits, labels)) / (jnp.sum(w) + 1e-6)
+        scores, idx, usable = selector_terms(params, h, logits, batch, cfg)
+        ws = weights[None, None, :] * usable
+        sel = jnp.sum(ws * cross_entropy(scores, idx)) / (jnp.sum(ws) + 1e-6)
+        n_valid = jnp.maximum(jnp.sum(valid), 1)
+        base_ok = (jnp.argmax(logits, axis=-1) == labels) & valid
+        sel_ok = (jnp.argmax(scores, axis=-1) == idx) & usable  # a slot whose label is not a candidate is wrong
+        metrics = {"base_loss": base, "selector_loss": sel, "acc": jnp.sum(base_ok) / n_valid,
+                   "selector_acc": jnp.sum(sel_ok) / n_valid, "topk_coverage": jnp.sum(usable) / n_valid,
+                   "selector_acc_slot1": jnp.sum(sel_ok[:, :, 0]) / jnp.maximum(jnp.sum(valid[:, :, 0]), 1)}
+        return base + selector_weight * sel, metrics
+
+    return loss_fn
+
+
+def warm_start(cfg: DrafterConfig, fresh, dflash: Drafter):
+    """fresh DFlash2 params with every tensor a DFlash drafter of the same layout also has copied from it."""
+    named = dict(named_leaves(fresh))
+    theirs = named_leaves(dflash.params)
+    for name, leaf in theirs.items():
+        if name not in named or tuple(named[name].shape) != tuple(leaf.shape):
+            raise ValueError(f"--init-from: tensor {name} {tuple(leaf.shape)} does not fit this DFlash2 drafter")
+        named[name] = jnp.asarray(leaf, named[name].dtype)
+    return from_named(abstract_drafter(cfg), named)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="dflash-jax train-drafter --kind dflash2",
+                                 description="Train a DFlash2 drafter for the shipped target (resumable); data flags "
+                                             "and defaults are train-drafter's")
+    ap.add_argument("--target", default=str(CHECKPOINTS / "target"), help="the frozen target (folder)")
+    ap.add_argument("--tokenizer", default=str(CHECKPOINTS / "tokenizer.json"), help="tokenizer.json")
+    ap.add_argument("--out", default=str(CHECKPOINTS / "drafter2"), help="where the trained drafter is saved")
+    ap.add_argument("--work-dir", default=".train/drafter2", help="orbax checkpoints (resume) and logs")
+    ap.add_argument("--data-dir", default=None,
+                    help="data cache (default: --work-dir); train-drafter's work dir reuses its continuations and "
+                         "target features when the data flags and taps match")
+    ap.add_argument("--init-from", default=None, help="start the shared weights from this DFlash drafter folder")
+    ap.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
+    ap.add_argument("--block-size", type=int, default=16, help="block size (drafted tokens + 1)")
+    ap.add_argument("--taps", type=int, default=3, help="number of target layers feeding fc")
+    ap.add_argument("--tap-ids", type=int, nargs="+", default=None,
+                    help="target layers feeding fc (default: the z-lab rule for --taps taps)")
+    ap.add_argument("--conv-kernel-size", type=int, default=2, help="DFlash2 conv taps (z-lab: 2)")
+    ap.add_argument("--conv-group-size", type=int, default=16, help="channels per dynamic tap (z-lab: 16)")
+    ap.add_argument("--selector-rank", type=int, default=64, help="selector codebook rank (z-lab: 256)")
+    ap.add_argument("--selector-top-k", type=int, default=16, help="selector candidates per slot (z-lab: 16)")
+    ap.add_argument("--selector-weight", type=float, default=1.0, help="weight of the selector loss")
+    ap.add_argument("--sliding-window", type=int, default=None, help="make every layer sliding-window (non-causal)")
+    ap.add_argument("--prompts", type=int, default=1024, help="training prompts (target continuations)")
+    ap.add_argument("--new-tokens", type=int, default=1024, help="tokens the target generates per prompt")
+    ap.add_argument("--max-prompt-tokens", type=int, default=128, help="prompts are cut to their last N tokens")
+    ap.add_argument("--sampled-fraction", type=float, default=0.25,
+                    help="fraction of continuations sampled (the rest greedy)")
+    ap.add_argument("--sample-temperature", type=float, default=0.7, help="temperature of the sampled ones")
+    ap.add_argument("--no-packages", action="store_true", help="prompts from the stdlib alone (no [corpus] extra)")
+    ap.add_argument("--steps", type=int, default=3000, help="optimizer steps")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per batch")
+    ap.add_argument("--anchors", type=int, default=64, help="random anchors (blocks) per sequence")
+    ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    ap.add_argument("--eval-every", type=int, default=500, help="tau evaluation interval (steps); 0 = none")
+    ap.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for tau")
+    ap.add_argument("--eval-tokens", type=int, default=256, help="new tokens per tau evaluation prompt")
+    ap.add_argument("--ckpt-every", type=int, default=100, help="orbax checkpoint interval (steps), for resume")
+    ap.add_argument("--seed", type=int, default=0, help="data and init seed")
+    args = ap.parse_args(argv)
+
+    t_start = time.perf_counter()
+    tok = load_training_tokenizer(args.tokenizer)
+    target = load_target(args.target, compute_dtype="float32")
+    cfg = shipped_drafter2_config(target.config, tok.mask_id, layers=args.layers, block_size=args.block_size,
+                                  taps=args.taps, tap_ids=args.tap_ids, conv_kernel_size=args.conv_kernel_size,
+                                  conv_group_size=args.conv_group_size, selector_rank=args.selector_rank,
+                                  selector_top_k=args.selector_top_k, sliding_window=args.sliding_window)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    data_dir = Path(args.data_dir) if args.data_dir else work
+    data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        data = build_data(target, tok, cfg, data_dir, prompts=args.prompts, new_tokens=args.new_tokens,
+                          max_prompt_tokens=args.max_prompt_tokens, sampled_fraction=args.sampled_fraction,
+                          sample_temperature=args.sample_temperature, seed=args.seed,
+                          packages=not args.no_packages)
+    except corpus.CorpusError as e:
+        raise SystemExit(f"error: {e}") from None
+    eval_prompts = [tok.encode(t) for t in corpus.held_out_prompts(args.eval_prompts, seed=1)]
+    d7 = min(7, cfg.block_size - 1)  # the report's draft length
+
+    def eval_fn(params):
+        return {k: v for k, v in measure_tau(target, Drafter(params=params, config=cfg), eval_prompts,
+                                             max_new_tokens=args.eval_tokens, draft_length=d7).items()
+                if k != "position_acceptance"}
+
+    params = init_drafter(cfg, jax.random.key(args.seed + 1)).params
+    if args.init_from:
+        params = warm_start(cfg, params, load_drafter(args.init_from))
+    optim = OptimConfig(steps=args.steps, lr=args.lr, weight_decay=0.0)
+    params, history = run(params=params, loss_fn=drafter2_loss(cfg, target.config,
+                                                               selector_weight=args.selector_weight),
+                          batch_fn=make_batch_fn(data, target.params, batch=args.batch, num_anchors=args.anchors,
+                                                 seed=args.seed),
+                          optim=optim, ckpt_dir=work / "ckpt", eval_fn=eval_fn, eval_every=args.eval_every,
+                          ckpt_every=args.ckpt_every, desc="drafter2", log_file=work / "log.jsonl")
+    drafter = Drafter(params=params, config=cfg)
+    save(args.out, drafter)
+    final = history[-1] if history else {}
+    tau = measure_tau(target, drafter, eval_prompts, max_new_tokens=args.eval_tokens, draft_length=d7)
+    report = {"command": "dflash-jax train-drafter --kind dflash2 " + " ".join(argv or []), "steps": args.steps,
+              "layers": args.layers, "batch": args.batch, "anchors_per_sequence": args.anchors,
+              "prompts": args.prompts, "new_tokens": args.new_tokens,
+              "generated_tokens": int((data["lengths"] - data["prompt_lens"]).sum()),
+              "gamma": decay_gamma(args.block_size), "selector_weight": args.selector_weight,
+              "init_from": args.init_from, "train_loss": final.get("loss"), "base_loss": final.get("base_loss"),
+              "selector_loss": final.get("selector_loss"), "train_acc": final.get("acc"),
+              "selector_acc": final.get("selector_acc"), "topk_coverage": final.get("topk_coverage"),
+              f"tau_eval_{len(eval_prompts)}_prompts_{args.eval_tokens}_tokens_D{d7}": tau["tau"],
+              "position_acceptance": tau["position_acceptance"],
+              "wall_time_s_this_invocation": round(time.perf_counter() - t_start, 1),
+              "params": int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)))}
+    with open(Path(args.out) / "train_report.json", "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
