@@ -227,6 +227,8 @@ The shipped DFlash2 drafter is used when `checkpoints/drafter2` exists (`dflash-
 Until then this section runs a DFlash2 drafter lifted from the DFlash one (identity convolution, zero selector:
 exactly DFlash, so the DFlash and DFlash2 columns agree): it shows the pipeline, not DFlash2's gain.""",
     """
+import jax
+
 from dflash_jax.defaults import checkpoints_dir
 if (checkpoints_dir() / "drafter2").exists():
     drafter2 = dj.load_drafter(checkpoints_dir() / "drafter2")

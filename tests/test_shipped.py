@@ -42,10 +42,8 @@ def test_default_generation_is_exact_and_accepts(default):
     ar = dj.generate_autoregressive(target, prompts, **kw)
     sp = dj.generate(target, drafter, prompts, **kw)
     np.testing.assert_array_equal(sp.tokens, ar.tokens)
-    # tau is a corruption detector: wrong taps, positions or scales drive it to ~1.0. The floor is low because the
-    # shipped drafter v2 is undertrained (tau ~1.35 on held-out prompts, checkpoints/README.md): raise it with the
-    # next drafter.
-    assert sp.tau > 1.15, sp.tau
+    # tau is a corruption detector (wrong taps, positions or scales drive it to ~1): keep a floor
+    assert sp.tau > 2.0, sp.tau
     assert tok.decode(sp.token_lists()[0])  # decodes to text
 
 
