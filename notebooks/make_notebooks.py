@@ -452,11 +452,55 @@ plt.show()
 """,
 ]
 
+SHARDING = [
+    """md:# Several devices: the shipped pair on a data 2 x model 4 mesh
+`make_mesh(data=2, model=4)` and `shard(model, mesh)` place every weight by the rules in `dflash_jax/sharding.py`
+(tensor parallel over heads, MLP and vocabulary; data parallel over the batch); `generate` runs unchanged, as one
+program. On this CPU the 8 devices are virtual (`--xla_force_host_platform_device_count=8`, set before jax starts),
+so this shows placement and exactness, not speed.""",
+    """
+import os
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+""" + SETUP + """
+import jax
+import dflash_jax as dj
+from dflash_jax.sharding import shard_fraction
+from dflash_jax.train import corpus
+
+CACHEABLE = dict(prefill_timing="rerun")  # no host callback in the program (a callback on a mesh rematerialises)
+
+target, drafter, tok = dj.load_default()
+prompts = [tok.encode(t) for t in corpus.held_out_prompts(8, seed=0)]
+mesh = dj.make_mesh(data=2, model=4)
+print(jax.device_count(), "devices; mesh", dict(mesh.shape))
+st, sd = dj.shard(target, mesh), dj.shard(drafter, mesh)
+one = dj.generate(target, drafter, prompts, max_new_tokens=32, eos_ids=(tok.eos_id,), **CACHEABLE)
+eight = dj.generate(st, sd, prompts, max_new_tokens=32, eos_ids=(tok.eos_id,), **CACHEABLE)
+same = bool(np.array_equal(one.tokens, eight.tokens))
+print(f"greedy tokens on 8 devices == 1 device: {same}; tau {eight.tau:.2f} vs {one.tau:.2f}")
+keep(devices=jax.device_count(), same_tokens=same, tau_1_device=one.tau, tau_8_devices=eight.tau)
+""",
+    """
+leaves = {"embed_tokens": st.params.embed_tokens, "q_proj": st.params.layers[0].self_attn.q_proj,
+          "k_proj": st.params.layers[0].self_attn.k_proj, "o_proj": st.params.layers[0].self_attn.o_proj,
+          "gate_proj": st.params.layers[0].mlp.gate_proj, "down_proj": st.params.layers[0].mlp.down_proj,
+          "input_layernorm": st.params.layers[0].input_layernorm}
+fractions = {name: shard_fraction(x) for name, x in leaves.items()}
+keep(shard_fraction=fractions)
+fig, ax = plt.subplots(figsize=(8, 3))
+ax.bar(list(fractions), list(fractions.values()))
+ax.set(ylabel="fraction held by one device", title="target layer 0 on a data 2 x model 4 mesh (1 = replicated)")
+ax.tick_params(axis="x", rotation=30)
+plt.show()
+""",
+]
+
 NOTEBOOKS = {
     "quickstart": dict(cells=QUICKSTART, figures=2),
     "nvfp4_drafter": dict(cells=NVFP4, figures=3),
     "acceptance_vs_length": dict(cells=ACCEPTANCE_VS_LENGTH, figures=1),
     "training": dict(cells=TRAINING, figures=2),
+    "sharding": dict(cells=SHARDING, figures=1),
 }
 
 
