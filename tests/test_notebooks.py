@@ -29,8 +29,8 @@ def committed(name):
     return nb, rec
 
 
-def test_the_four_notebooks_exist():
-    assert set(NAMES) == {"quickstart", "nvfp4_drafter", "acceptance_vs_length", "training"}
+def test_the_notebooks_exist():
+    assert set(NAMES) == {"quickstart", "nvfp4_drafter", "acceptance_vs_length", "training", "sharding"}
     assert {p.stem for p in (ROOT / "notebooks").glob("*.ipynb")} == set(NAMES)
 
 

@@ -618,8 +618,11 @@ def test_autoregressive_output_has_target_distribution(models, enumeration, temp
 
 def _control(monkeypatch, models, enumeration, pair, kw, **patches):
     fresh_programs(monkeypatch)
+    from dflash_jax import draft_step
     for name, fn in patches.items():
         monkeypatch.setattr(gen, name, fn)
+        if hasattr(draft_step, name):  # drafts are drawn in draft_step (one draft step for DFlash and DFlash2)
+            monkeypatch.setattr(draft_step, name, fn)
     target, drafter = models[pair]
     res = gen.generate(target, drafter, [PROMPT] * N, max_new_tokens=NEW, draft_length=3, seed=0, **kw)
     return _proof_checks(res, enumeration, pair, kw)
