@@ -45,8 +45,9 @@ import dflash_jax as dj  # noqa: E402
 from dflash_jax import decoding as G  # noqa: E402
 from dflash_jax import sharding as S  # noqa: E402
 from dflash_jax.config import DrafterConfig, Qwen3Config  # noqa: E402
+from dflash_jax.drafter import draft_proposal  # noqa: E402
 from dflash_jax.params import named_leaves  # noqa: E402
-from random_models import make_drafter, make_target  # noqa: E402
+from random_models import make_drafter, make_target, nontrivial_dflash2  # noqa: E402
 
 # Tiny, but every rule is exercised: 4 query heads over model=4 (1 each), 2 KV heads (< 4: replicated), intermediate
 # and vocabulary split in 4, head_dim 16 so that NVFP4 o_proj / down_proj shards hold whole 16-blocks.
@@ -54,6 +55,8 @@ CFG = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=128, num_hidd
                   num_key_value_heads=2, head_dim=16, rope_theta=10000.0, attention_chunk=None)
 DCFG = DrafterConfig(model=CFG.replace(num_hidden_layers=1), block_size=4, mask_token_id=95, target_layer_ids=(0, 1),
                      num_target_layers=2)
+# DFlash2: the conv's dynamic taps and the selector's codebooks (vocabulary axis: split in 4) under the same rules.
+DCFG2 = DCFG.replace(kind="dflash2", conv_group_size=8, selector_rank=8, selector_top_k=6)
 N = 10
 
 
@@ -140,6 +143,23 @@ def main():
     out["sharded_draft_logits_close"] = bool(np.allclose(np.asarray(dj.draft_logits(qs, ts, feats, block)),
                                                          np.asarray(dj.draft_logits(qdrafter, target, feats, block)),
                                                          atol=1e-4, rtol=1e-4))
+
+    # A DFlash2 drafter (conv + selector non-trivial), dense and NVFP4: greedy tokens equal to one device, and the
+    # sharded NVFP4 conv / selector projections still pass the audit.
+    d2 = make_drafter(DCFG2, 3)
+    d2 = d2.replace(params=nontrivial_dflash2(d2.params, 4))
+    q2 = dj.quantize_nvfp4(d2)
+    d2s, q2s = S.shard(d2, mesh), S.shard(q2, mesh)
+    for name, (one_d, many_d) in (("dflash2", (d2, d2s)), ("dflash2_nvfp4", (q2, q2s))):
+        one, many = dj.generate(target, one_d, P8, max_new_tokens=N), dj.generate(ts, many_d, P8, max_new_tokens=N)
+        out[f"{name}_equal"] = float((one.tokens == many.tokens).mean())
+        out[f"{name}_tau"] = [one.tau, many.tau]
+    out["dflash2_fractions"] = {name: S.shard_fraction(x) for name, x in named_leaves(d2s.params).items()
+                                if "conv" in name or "selector" in name}
+    # draft_proposal (logits and selector scores): the selector's hidden_projection never reaches draft_logits.
+    audit2 = dj.audit_scales(lambda p: draft_proposal(q2s.replace(params=p), ts, feats, block), q2s.params)
+    out["dflash2_audit_checked"] = [n for n in audit2.checked if "conv" in n or "selector" in n]
+    out["dflash2_audit_missing"] = list(audit2.missing)
 
     # Collectives of the compiled speculative program (dense and NVFP4 drafter): none gathers a weight in the loop.
     for name, d in (("dense", ds), ("nvfp4", qs)):

@@ -22,7 +22,7 @@ import pytest
 import dflash_jax as dj
 from random_models import make_target, nontrivial_dflash2, random_params
 from test_generate import (COPY_MAX_NEW, COPY_PROMPTS, FLAW, PBS, _host_ops, _primitives, _prompt_batches, _pad_to,
-                           assert_same, build_copy_pair, cycle_next)
+                           assert_same, build_copy_pair, cycle_next, reference_acceptance)
 from dflash_jax.config import DrafterConfig, Qwen3Config
 from dflash_jax.drafter import draft_tokens
 from dflash_jax.params import abstract_drafter, from_named, map_named, named_leaves
@@ -140,35 +140,10 @@ def test_flawed_dflash2_partial_acceptance_and_reference_loop(copy_runs):
     assert ((row0 > 1) & (row0 < PBS)).all() and len(set(row0.tolist())) > 1, row0
     assert (acc[1][acc[1] > 0] == PBS).all()
     ref_acc, ref_out = reference_acceptance(r["target"], r["flawed"], COPY_PROMPTS[0], max_new=COPY_MAX_NEW,
-                                            max_steps=4)
+                                            max_steps=4, propose=draft_tokens)
     assert acc[0, :len(ref_acc)].tolist() == ref_acc
     np.testing.assert_array_equal(r["flawed_sp"].tokens[0, :len(ref_out)], ref_out)
     STATS["flawed-row0"] = row0.tolist()
-
-
-def reference_acceptance(target, drafter, prompt, *, max_new, max_steps):
-    """Cache-free greedy loop: drafts = `draft_tokens` (the selector walk) on the full committed context."""
-    cfg = drafter.config
-    bs, D, M, taps = cfg.block_size, cfg.block_size - 1, cfg.mask_token_id, cfg.target_layer_ids
-    width = len(prompt) + max_new + bs
-    logits, _ = dj.target_forward(target, _pad_to(prompt, width), layer_ids=taps)
-    out = [int(np.argmax(np.asarray(logits)[0, len(prompt) - 1]))]
-    acc = []
-    while len(out) < max_new and len(acc) < max_steps:
-        seq = list(prompt) + out
-        start = len(seq) - 1
-        _, feats = dj.target_forward(target, _pad_to(seq, width), layer_ids=taps)
-        block = np.full((1, bs), M, np.int32)
-        block[0, 0] = seq[-1]
-        drafts = np.asarray(draft_tokens(drafter, target, np.asarray(feats)[:, :start], block))[0, :D].tolist()
-        v_logits, _ = dj.target_forward(target, _pad_to(seq + drafts, width), layer_ids=taps)
-        post = np.asarray(v_logits)[0, start:start + D + 1].argmax(-1).tolist()
-        a = 0
-        while a < D and drafts[a] == post[a]:
-            a += 1
-        acc.append(a + 1)
-        out.extend((drafts[:a] + [post[a]])[:max_new - len(out)])
-    return acc, out
 
 
 def test_dflash2_program_is_one_while_loop_with_the_walk_inside(copy_runs):

@@ -28,6 +28,8 @@ import numpy as np
 import pytest
 import torch
 
+from torch_reference import rel_err, rms, rope, tt
+
 import dflash_jax as dj
 from random_models import random_params
 from dflash_jax import selector as sel_mod
@@ -111,22 +113,6 @@ def _build(case: Case, seed: int = 0):
 
 # -- the torch reference -------------------------------------------------------------------------------------------
 
-def _tt(x) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(x, np.float64))
-
-
-def _rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _rope(x, pos, theta, factor):
-    hd = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    ang = (pos.to(torch.float64) / factor)[:, None] * inv_freq[None, :]
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[None, :, None, :]
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[None, :, None, :]
-    return x * cos + torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], -1) * sin
-
 
 def _conv(x, dyn, base, group):
     """Naive causal conv inside one block: x [B, T, H], dyn [B, T, Kc, groups], base [Kc, H]."""
@@ -155,14 +141,14 @@ def reference(drafter, target, features, block, *, dyn_order="side,tap,group", w
     The keyword flags inject known mistakes for the negative controls; the defaults are the reference."""
     dc = drafter.config
     m = dc.model
-    w = {k: _tt(v) for k, v in named_leaves(drafter.params).items()}
-    tw = {k: _tt(v) for k, v in named_leaves(target.params).items() if v is not None}
+    w = {k: tt(v) for k, v in named_leaves(drafter.params).items()}
+    tw = {k: tt(v) for k, v in named_leaves(target.params).items() if v is not None}
     head = tw["embed_tokens"] if target.config.tie_word_embeddings else tw["lm_head"]
-    feats, blk = _tt(features), torch.from_numpy(np.asarray(block, np.int64))
+    feats, blk = tt(features), torch.from_numpy(np.asarray(block, np.int64))
     B, C, _ = feats.shape
     bs = blk.shape[1]
     nH, nKV, hd, eps = m.num_attention_heads, m.num_key_value_heads, m.head_dim, m.rms_norm_eps
-    ctx = _rms(feats @ w["fc"].T, w["hidden_norm"], eps)
+    ctx = rms(feats @ w["fc"].T, w["hidden_norm"], eps)
     x = tw["embed_tokens"][blk] * dc.input_embedding_scale
     q_pos = C + torch.arange(bs)
     k_pos = torch.cat([torch.arange(C), q_pos])
@@ -186,13 +172,13 @@ def reference(drafter, target, features, block, *, dyn_order="side,tap,group", w
         window = dc.sliding_window if layer_type == "sliding_attention" else None
         allowed = torch.tensor([[_visible(int(a), int(b), causal, window, window_inclusive) for b in k_pos]
                                 for a in q_pos])
-        xn = _rms(x, w[p + "input_layernorm"], eps)
+        xn = rms(x, w[p + "input_layernorm"], eps)
         if two:
             xn, keep = prepare(xn, p + "attention_conv")
-        q = _rope(_rms((xn @ w[p + "self_attn.q_proj"].T).view(B, bs, nH, hd), w[p + "self_attn.q_norm"], eps),
+        q = rope(rms((xn @ w[p + "self_attn.q_proj"].T).view(B, bs, nH, hd), w[p + "self_attn.q_norm"], eps),
                   q_pos, m.rope_theta, m.rope_scaling_factor)
         kv_in = torch.cat([ctx, xn], dim=1)
-        k = _rope(_rms((kv_in @ w[p + "self_attn.k_proj"].T).view(B, C + bs, nKV, hd), w[p + "self_attn.k_norm"],
+        k = rope(rms((kv_in @ w[p + "self_attn.k_proj"].T).view(B, C + bs, nKV, hd), w[p + "self_attn.k_norm"],
                        eps), k_pos, m.rope_theta, m.rope_scaling_factor)
         v = (kv_in @ w[p + "self_attn.v_proj"].T).view(B, C + bs, nKV, hd)
         rep = nH // nKV
@@ -203,7 +189,7 @@ def reference(drafter, target, features, block, *, dyn_order="side,tap,group", w
         if two:
             a = _conv(a, keep[0], keep[1], G)
         x = x + a
-        h2 = _rms(x, w[p + "post_attention_layernorm"], eps)
+        h2 = rms(x, w[p + "post_attention_layernorm"], eps)
         if two:
             h2, keep = prepare(h2, p + "mlp_conv")
         f = (torch.nn.functional.silu(h2 @ w[p + "mlp.gate_proj"].T) * (h2 @ w[p + "mlp.up_proj"].T)) @ \
@@ -211,7 +197,7 @@ def reference(drafter, target, features, block, *, dyn_order="side,tap,group", w
         if two:
             f = _conv(f, keep[0], keep[1], G)
         x = x + f
-    h = _rms(x, w["norm"], eps)[:, 1:]
+    h = rms(x, w["norm"], eps)[:, 1:]
     logits = h @ head.T
     cap = dc.final_logit_softcapping
     if softcap_first and cap:
@@ -235,10 +221,6 @@ def reference(drafter, target, features, block, *, dyn_order="side,tap,group", w
     return logits.numpy(), torch.stack(toks, 1).numpy(), torch.stack(path_scores, 1).numpy()
 
 
-def _rel_err(got, ref) -> float:
-    return float(np.max(np.abs(np.asarray(got, np.float64) - ref)) / np.max(np.abs(ref)))
-
-
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: c.name)
 def built(request):
     case = request.param
@@ -251,7 +233,7 @@ def test_logits_tokens_and_scores_match_reference(built):
     case, target, drafter, features, block, prop, (ref_logits, ref_tokens, ref_scores) = built
     D = case.drafter.block_size - 1
     assert prop.logits.shape == (case.batch, D, case.target.vocab_size)
-    err = _rel_err(prop.logits, ref_logits)
+    err = rel_err(prop.logits, ref_logits)
     print(f"\n[dflash2 reference] {case.name}: logits rel err {err:.2e}")
     assert err <= REL_TOL, err
     np.testing.assert_array_equal(np.asarray(dj.draft_logits(drafter, target, features, block)),
@@ -260,7 +242,7 @@ def test_logits_tokens_and_scores_match_reference(built):
     np.testing.assert_array_equal(np.asarray(draft_tokens(drafter, target, features, block)), ref_tokens)
     if case.drafter.is_dflash2:
         assert prop.scores.shape == (case.batch, D, case.drafter.selector_top_k)
-        assert _rel_err(prop.scores, ref_scores) <= REL_TOL
+        assert rel_err(prop.scores, ref_scores) <= REL_TOL
         # the selector is not a no-op here: it overrules the logits' argmax on a good share of the slots
         differs = (np.asarray(prop.tokens) != ref_logits.argmax(-1)).mean()
         print(f"  selector path differs from argmax(logits) on {100 * differs:.0f}% of slots")
@@ -283,10 +265,10 @@ def test_comparison_is_sensitive_to_known_mistakes(mistake):
     prop = draft_proposal(drafter, target, features, block)
     logits, tokens, scores = reference(drafter, target, features, block, **mistake)
     if "walk_from" in mistake:  # the logits are right, the walk is not
-        assert _rel_err(prop.logits, logits) <= REL_TOL
-        assert (np.asarray(prop.tokens) != tokens).any() or _rel_err(prop.scores, scores) > 1e-2
+        assert rel_err(prop.logits, logits) <= REL_TOL
+        assert (np.asarray(prop.tokens) != tokens).any() or rel_err(prop.scores, scores) > 1e-2
     else:
-        assert _rel_err(prop.logits, logits) > 100 * REL_TOL, mistake
+        assert rel_err(prop.logits, logits) > 100 * REL_TOL, mistake
 
 
 def test_identity_conv_and_zero_selector_equal_dflash():

@@ -135,3 +135,13 @@ def test_documented_command_runs(command, tmp_path, monkeypatch, capsys):
     main(args)
     out = capsys.readouterr().out
     assert out.strip(), f"{command!r} (run as {args}) printed nothing"
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    """`.ci/run` runs the test command the README's first lines give a new user, not a drifted copy of it."""
+    first_block = re.search(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S).group(1)
+    readme = [re.sub(r"\s+#.*$", "", p).strip() for line in first_block.splitlines() for p in line.split("&&")]
+    readme = [p for p in readme if p.startswith("python -m pytest")]
+    assert len(readme) == 1, first_block
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert readme[0] in ci, (readme[0], ci)

@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 import torch
 
+from torch_reference import rel_err, rms, rope, tt
+
 import dflash_jax as dj
 from random_models import make_drafter, make_target
 from dflash_jax.config import DrafterConfig, Qwen3Config, check_pair
@@ -87,52 +89,34 @@ def _build(case: Case, seed: int = 0):
 
 # -- the torch reference -----------------------------------------------------------------------------------------
 
-def _tt(x) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(x, np.float64))
-
-
-def _rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _rope(x, pos, theta, factor):
-    """NeoX rotate-half RoPE over the full head_dim. x [B, T, n, hd], pos [T] absolute positions."""
-    hd = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    ang = (pos.to(torch.float64) / factor)[:, None] * inv_freq[None, :]  # [T, hd/2]
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[None, :, None, :]
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[None, :, None, :]
-    x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
 
 def reference_draft_logits(drafter, target, features, block, *, causal_block=False, block_offset=0,
                            renorm_context=False, shift_output=False):
     """Logits [B, bs-1, V] of block slots 1..bs-1 (float64). The keyword flags inject known mistakes so the test can
     show that the comparison is sensitive to them; all False is the reference."""
     m = drafter.config.model
-    w = {k: _tt(v) for k, v in named_leaves(drafter.params).items()}
-    tw = {k: _tt(v) for k, v in named_leaves(target.params).items() if v is not None}
+    w = {k: tt(v) for k, v in named_leaves(drafter.params).items()}
+    tw = {k: tt(v) for k, v in named_leaves(target.params).items() if v is not None}
     lm_head = tw["embed_tokens"] if target.config.tie_word_embeddings else tw["lm_head"]
-    feats, blk = _tt(features), torch.from_numpy(np.asarray(block, np.int64))
+    feats, blk = tt(features), torch.from_numpy(np.asarray(block, np.int64))
     B, C, _ = feats.shape
     bs = blk.shape[1]
     nH, nKV, hd, eps = m.num_attention_heads, m.num_key_value_heads, m.head_dim, m.rms_norm_eps
 
-    ctx = _rms(feats @ w["fc"].T, w["hidden_norm"], eps)  # once per forward, shared by every layer
+    ctx = rms(feats @ w["fc"].T, w["hidden_norm"], eps)  # once per forward, shared by every layer
     x = tw["embed_tokens"][blk]  # the block is embedded with the target's embedding
     ctx_pos = torch.arange(C)
     blk_pos = C + block_offset + torch.arange(bs)
     kv_pos = torch.cat([ctx_pos, blk_pos])
     for i in range(m.num_hidden_layers):
         p = f"layers.{i}."
-        xn = _rms(x, w[p + "input_layernorm"], eps)
-        c = _rms(ctx, w[p + "input_layernorm"], eps) if renorm_context else ctx
-        q = _rope(_rms((xn @ w[p + "self_attn.q_proj"].T).view(B, bs, nH, hd), w[p + "self_attn.q_norm"], eps),
+        xn = rms(x, w[p + "input_layernorm"], eps)
+        c = rms(ctx, w[p + "input_layernorm"], eps) if renorm_context else ctx
+        q = rope(rms((xn @ w[p + "self_attn.q_proj"].T).view(B, bs, nH, hd), w[p + "self_attn.q_norm"], eps),
                   blk_pos, m.rope_theta, m.rope_scaling_factor)
         kv_in = torch.cat([c, xn], dim=1)  # context first, then the block
-        k = _rms((kv_in @ w[p + "self_attn.k_proj"].T).view(B, C + bs, nKV, hd), w[p + "self_attn.k_norm"], eps)
-        k = _rope(k, kv_pos, m.rope_theta, m.rope_scaling_factor)
+        k = rms((kv_in @ w[p + "self_attn.k_proj"].T).view(B, C + bs, nKV, hd), w[p + "self_attn.k_norm"], eps)
+        k = rope(k, kv_pos, m.rope_theta, m.rope_scaling_factor)
         v = (kv_in @ w[p + "self_attn.v_proj"].T).view(B, C + bs, nKV, hd)
         rep = nH // nKV  # GQA: query head h reads KV head h // rep
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
@@ -143,16 +127,12 @@ def reference_draft_logits(drafter, target, features, block, *, causal_block=Fal
             scores = scores.masked_fill(~allowed, float("-inf"))
         attn = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(B, bs, nH * hd)
         x = x + attn @ w[p + "self_attn.o_proj"].T
-        h2 = _rms(x, w[p + "post_attention_layernorm"], eps)
+        h2 = rms(x, w[p + "post_attention_layernorm"], eps)
         x = x + (torch.nn.functional.silu(h2 @ w[p + "mlp.gate_proj"].T) * (h2 @ w[p + "mlp.up_proj"].T)) @ \
             w[p + "mlp.down_proj"].T
-    h = _rms(x, w["norm"], eps)
+    h = rms(x, w["norm"], eps)
     h = h[:, :bs - 1] if shift_output else h[:, 1:]
     return (h @ lm_head.T).numpy()
-
-
-def _rel_err(got, ref) -> float:
-    return float(np.max(np.abs(np.asarray(got, np.float64) - ref)) / np.max(np.abs(ref)))
 
 
 # -- 1. draft_logits == reference ---------------------------------------------------------------------------------
@@ -163,7 +143,7 @@ def test_draft_logits_matches_torch_reference(case):
     got = np.asarray(dj.draft_logits(drafter, target, features, block))
     ref = reference_draft_logits(drafter, target, features, block)
     assert got.shape == (case.batch, case.block_size - 1, case.target.vocab_size)
-    err = _rel_err(got, ref)
+    err = rel_err(got, ref)
     _ERRORS[case.name] = err
     print(f"\n[drafter reference] {case.name}: max|jax - torch| / max|logit| = {err:.2e} "
           f"(logit scale {np.max(np.abs(ref)):.2f})")
@@ -178,9 +158,9 @@ def test_reference_comparison_is_sensitive_to_known_mistakes():
     target, drafter, features, block = _build(case)
     got = np.asarray(dj.draft_logits(drafter, target, features, block))
     for mistake in ("causal_block", "renorm_context", "shift_output"):
-        err = _rel_err(got, reference_draft_logits(drafter, target, features, block, **{mistake: True}))
+        err = rel_err(got, reference_draft_logits(drafter, target, features, block, **{mistake: True}))
         assert err > 100 * REL_TOL, f"the comparison cannot see mistake {mistake!r} (err {err:.2e})"
-    err = _rel_err(got, reference_draft_logits(drafter, target, features, block, block_offset=-1))
+    err = rel_err(got, reference_draft_logits(drafter, target, features, block, block_offset=-1))
     assert err > 100 * REL_TOL, f"the comparison cannot see a block-position off-by-one (err {err:.2e})"
 
 
@@ -191,8 +171,8 @@ def test_block_slot0_token_matters_and_context_matters():
     base = np.asarray(dj.draft_logits(drafter, target, features, block))
     other_first = block.copy()
     other_first[:, 0] = (other_first[:, 0] + 1) % (case.target.vocab_size - 1)
-    assert _rel_err(dj.draft_logits(drafter, target, features, other_first), base) > 1e-2
-    assert _rel_err(dj.draft_logits(drafter, target, features[:, ::-1].copy(), block), base) > 1e-2
+    assert rel_err(dj.draft_logits(drafter, target, features, other_first), base) > 1e-2
+    assert rel_err(dj.draft_logits(drafter, target, features[:, ::-1].copy(), block), base) > 1e-2
 
 
 # -- 2. target tap semantics vs HF ---------------------------------------------------------------------------------
@@ -217,17 +197,17 @@ def test_target_layer_tap_is_hf_hidden_states_plus_one(tmp_path):
 
     logits, feats = dj.target_forward(target, ids, layer_ids=tuple(range(N)))
     logits, feats = np.asarray(logits), np.asarray(feats).reshape(2, 11, N, cfg.hidden_size)
-    assert _rel_err(logits, out.logits.numpy().astype(np.float64)) <= REL_TOL
+    assert rel_err(logits, out.logits.numpy().astype(np.float64)) <= REL_TOL
     for L in range(N - 1):
-        err = _rel_err(feats[:, :, L], hs[L + 1].astype(np.float64))
+        err = rel_err(feats[:, :, L], hs[L + 1].astype(np.float64))
         assert err <= REL_TOL, f"feature id {L} != HF hidden_states[{L + 1}] (rel err {err:.2e})"
         # the off-by-one reading is clearly different (layers are not ~identity with these weights)
-        assert _rel_err(feats[:, :, L], hs[L].astype(np.float64)) > 1e-2
+        assert rel_err(feats[:, :, L], hs[L].astype(np.float64)) > 1e-2
     # transformers 4.5x replaces hidden_states[-1] by the *final-normed* last hidden state, so for the last layer
     # feature id N-1 (pre-norm) equals HF's entry only after the final norm.
     last = jnp.asarray(feats[:, :, N - 1])
     normed = np.asarray(rms_norm(last, target.params.norm, cfg.rms_norm_eps))
-    assert _rel_err(normed, hs[N].astype(np.float64)) <= REL_TOL
+    assert rel_err(normed, hs[N].astype(np.float64)) <= REL_TOL
 
     # and each tap list concatenates in list order: (2, 0) -> [layer 2 | layer 0]
     _, f20 = dj.target_forward(target, ids, layer_ids=(2, 0))
@@ -272,9 +252,9 @@ def test_chunked_context_equals_draft_logits_and_cache_holds_no_block_kv():
         rows = np.flatnonzero(lens == n)  # rows with the same context length go through draft_logits together
         want = np.asarray(dj.draft_logits(drafter, target, full[rows, :n], block[rows]))
         ref = reference_draft_logits(drafter, target, full[rows, :n], block[rows])
-        errs.append(_rel_err(got[rows], want))
+        errs.append(rel_err(got[rows], want))
         assert errs[-1] <= REL_TOL, f"rows {rows}: chunked cached path differs from draft_logits ({errs[-1]:.2e})"
-        assert _rel_err(got[rows], ref) <= REL_TOL
+        assert rel_err(got[rows], ref) <= REL_TOL
     _ERRORS["chunked-vs-oneshot"] = max(errs)
 
     # The draft cache never holds block K/V: block_logits returns logits only, and lengths stay = context count.

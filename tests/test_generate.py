@@ -361,10 +361,16 @@ def _pad_to(seq, n):
     return np.asarray([list(seq) + [0] * (n - len(seq))], np.int32)
 
 
-def reference_acceptance(target, drafter, prompt, *, max_new, max_steps):
+def argmax_drafts(drafter, target, features, block):
+    """DFlash greedy proposals straight from `draft_logits` (not through `draft_tokens`, which is under test)."""
+    return np.asarray(dj.draft_logits(drafter, target, features, block)).argmax(-1)
+
+
+def reference_acceptance(target, drafter, prompt, *, max_new, max_steps, propose=argmax_drafts):
     """Cache-free DFlash greedy loop: each step drafts with `draft_logits` on the full committed context (features of
     positions 0..start-1 from a fresh `target_forward` over the committed sequence) and verifies with
     `target_forward` over the committed sequence + drafts; accept the longest matching prefix + the bonus.
+    `propose(drafter, target, features, block)` gives the drafts [1, >= D] (DFlash2 tests pass the selector walk).
     Returns (acceptance lengths per step, emitted tokens). Sequences are right-padded to one length so target_forward
     compiles once (causal: padding after a position cannot change it)."""
     cfg = drafter.config
@@ -379,8 +385,7 @@ def reference_acceptance(target, drafter, prompt, *, max_new, max_steps):
         _, feats = dj.target_forward(target, _pad_to(seq, width), layer_ids=taps)
         block = np.full((1, bs), M, np.int32)
         block[0, 0] = seq[-1]
-        d = np.asarray(dj.draft_logits(drafter, target, np.asarray(feats)[:, :start], block))
-        drafts = d[0, :D].argmax(-1).tolist()
+        drafts = np.asarray(propose(drafter, target, np.asarray(feats)[:, :start], block))[0, :D].tolist()
         v_logits, _ = dj.target_forward(target, _pad_to(seq + drafts, width), layer_ids=taps)
         post = np.asarray(v_logits)[0, start:start + D + 1].argmax(-1).tolist()  # target token for start+j+1
         a = 0

@@ -80,6 +80,20 @@ def test_sharded_nvfp4_scales_all_reach_the_output(run8):
     assert run8["sharded_draft_logits_close"]
 
 
+def test_dflash2_drafter_shards_like_dflash(run8):
+    """A DFlash2 drafter (non-trivial conv and selector) on the same mesh: greedy tokens equal to one device, dense
+    and NVFP4; the selector's codebooks split along the vocabulary, the NVFP4 conv / selector projections audited."""
+    for name in ("dflash2", "dflash2_nvfp4"):
+        assert run8[f"{name}_equal"] == 1.0, name
+        assert run8[f"{name}_tau"][0] == pytest.approx(run8[f"{name}_tau"][1]), name
+    fr = run8["dflash2_fractions"]
+    assert fr["candidate_selector.predecessor_codebook"] == 0.25
+    assert fr["candidate_selector.successor_codebook"] == 0.25
+    assert "candidate_selector.hidden_projection" in run8["dflash2_audit_checked"]
+    assert sum("kernel_projection" in n for n in run8["dflash2_audit_checked"]) == 2
+    assert run8["dflash2_audit_missing"] == []
+
+
 def test_no_weight_all_gathers_in_the_decode_loop(run8):
     for name in ("dense", "nvfp4"):
         hlo = run8[f"hlo_{name}"]

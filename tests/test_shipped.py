@@ -47,6 +47,21 @@ def test_default_generation_is_exact_and_accepts(default):
     assert tok.decode(sp.token_lists()[0])  # decodes to text
 
 
+def test_shipped_dflash2_drafter_is_exact_and_accepts(default):
+    """checkpoints/drafter2: the DFlash2 drafter for the same target (load_default(drafter="dflash2"))."""
+    from dflash_jax.defaults import checkpoints_dir
+    assert (checkpoints_dir() / "drafter2" / "train_report.json").exists()
+    target, _, tok, prompts = default
+    _, drafter2, _ = dj.load_default(drafter="dflash2")
+    assert drafter2.config.kind == "dflash2" and drafter2.config.block_size == 16
+    assert drafter2.config.target_layer_ids == dj.load_default()[1].config.target_layer_ids
+    kw = dict(max_new_tokens=64, eos_ids=(tok.eos_id,))
+    ar = dj.generate_autoregressive(target, prompts, **kw)
+    sp = dj.generate(target, drafter2, prompts, **kw)
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
+    assert sp.tau > 2.0, sp.tau  # a corruption detector, as for the DFlash drafter
+
+
 def test_hf_export_round_trip_and_transformers_parity(default, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

@@ -266,16 +266,17 @@ def build_data(target: Target, tok, cfg: DrafterConfig, work: Path, *, prompts: 
     return data
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="dflash-jax train-drafter",
-                                 description="Train the shipped DFlash drafter for the shipped target")
+def add_training_arguments(ap, *, out, work_dir, work_help):
+    """The flags every drafter trainer shares: what to train against, the data recipe, the optimizer."""
     ap.add_argument("--target", default=str(CHECKPOINTS / "target"), help="the frozen target (folder)")
     ap.add_argument("--tokenizer", default=str(CHECKPOINTS / "tokenizer.json"), help="tokenizer.json")
-    ap.add_argument("--out", default=str(CHECKPOINTS / "drafter"), help="where the trained drafter is saved")
-    ap.add_argument("--work-dir", default=".train/drafter", help="data cache, orbax checkpoints (resume) and logs")
+    ap.add_argument("--out", default=str(out), help="where the trained drafter is saved")
+    ap.add_argument("--work-dir", default=work_dir, help=work_help)
     ap.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
     ap.add_argument("--block-size", type=int, default=16, help="block size (drafted tokens + 1)")
     ap.add_argument("--taps", type=int, default=3, help="number of target layers feeding fc")
+    ap.add_argument("--tap-ids", type=int, nargs="+", default=None,
+                    help="target layers feeding fc (default: the z-lab rule for --taps taps)")
     ap.add_argument("--prompts", type=int, default=1024, help="training prompts (target continuations)")
     ap.add_argument("--new-tokens", type=int, default=1024, help="tokens the target generates per prompt")
     ap.add_argument("--max-prompt-tokens", type=int, default=128, help="prompts are cut to their last N tokens")
@@ -287,11 +288,27 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=8, help="sequences per batch")
     ap.add_argument("--anchors", type=int, default=64, help="random anchors (blocks) per sequence")
     ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    ap.add_argument("--eval-every", type=int, default=500, help="tau evaluation interval (steps)")
+    ap.add_argument("--eval-every", type=int, default=500, help="tau evaluation interval (steps); 0 = none")
     ap.add_argument("--ckpt-every", type=int, default=100, help="orbax checkpoint interval (steps), for resume")
-    ap.add_argument("--tap-ids", type=int, nargs="+", default=None,
-                    help="target layers feeding fc (default: the z-lab rule for --taps taps)")
     ap.add_argument("--seed", type=int, default=0, help="data and init seed")
+
+
+def build_data_or_exit(target, tok, cfg, data_dir, args):
+    """build_data from the shared flags; a missing corpus is a message, not a traceback."""
+    try:
+        return build_data(target, tok, cfg, data_dir, prompts=args.prompts, new_tokens=args.new_tokens,
+                          max_prompt_tokens=args.max_prompt_tokens, sampled_fraction=args.sampled_fraction,
+                          sample_temperature=args.sample_temperature, seed=args.seed,
+                          packages=not args.no_packages)
+    except corpus.CorpusError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="dflash-jax train-drafter",
+                                 description="Train the shipped DFlash drafter for the shipped target")
+    add_training_arguments(ap, out=CHECKPOINTS / "drafter", work_dir=".train/drafter",
+                           work_help="data cache, orbax checkpoints (resume) and logs")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -301,13 +318,7 @@ def main(argv=None):
                                  taps=args.taps, tap_ids=args.tap_ids)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    try:
-        data = build_data(target, tok, cfg, work, prompts=args.prompts, new_tokens=args.new_tokens,
-                          max_prompt_tokens=args.max_prompt_tokens, sampled_fraction=args.sampled_fraction,
-                          sample_temperature=args.sample_temperature, seed=args.seed,
-                          packages=not args.no_packages)
-    except corpus.CorpusError as e:
-        raise SystemExit(f"error: {e}") from None
+    data = build_data_or_exit(target, tok, cfg, work, args)
     eval_prompts = [tok.encode(t) for t in corpus.held_out_prompts(8, seed=1)]
 
     def eval_fn(params):

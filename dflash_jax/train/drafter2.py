@@ -47,8 +47,9 @@ from dflash_jax.config import DrafterConfig, Qwen3Config
 from dflash_jax.drafter import Drafter, head_logits, init_drafter
 from dflash_jax.params import abstract_drafter, from_named, named_leaves
 from dflash_jax.train import corpus
-from dflash_jax.train.drafter import (CHECKPOINTS, build_data, decay_gamma, make_batch_fn, measure_tau,
-                                      shipped_drafter_config, training_hidden, training_labels)
+from dflash_jax.train.drafter import (CHECKPOINTS, add_training_arguments, build_data_or_exit, decay_gamma,
+                                      make_batch_fn, measure_tau, shipped_drafter_config, training_hidden,
+                                      training_labels)
 from dflash_jax.train.loop import OptimConfig, cross_entropy, load_training_tokenizer, run
 
 
@@ -124,41 +125,20 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="dflash-jax train-drafter --kind dflash2",
                                  description="Train a DFlash2 drafter for the shipped target (resumable); data flags "
                                              "and defaults are train-drafter's")
-    ap.add_argument("--target", default=str(CHECKPOINTS / "target"), help="the frozen target (folder)")
-    ap.add_argument("--tokenizer", default=str(CHECKPOINTS / "tokenizer.json"), help="tokenizer.json")
-    ap.add_argument("--out", default=str(CHECKPOINTS / "drafter2"), help="where the trained drafter is saved")
-    ap.add_argument("--work-dir", default=".train/drafter2", help="orbax checkpoints (resume) and logs")
+    add_training_arguments(ap, out=CHECKPOINTS / "drafter2", work_dir=".train/drafter2",
+                           work_help="orbax checkpoints (resume) and logs")
     ap.add_argument("--data-dir", default=None,
                     help="data cache (default: --work-dir); train-drafter's work dir reuses its continuations and "
                          "target features when the data flags and taps match")
     ap.add_argument("--init-from", default=None, help="start the shared weights from this DFlash drafter folder")
-    ap.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
-    ap.add_argument("--block-size", type=int, default=16, help="block size (drafted tokens + 1)")
-    ap.add_argument("--taps", type=int, default=3, help="number of target layers feeding fc")
-    ap.add_argument("--tap-ids", type=int, nargs="+", default=None,
-                    help="target layers feeding fc (default: the z-lab rule for --taps taps)")
     ap.add_argument("--conv-kernel-size", type=int, default=2, help="DFlash2 conv taps (z-lab: 2)")
     ap.add_argument("--conv-group-size", type=int, default=16, help="channels per dynamic tap (z-lab: 16)")
     ap.add_argument("--selector-rank", type=int, default=64, help="selector codebook rank (z-lab: 256)")
     ap.add_argument("--selector-top-k", type=int, default=16, help="selector candidates per slot (z-lab: 16)")
     ap.add_argument("--selector-weight", type=float, default=1.0, help="weight of the selector loss")
     ap.add_argument("--sliding-window", type=int, default=None, help="make every layer sliding-window (non-causal)")
-    ap.add_argument("--prompts", type=int, default=1024, help="training prompts (target continuations)")
-    ap.add_argument("--new-tokens", type=int, default=1024, help="tokens the target generates per prompt")
-    ap.add_argument("--max-prompt-tokens", type=int, default=128, help="prompts are cut to their last N tokens")
-    ap.add_argument("--sampled-fraction", type=float, default=0.25,
-                    help="fraction of continuations sampled (the rest greedy)")
-    ap.add_argument("--sample-temperature", type=float, default=0.7, help="temperature of the sampled ones")
-    ap.add_argument("--no-packages", action="store_true", help="prompts from the stdlib alone (no [corpus] extra)")
-    ap.add_argument("--steps", type=int, default=3000, help="optimizer steps")
-    ap.add_argument("--batch", type=int, default=8, help="sequences per batch")
-    ap.add_argument("--anchors", type=int, default=64, help="random anchors (blocks) per sequence")
-    ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    ap.add_argument("--eval-every", type=int, default=500, help="tau evaluation interval (steps); 0 = none")
     ap.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for tau")
     ap.add_argument("--eval-tokens", type=int, default=256, help="new tokens per tau evaluation prompt")
-    ap.add_argument("--ckpt-every", type=int, default=100, help="orbax checkpoint interval (steps), for resume")
-    ap.add_argument("--seed", type=int, default=0, help="data and init seed")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -172,13 +152,7 @@ def main(argv=None):
     work.mkdir(parents=True, exist_ok=True)
     data_dir = Path(args.data_dir) if args.data_dir else work
     data_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        data = build_data(target, tok, cfg, data_dir, prompts=args.prompts, new_tokens=args.new_tokens,
-                          max_prompt_tokens=args.max_prompt_tokens, sampled_fraction=args.sampled_fraction,
-                          sample_temperature=args.sample_temperature, seed=args.seed,
-                          packages=not args.no_packages)
-    except corpus.CorpusError as e:
-        raise SystemExit(f"error: {e}") from None
+    data = build_data_or_exit(target, tok, cfg, data_dir, args)
     eval_prompts = [tok.encode(t) for t in corpus.held_out_prompts(args.eval_prompts, seed=1)]
     d7 = min(7, cfg.block_size - 1)  # the report's draft length
 
