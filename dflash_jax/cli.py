@@ -199,7 +199,8 @@ def _tau_table(args, target, drafter, tok, prompts):
     if dflash2 is not None:  # the same prompts and draft lengths, dense and NVFP4 (RTN, every projection)
         drafters.update({"dflash2": dflash2, "dflash2 nvfp4": quantize_nvfp4(dflash2)} if args.nvfp4
                         else {"dflash2": dflash2})
-    rows = bench.tau_table(target, drafters, prompts, draft_lengths=(3, 7, 15),
+    lengths = (args.draft_length,) if args.draft_length else (3, 7, 15)
+    rows = bench.tau_table(target, drafters, prompts, draft_lengths=lengths,
                            max_new_tokens=args.new_tokens[0], temperature=args.temperature)
     print(f"{len(prompts)} held-out prompts, {args.new_tokens[0]} new tokens, temperature {args.temperature}")
     print(bench.format_tau_table(rows))
@@ -229,7 +230,8 @@ def main(argv=None):
                    help="output lengths to measure, one table row each (default 128 512 1024)")
     b.add_argument("--prompts", type=int, default=8, help="held-out stdlib prompts, run one at a time (default 8)")
     b.add_argument("--draft-length", type=int, default=None,
-                   help="tokens drafted per step (default: block_size-1; 7 with --nvfp4)")
+                   help="tokens drafted per step (default: block_size-1; 7 with --nvfp4; with --tau-table: only this length "
+                        "instead of 3, 7 and 15)")
     b.add_argument("--seed", type=int, default=0, help="seed of the prompt sample and of sampling")
     b.add_argument("--nvfp4", action="store_true", help="add NVFP4 drafters with and without tensor scales")
     b.add_argument("--random-tiny", action="store_true", help="random tiny models: per-step cost split")

@@ -286,3 +286,24 @@ def test_native_backend_reference_rounds_activations(monkeypatch):
         assert bad.mismatched == ("layers[1].up",), str(bad)
     finally:
         linear_mod.set_default_backend(None)
+
+
+def test_tensor_scale_before_rmsnorm_with_large_inputs():
+    """A tensor scale in front of an RMSNorm reaches the output only through eps; with large inputs its float32
+    gradient can round to exactly 0 (it does for the shipped drafter's fc on real target features: test_shipped.py).
+    The audit then re-checks it with shrunken inputs: a correct forward passes, a dropped scale is still named."""
+    from dflash_jax.layers import rms_norm
+
+    p = MLP(layers=[_params().layers[0]], norm=jnp.ones(D))
+
+    def fwd(p, x, drop=False):
+        up = p.layers[0].up
+        if drop:
+            up = up.replace(global_scale=jnp.ones_like(up.global_scale))
+        h = rms_norm(linear(x, up), jnp.ones(H), 1e-6)
+        return linear(h, p.layers[0].down)
+
+    for scale in (1.0, 1e4):
+        x = _x() * scale
+        assert audit_scales(fwd, p, x).ok, scale
+        assert audit_scales(lambda p, x: fwd(p, x, drop=True), p, x).missing == ("layers[0].up: global_scale",)

@@ -62,6 +62,32 @@ def test_shipped_dflash2_drafter_is_exact_and_accepts(default):
     assert sp.tau > 2.0, sp.tau  # a corruption detector, as for the DFlash drafter
 
 
+def test_shipped_nvfp4_dflash2_audit_on_real_features(default):
+    """The shipped DFlash2 drafter, NVFP4, on real target features: every scale reaches the proposal (logits and
+    selector scores; fc's tensor scale only through hidden_norm's eps, see audit.py), and dropping only the conv and
+    selector tensor scales is named exactly."""
+    from dflash_jax.drafter import draft_proposal
+    from dflash_jax.quantize import DFLASH2_PROJECTIONS, ablated_forward
+    target, _, tok, prompts = default
+    _, drafter2, _ = dj.load_default(drafter="dflash2")
+    q = dj.quantize_nvfp4(drafter2)
+    ids = prompts[0][:24]
+    _, feats = dj.target_forward(target, np.asarray([ids], np.int32), layer_ids=q.config.target_layer_ids)
+    feats = np.asarray(feats)[:, :-1]
+    block = np.full((1, q.config.block_size), q.config.mask_token_id, np.int32)
+    block[0, 0] = ids[-1]
+
+    def fwd(p, f, b):
+        return draft_proposal(q.replace(params=p), target, f, b)
+
+    audit = dj.audit_scales(fwd, q.params, feats, block)
+    assert audit.ok, str(audit)
+    ablated = dj.audit_scales(ablated_forward(fwd, DFLASH2_PROJECTIONS), q.params, feats, block)
+    assert set(ablated.missing) == {f"layers[{i}].{c}.kernel_projection: global_scale" for i in range(2)
+                                    for c in ("attention_conv", "mlp_conv")} | {
+        "candidate_selector.hidden_projection: global_scale"}, str(ablated)
+
+
 def test_hf_export_round_trip_and_transformers_parity(default, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
