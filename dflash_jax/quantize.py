@@ -152,7 +152,9 @@ def calibrate_drafter(target, drafter, token_windows, *, anchors_per_window: int
                       max_rows: int = 4096) -> dict[str, np.ndarray]:
     """Calibration activations for every drafter linear, from real text, as `quantize_nvfp4` takes them: for each
     token window [T], the target's features of the window, then drafter blocks anchored at random positions (context
-    strictly before the anchor, as at inference), run eagerly through `collect_linear_inputs`."""
+    strictly before the anchor, as at inference), run eagerly through `collect_linear_inputs`. The anchor positions
+    are drawn once and shared by every window, so each anchor is one batched draft pass over all windows: eager ops
+    compile once per shape, and random per-window anchors made ~100 shapes (minutes of op compiles on a CPU)."""
     from dflash_jax.drafter import draft_logits
     from dflash_jax.target import target_forward
 
@@ -163,17 +165,16 @@ def calibrate_drafter(target, drafter, token_windows, *, anchors_per_window: int
         raise ValueError(f"token_windows must be [n, T] with T >= 10, got shape {windows.shape}")
     feats = np.asarray(target_forward(target, windows, cfg.target_layer_ids)[1])
     contexts, blocks = [], []
-    for i, w in enumerate(windows):
-        k = min(anchors_per_window, len(w) - 9)
-        for a in np.sort(rng.choice(np.arange(8, len(w) - 1), size=k, replace=False)):
-            contexts.append(feats[i, :a])
-            blk = np.full((cfg.block_size,), cfg.mask_token_id, np.int32)
-            blk[0] = w[a]
-            blocks.append(blk)
+    k = min(anchors_per_window, windows.shape[1] - 9)
+    for a in np.sort(rng.choice(np.arange(8, windows.shape[1] - 1), size=k, replace=False)):
+        contexts.append(feats[:, :a])  # [n, a, F]
+        blk = np.full((len(windows), cfg.block_size), cfg.mask_token_id, np.int32)
+        blk[:, 0] = windows[:, a]
+        blocks.append(blk)
 
     def forward(d, contexts, blocks):
         for f, b in zip(contexts, blocks):
-            draft_logits(d, target, f[None], b[None])
+            draft_logits(d, target, f, b)
 
     return collect_linear_inputs(forward, drafter, contexts, blocks, max_rows=max_rows, seed=seed)
 
