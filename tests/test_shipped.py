@@ -47,14 +47,18 @@ def test_default_generation_is_exact_and_accepts(default):
     assert tok.decode(sp.token_lists()[0])  # decodes to text
 
 
-def test_shipped_dflash2_drafter_is_exact_and_accepts(default):
+@pytest.fixture(scope="module")
+def drafter2():
+    return dj.load_default(drafter="dflash2")[1]
+
+
+def test_shipped_dflash2_drafter_is_exact_and_accepts(default, drafter2):
     """checkpoints/drafter2: the DFlash2 drafter for the same target (load_default(drafter="dflash2"))."""
     from dflash_jax.defaults import checkpoints_dir
     assert (checkpoints_dir() / "drafter2" / "train_report.json").exists()
-    target, _, tok, prompts = default
-    _, drafter2, _ = dj.load_default(drafter="dflash2")
+    target, drafter, tok, prompts = default
     assert drafter2.config.kind == "dflash2" and drafter2.config.block_size == 16
-    assert drafter2.config.target_layer_ids == dj.load_default()[1].config.target_layer_ids
+    assert drafter2.config.target_layer_ids == drafter.config.target_layer_ids
     kw = dict(max_new_tokens=64, eos_ids=(tok.eos_id,))
     ar = dj.generate_autoregressive(target, prompts, **kw)
     sp = dj.generate(target, drafter2, prompts, **kw)
@@ -62,14 +66,13 @@ def test_shipped_dflash2_drafter_is_exact_and_accepts(default):
     assert sp.tau > 2.0, sp.tau  # a corruption detector, as for the DFlash drafter
 
 
-def test_shipped_nvfp4_dflash2_audit_on_real_features(default):
+def test_shipped_nvfp4_dflash2_audit_on_real_features(default, drafter2):
     """The shipped DFlash2 drafter, NVFP4, on real target features: every scale reaches the proposal (logits and
     selector scores; fc's tensor scale only through hidden_norm's eps, see audit.py), and dropping only the conv and
     selector tensor scales is named exactly."""
     from dflash_jax.drafter import draft_proposal
     from dflash_jax.quantize import DFLASH2_PROJECTIONS, ablated_forward
-    target, _, tok, prompts = default
-    _, drafter2, _ = dj.load_default(drafter="dflash2")
+    target, _, _, prompts = default
     q = dj.quantize_nvfp4(drafter2)
     ids = prompts[0][:24]
     _, feats = dj.target_forward(target, np.asarray([ids], np.int32), layer_ids=q.config.target_layer_ids)
