@@ -283,3 +283,61 @@ def format_tau_table(rows: list[dict]) -> str:
         lines.append(f"{r['drafter']:>16} {r['draft_length']:>3} {r['tau']:>6.2f} {100 * r['acceptance_rate']:>6.1f}% "
                      f"{r['steps']:>6}  {pos}")
     return "\n".join(lines)
+
+
+def pair_table(target: Target, drafters: dict, prompts: Sequence[Sequence[int]], *, new_tokens=(128, 512, 1024),
+               draft_lengths=(7, 15), temperatures=(0.0, 0.7), seed: int = 0) -> list[dict]:
+    """The shipped pair's summary grid: for each temperature and draft length, `compare` at every output length
+    with all `drafters` (e.g. dense and NVFP4) on the same prompts; one autoregressive baseline per cell."""
+    (first, d0), *rest = drafters.items()
+    rows = []
+    for temperature in temperatures:
+        for D in draft_lengths:
+            for n in new_tokens:
+                r = compare(target, d0, prompts, max_new_tokens=n, draft_length=D, drafters=dict(rest),
+                            temperature=temperature, seed=seed)
+                r[first] = r.pop("dflash")  # `compare` names its first drafter "dflash"
+                rows.append(r)
+    return rows
+
+
+def format_pair_table(rows: list[dict], names: Sequence[str]) -> str:
+    head = f"{'T':>4} {'D':>3} {'new tok':>8} {'AR tok/s':>9}"
+    for n in names:
+        head += f" | {n + ' tau':>12} {'speedup':>7} {'exact':>6}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        line = f"{r['temperature']:>4.1f} {r['draft_length']:>3} {r['max_new_tokens']:>8} {r['ar_tokens_per_s']:>9.1f}"
+        for n in names:
+            x = r[n]
+            exact = x["exact_match"] if r["temperature"] == 0 else "-"
+            line += f" | {x['tau']:>12.2f} {x['speedup']:>6.2f}x {exact:>6}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def format_pair_goals(rows: list[dict], name: str = "nvfp4") -> str:
+    """Issue 9's figures from one pair-table run (same run, medians over prompts)."""
+    def cell(T, D, n):
+        return next((r for r in rows if r["temperature"] == T and r["draft_length"] == D
+                     and r["max_new_tokens"] == n), None)
+
+    lines = [f"pair goals ({name} drafter, this run):"]
+    lengths = sorted({r["max_new_tokens"] for r in rows})
+    lo, hi = cell(0.0, 7, lengths[0]), cell(0.0, 7, lengths[-1])
+    if lo and hi:
+        lines.append(f"  tau at {lengths[-1]} / tau at {lengths[0]} tokens, greedy, D 7: "
+                     f"{hi[name]['tau'] / lo[name]['tau']:.2f} (goal >= 0.80)")
+    greedy7 = [cell(0.0, 7, n) for n in lengths]
+    if all(greedy7):
+        lines.append("  speedup, greedy, D 7: " + " / ".join(f"{r[name]['speedup']:.2f}x" for r in greedy7)
+                     + f" at {' / '.join(map(str, lengths))} tokens (goal >= 1.3 each)")
+    warm = cell(0.7, 7, lengths[0])
+    if warm:
+        lines.append(f"  speedup at T 0.7, D 7, {lengths[0]} tokens: {warm[name]['speedup']:.2f}x (goal > 1.0)")
+    exact = [tuple(map(int, r[n]["exact_match"].split("/"))) for r in rows if r["temperature"] == 0
+             for n in r if isinstance(r[n], dict) and "exact_match" in r[n]]
+    if exact:
+        lines.append(f"  greedy output identical to autoregressive: {sum(a for a, _ in exact)}/"
+                     f"{sum(b for _, b in exact)} runs (goal 100%)")
+    return "\n".join(lines)

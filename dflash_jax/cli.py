@@ -98,6 +98,9 @@ def _bench(args):
     if args.tau_table:
         _tau_table(args, target, drafter, tok, prompts)
         return
+    if args.pair_table:
+        _pair_table(args, target, drafter, prompts)
+        return
     extra, names, names2 = {}, ["dflash"], []
     dflash2 = None
     if args.nvfp4:
@@ -145,6 +148,21 @@ def _bench(args):
         print(bench.format_dflash2_goals(results, dc))
 
 
+def _pair_table(args, target, drafter, prompts):
+    from dflash_jax import bench
+    from dflash_jax.quantize import quantize_nvfp4
+
+    lengths = (args.draft_length,) if args.draft_length else (7, 15)
+    temps = (args.temperature,) if args.temperature is not None else (0.0, 0.7)
+    print(f"embedded pair, {len(prompts)} held-out prompts, batch 1, dense and NVFP4 (RTN) DFlash drafter; decode "
+          f"tokens/s exclude prefill and compile; speedup = median drafter tok/s / median AR tok/s, same run; at T > 0 "
+          f"rejection sampling (output not expected to equal the AR sample)")
+    rows = bench.pair_table(target, {"dense": drafter, "nvfp4": quantize_nvfp4(drafter)}, prompts,
+                            new_tokens=args.new_tokens, draft_lengths=lengths, temperatures=temps, seed=args.seed)
+    print(bench.format_pair_table(rows, ("dense", "nvfp4")))
+    print(bench.format_pair_goals(rows))
+
+
 def _dflash2_drafter(args):
     """The DFlash2 drafter for the bench: --dflash2 PATH, else the shipped one, else None (with a note)."""
     from dflash_jax.checkpoint import load_drafter
@@ -167,7 +185,8 @@ def _quality(args):
     from dflash_jax.defaults import load_default
 
     target, _, tok = load_default()
-    r = quality.report(target, tok, prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    r = quality.report(target, tok, prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                       windows=args.windows)
     print(quality.format_report(r, show=args.show))
 
 
@@ -185,7 +204,8 @@ def _tau_table(args, target, drafter, tok, prompts):
         train_text = corpus.read_texts(corpus.split_files(corpus.stdlib_files())[0][:64])
         stream = corpus.token_stream(tok, train_text, tok.eos_id)
         rng = np.random.default_rng(args.seed)
-        windows = [stream[s:s + 96] for s in rng.integers(0, len(stream) - 96, 16)]
+        # 16 calibration windows for the documented 8 prompts; fewer for a smaller run (the tests' tiny one)
+        windows = [stream[s:s + 96] for s in rng.integers(0, len(stream) - 96, min(16, 2 * len(prompts)))]
         cal = calibrate_drafter(target, drafter, windows)
         rtn = quantize_nvfp4(drafter)
         drafters.update({"nvfp4 rtn": rtn, "nvfp4 calibrated": quantize_nvfp4(drafter, method="calibrated",
@@ -236,8 +256,12 @@ def main(argv=None):
     b.add_argument("--nvfp4", action="store_true", help="add NVFP4 drafters with and without tensor scales")
     b.add_argument("--random-tiny", action="store_true", help="random tiny models: per-step cost split")
     b.add_argument("--tau-table", action="store_true", help="tau at draft lengths 3/7/15 (+ NVFP4 with --nvfp4)")
-    b.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy; > 0 = rejection sampling (then 'exact' is not expected to hold)")
+    b.add_argument("--pair-table", action="store_true",
+                   help="dense and NVFP4 drafter: tau and speedup at draft lengths 7 and 15 (or --draft-length), "
+                        "greedy and T 0.7 (or --temperature), at each --new-tokens")
+    b.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default); > 0 = rejection sampling (then 'exact' is not expected to hold); "
+                        "--pair-table runs 0 and 0.7 unless given")
     b.add_argument("--device-report", action="store_true",
                    help="the prepared GPU run (dflash_jax/device_report.py): linear timings per backend, step costs, "
                         "embedded pair; writes device_report.json/.md into --out")
@@ -250,6 +274,8 @@ def main(argv=None):
     q.add_argument("--max-new-tokens", type=int, default=256, help="tokens per greedy continuation")
     q.add_argument("--show", type=int, default=2, help="hand-written prompts whose continuation is printed")
     q.add_argument("--seed", type=int, default=0, help="seed of the held-out prompt sample")
+    q.add_argument("--windows", type=int, default=64,
+                   help="held-out loss windows of 256 tokens (a quarter as many of 1024; default 64)")
     sub.add_parser("train-target", help="reproduce checkpoints/target", add_help=False)
     sub.add_parser("train-drafter", help="reproduce checkpoints/drafter (--kind dflash2: checkpoints/drafter2)",
                    add_help=False)
@@ -273,6 +299,8 @@ def main(argv=None):
     elif args.cmd == "quality":
         _quality(args)
     elif args.cmd == "bench":
+        if args.temperature is None and not args.pair_table:
+            args.temperature = 0.0
         if args.nvfp4 and args.draft_length is None and not args.tau_table:
             args.draft_length = 7  # the original report's setting
         _bench(args)

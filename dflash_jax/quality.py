@@ -145,7 +145,8 @@ def heldout_loss(target, tokenizer, *, seq_len: int = 256, n_windows: int = 64, 
     return fn(params)["heldout_loss"]
 
 
-def report(target, tokenizer, *, prompts: int = 16, max_new_tokens: int = 256, seed: int = 0) -> dict:
+def report(target, tokenizer, *, prompts: int = 16, max_new_tokens: int = 256, seed: int = 0,
+           windows: int = 64) -> dict:
     """Held-out loss (256- and 1024-token windows), and seq-rep-4 of greedy continuations of held-out and
     hand-written prompts, with the hand-written solutions' own seq-rep-4 and the target's loss on them."""
     from dflash_jax.train import corpus
@@ -153,9 +154,11 @@ def report(target, tokenizer, *, prompts: int = 16, max_new_tokens: int = 256, s
     held = corpus.held_out_prompts(prompts, seed=seed)
     hand = [p.rstrip("\n") for p, _ in HANDWRITTEN]  # the newline is the model's (see corpus._sample_prompts)
     out = {
-        "heldout_loss_256": heldout_loss(target, tokenizer, seq_len=256),
-        "heldout_loss_1024": heldout_loss(target, tokenizer, seq_len=1024, n_windows=16),
-        "heldout_loss_256_no_codecs": heldout_loss(target, tokenizer, seq_len=256, skip_codecs=True),
+        "windows": windows,
+        "heldout_loss_256": heldout_loss(target, tokenizer, seq_len=256, n_windows=windows),
+        "heldout_loss_1024": heldout_loss(target, tokenizer, seq_len=1024, n_windows=max(1, windows // 4)),
+        "heldout_loss_256_no_codecs": heldout_loss(target, tokenizer, seq_len=256, n_windows=windows,
+                                                   skip_codecs=True),
         "seq_rep_4_heldout": continuation_repetition(target, tokenizer, held, max_new_tokens=max_new_tokens),
         "seq_rep_4_handwritten": continuation_repetition(target, tokenizer, hand, max_new_tokens=max_new_tokens),
         "seq_rep_4_handwritten_solutions": float(statistics.median(
@@ -166,10 +169,11 @@ def report(target, tokenizer, *, prompts: int = 16, max_new_tokens: int = 256, s
 
 
 def format_report(r: dict, *, show: int = 2) -> str:
+    w = r.get("windows", 64)
     lines = [
-        f"held-out loss (stdlib held-out split, nats/token): {r['heldout_loss_256']:.3f} on 64 windows of 256 "
-        f"tokens, {r['heldout_loss_1024']:.3f} on 16 windows of 1024; {r['heldout_loss_256_no_codecs']:.3f} on 64 "
-        f"windows of 256 without encodings/ (generated codec tables)",
+        f"held-out loss (stdlib held-out split, nats/token): {r['heldout_loss_256']:.3f} on {w} windows of 256 "
+        f"tokens, {r['heldout_loss_1024']:.3f} on {max(1, w // 4)} windows of 1024; "
+        f"{r['heldout_loss_256_no_codecs']:.3f} on {w} windows of 256 without encodings/ (generated codec tables)",
         f"loss on the hand-written functions (prompt + body): {r['handwritten_loss']:.3f} nats/token",
         f"seq-rep-4 of greedy continuations, median: held-out prompts {r['seq_rep_4_heldout']['median']:.3f} "
         f"(n={len(r['seq_rep_4_heldout']['per_prompt'])}); hand-written prompts "

@@ -16,12 +16,6 @@ def test_bench_command_small(capsys):
     assert "AR tok/s" in out and "speedup" in out and "r =" in out
 
 
-def test_bench_nvfp4_small(capsys):
-    cli.main(["bench", "--nvfp4", "--new-tokens", "32", "--prompts", "2"])
-    out = capsys.readouterr().out
-    assert "nvfp4 no-scale" in out and "nvfp4 tok/s" in out
-
-
 # -- help lines: every subcommand and every option says what it does -----------------------------------------------
 
 import argparse
@@ -99,3 +93,23 @@ def test_generate_no_compare(capsys, monkeypatch):
     cli.main(["generate", "def fibonacci(n):", "--max-new-tokens", "24", "--no-compare"])
     out = capsys.readouterr().out
     assert out.startswith("def fibonacci(n):") and "tau" in out and "tokens/s" not in out
+
+
+def test_pair_goals_read_the_right_cells():
+    """`bench --pair-table`'s summary: the tau ratio, speedups and exactness come from the cells they name."""
+    from dflash_jax import bench
+
+    def row(T, D, n, tau, speedup, exact="4/4"):
+        cell = {"tau": tau, "speedup": speedup, "exact_match": exact}
+        return {"temperature": T, "draft_length": D, "max_new_tokens": n, "ar_tokens_per_s": 100.0,
+                "dense": dict(cell), "nvfp4": dict(cell)}
+
+    rows = [row(0.0, 7, 128, 4.0, 1.5), row(0.0, 7, 1024, 3.0, 1.2, "3/4"), row(0.0, 15, 128, 9.0, 9.0),
+            row(0.7, 7, 128, 2.0, 1.1, "0/4"), row(0.7, 7, 1024, 1.0, 0.5, "0/4")]
+    out = bench.format_pair_goals(rows)
+    assert "tau at 1024 / tau at 128 tokens, greedy, D 7: 0.75" in out
+    assert "speedup, greedy, D 7: 1.50x / 1.20x at 128 / 1024 tokens" in out
+    assert "speedup at T 0.7, D 7, 128 tokens: 1.10x" in out
+    assert "identical to autoregressive: 22/24 runs" in out  # greedy rows only: 4+3+4 per drafter, 2 drafters
+    table = bench.format_pair_table(rows, ("dense", "nvfp4"))
+    assert len(table.splitlines()) == 2 + len(rows) and " - " in table.splitlines()[-1] + " "

@@ -27,6 +27,7 @@ def test_bench_nvfp4_prints_dflash2_rows_and_the_draft_cost_ratio(tmp_path, caps
     dj.save(tmp_path / "d2", d2)
     cli.main(["bench", "--nvfp4", "--new-tokens", "24", "--prompts", "1", "--dflash2", str(tmp_path / "d2")])
     out = capsys.readouterr().out
+    assert "nvfp4 no-scale tok/s" in out and "nvfp4 tok/s" in out  # the DFlash rows
     assert "DFlash2 drafter (same prompts, same run):" in out
     for row in ("dflash2 tok/s", "dflash2 nvfp4 tok/s", "dflash2 nvfp4 no-scale tok/s",
                 "dflash2 nvfp4 no conv/sel scale tok/s"):
