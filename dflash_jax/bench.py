@@ -256,10 +256,17 @@ def format_dflash2_goals(results: list[dict], draft_costs: dict | None = None) -
     if results[0]["temperature"] > 0:  # sampled runs differ from autoregressive by design
         return "\n".join(lines)
     names = [n for n in results[0] if isinstance(results[0][n], dict) and "exact_match" in results[0][n]]
-    exact = [tuple(map(int, r[n]["exact_match"].split("/"))) for r in results for n in names]
-    lines.append(f"  greedy output identical to autoregressive: {sum(a for a, _ in exact)}/{sum(b for _, b in exact)} "
-                 f"runs over {len(names)} drafters (goal 100%)")
+    same, runs = exact_counts(results)
+    lines.append(f"  greedy output identical to autoregressive: {same}/{runs} runs over {len(names)} drafters "
+                 f"(goal 100%)")
     return "\n".join(lines)
+
+
+def exact_counts(results: list[dict]) -> tuple[int, int]:
+    """(runs whose output equalled autoregressive, runs) summed over every drafter of every `compare` result."""
+    pairs = [tuple(map(int, x["exact_match"].split("/"))) for r in results for x in r.values()
+             if isinstance(x, dict) and "exact_match" in x]
+    return sum(a for a, _ in pairs), sum(b for _, b in pairs)
 
 
 def tau_table(target: Target, drafters: dict, prompts: Sequence[Sequence[int]], *, draft_lengths=(3, 7, 15),
@@ -335,9 +342,7 @@ def format_pair_goals(rows: list[dict], name: str = "nvfp4") -> str:
     warm = cell(0.7, 7, lengths[0])
     if warm:
         lines.append(f"  speedup at T 0.7, D 7, {lengths[0]} tokens: {warm[name]['speedup']:.2f}x (goal > 1.0)")
-    exact = [tuple(map(int, r[n]["exact_match"].split("/"))) for r in rows if r["temperature"] == 0
-             for n in r if isinstance(r[n], dict) and "exact_match" in r[n]]
-    if exact:
-        lines.append(f"  greedy output identical to autoregressive: {sum(a for a, _ in exact)}/"
-                     f"{sum(b for _, b in exact)} runs (goal 100%)")
+    same, runs = exact_counts([r for r in rows if r["temperature"] == 0])
+    if runs:
+        lines.append(f"  greedy output identical to autoregressive: {same}/{runs} runs (goal 100%)")
     return "\n".join(lines)

@@ -15,6 +15,7 @@ installed, rather than being skipped.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.metadata as md
 import io
@@ -134,23 +135,26 @@ def test_budget_overrides_are_generic():
     assert _set_option(["x"], "--steps", "2") == ["x", "--steps", "2"]
 
 
+@functools.cache
+def _tiny_run_key(command: str):
+    """What a documented command runs once shrunk, with options in any order ([--x 1 --y 2] == [--y 2 --x 1])."""
+    main, args = tiny(command, Path("/documented-command-tmp"))
+    groups, head = [], []
+    for a in args:
+        if a.startswith("--"):
+            groups.append([a])
+        elif groups:
+            groups[-1].append(a)
+        else:
+            head.append(a)
+    return main, tuple(head), tuple(sorted(map(tuple, groups)))
+
+
 def _same_tiny_run(command: str) -> str | None:
     """An earlier documented command that runs exactly as this one once shrunk (e.g. `train-target` and
     `train-target --out X`: --out goes to the temporary folder in both), or None."""
-    def key(cmd):
-        main, args = tiny(cmd, Path("/documented-command-tmp"))
-        groups, head = [], []
-        for a in args:  # options in any order: [--x 1 --y 2] == [--y 2 --x 1]
-            if a.startswith("--"):
-                groups.append([a])
-            elif groups:
-                groups[-1].append(a)
-            else:
-                head.append(a)
-        return main, head, sorted(groups)
-
-    mine = key(command)
-    return next((c for c in COMMANDS[:COMMANDS.index(command)] if key(c) == mine), None)
+    mine = _tiny_run_key(command)
+    return next((c for c in COMMANDS[:COMMANDS.index(command)] if _tiny_run_key(c) == mine), None)
 
 
 @pytest.mark.parametrize("command", COMMANDS)
