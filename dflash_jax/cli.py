@@ -185,6 +185,12 @@ def _quality(args):
     from dflash_jax.defaults import load_default
 
     target, _, tok = load_default()
+    if args.target:
+        from dflash_jax.checkpoint import load_target
+        target = load_target(args.target)
+        if target.config.vocab_size != tok.vocab_size:
+            raise SystemExit(f"error: --target {args.target} has vocab {target.config.vocab_size}, the shipped "
+                             f"tokenizer {tok.vocab_size}")
     r = quality.report(target, tok, prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
                        windows=args.windows)
     print(quality.format_report(r, show=args.show))
@@ -270,6 +276,7 @@ def main(argv=None):
     b.add_argument("--dflash2", default=None,
                    help="with --nvfp4 / --tau-table: a DFlash2 drafter folder (default: the shipped one)")
     q = sub.add_parser("quality", help="the target as a language model: held-out loss and repetition (seq-rep-4)")
+    q.add_argument("--target", default=None, help="a target folder to measure (default: the shipped target)")
     q.add_argument("--prompts", type=int, default=16, help="held-out prompts to continue greedily")
     q.add_argument("--max-new-tokens", type=int, default=256, help="tokens per greedy continuation")
     q.add_argument("--show", type=int, default=2, help="hand-written prompts whose continuation is printed")

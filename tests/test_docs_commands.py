@@ -8,8 +8,9 @@ Budgets are shrunk generically: the command's own `--help` says which options it
 TINY gets its tiny value (replacing the documented one, or added), every flag in TINY_FLAGS it takes is set (a
 command's own small mode, such as the GPU report's CPU `--smoke`), every option in OUTPUTS is sent to a fresh
 temporary folder, and the command runs with that folder as the working directory (relative default paths such as
-`.train/` land there too). A command that takes `--no-packages` runs with it when the `[corpus]` extra is not
-installed, rather than being skipped.
+`.train/` land there too; an argument naming a path of the repository, such as `checkpoints/target_v3`, is given
+as that path). A command that takes `--no-packages` runs with it when the `[corpus]` extra is not installed, rather
+than being skipped.
 """
 
 from __future__ import annotations
@@ -110,6 +111,10 @@ def tiny(command: str, tmp: Path) -> tuple[object, list[str]]:
             args = _set_option(args, name, str(tmp / name.strip("-")))
     if "--no-packages" in accepted and "--no-packages" not in args and not _corpus_extra_installed():
         args = args + ["--no-packages"]
+    # The command runs in a temporary folder: an input that names a path of the repository (checkpoints/target_v3)
+    # is given as that path.
+    args = [str(ROOT / a) if not a.startswith("-") and not Path(a).is_absolute() and (ROOT / a).exists() else a
+            for a in args]
     return main, args
 
 

@@ -66,3 +66,24 @@ def test_format_report_names_every_figure():
     text = quality.format_report(r, show=1)
     for needle in ("2.500", "2.300", "2.900", "3.100", "0.200", "0.100", "0.050", quality.HANDWRITTEN[0][0].rstrip("\n")):
         assert needle in text
+
+
+def test_text_loss_of_padded_batch_equals_each_text_alone():
+    """text_loss runs all texts in one right-padded forward; padding must change no text's loss."""
+    import jax
+
+    import dflash_jax as dj
+
+    cfg = dj.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    target = dj.init_target(cfg, jax.random.key(0))
+
+    class Chars:  # a tokenizer: one id per character
+        @staticmethod
+        def encode(text):
+            return [ord(c) % 64 for c in text]
+
+    texts = ["def f(x):\n    return x + 1\n", "ab", "import os\n"]
+    alone = [(quality.text_loss(target, Chars, [t]), len(t) - 1) for t in texts]
+    want = sum(loss * n for loss, n in alone) / sum(n for _, n in alone)
+    assert quality.text_loss(target, Chars, texts) == pytest.approx(want, rel=1e-5)

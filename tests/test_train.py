@@ -2,6 +2,7 @@
 
 import tempfile
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,3 +145,19 @@ def test_drafter_training_loss_falls_and_accepts(tiny_pair):
 
 def test_decay_gamma():
     assert td.decay_gamma(16) == 7.0 and td.decay_gamma(10) == 5.0 and td.decay_gamma(8) == 4.0
+
+
+def test_warm_start_copies_a_drafter_of_the_same_layout_and_names_a_misfit(tiny_pair):
+    """train-drafter --init-from: every tensor comes from the source drafter; a drafter of another layout is refused
+    with the tensor named, before any training."""
+    _, drafter = tiny_pair
+    cfg = drafter.config
+    fresh = dj.init_drafter(cfg, jax.random.key(7)).params
+    started = td.warm_start(cfg, fresh, drafter, exact=True)
+    chex.assert_trees_all_equal(started, drafter.params)
+    deeper = cfg.replace(model=cfg.model.replace(num_hidden_layers=2))
+    with pytest.raises(ValueError, match="lacks"):
+        td.warm_start(deeper, dj.init_drafter(deeper, jax.random.key(7)).params, drafter, exact=True)
+    wider = cfg.replace(model=cfg.model.replace(intermediate_size=32))
+    with pytest.raises(ValueError, match="does not fit this dflash drafter"):
+        td.warm_start(wider, dj.init_drafter(wider, jax.random.key(7)).params, drafter, exact=True)

@@ -22,10 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.checkpoint import load_target, save
+from dflash_jax.checkpoint import load_drafter, load_target, save
 from dflash_jax.config import DrafterConfig, Qwen3Config, default_target_layer_ids
 from dflash_jax.drafter import Drafter, block_pass, context_kv, embed_block, head_logits, init_drafter
 from dflash_jax.decoding import generate, generate_autoregressive
+from dflash_jax.params import abstract_drafter, from_named, named_leaves
 from dflash_jax.target import Target, forward_with_cache
 from dflash_jax.tokenizer import Tokenizer
 from dflash_jax.train import corpus
@@ -266,6 +267,23 @@ def build_data(target: Target, tok, cfg: DrafterConfig, work: Path, *, prompts: 
     return data
 
 
+def warm_start(cfg: DrafterConfig, fresh, source: Drafter, *, exact: bool = False):
+    """`fresh` params with every tensor of the `source` drafter copied in (a DFlash drafter into a DFlash2 one
+    fills the layers they share). exact: `source` must have every tensor `fresh` has (a warm start of the same
+    kind). A tensor that does not fit is named."""
+    named = dict(named_leaves(fresh))
+    theirs = named_leaves(source.params)
+    for name, leaf in theirs.items():
+        if name not in named or tuple(named[name].shape) != tuple(leaf.shape):
+            raise ValueError(f"--init-from: tensor {name} {tuple(leaf.shape)} does not fit this "
+                             f"{cfg.kind} drafter")
+        named[name] = jnp.asarray(leaf, named[name].dtype)
+    if exact and set(theirs) != set(named):
+        raise ValueError(f"--init-from: the drafter lacks {sorted(set(named) - set(theirs))[:4]} "
+                         f"(it is not a {cfg.kind} drafter of this layout)")
+    return from_named(abstract_drafter(cfg), named)
+
+
 def add_training_arguments(ap, *, out, work_dir, work_help):
     """The flags every drafter trainer shares: what to train against, the data recipe, the optimizer."""
     ap.add_argument("--target", default=str(CHECKPOINTS / "target"), help="the frozen target (folder)")
@@ -309,6 +327,9 @@ def main(argv=None):
                                  description="Train the shipped DFlash drafter for the shipped target")
     add_training_arguments(ap, out=CHECKPOINTS / "drafter", work_dir=".train/drafter",
                            work_help="data cache, orbax checkpoints (resume) and logs")
+    ap.add_argument("--init-from", default=None,
+                    help="start from this DFlash drafter folder (same layout), e.g. one trained for an earlier "
+                         "version of the target")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -327,6 +348,8 @@ def main(argv=None):
                 if k != "position_acceptance"}
 
     params = init_drafter(cfg, jax.random.key(args.seed + 1)).params
+    if args.init_from:
+        params = warm_start(cfg, params, load_drafter(args.init_from), exact=True)
     optim = OptimConfig(steps=args.steps, lr=args.lr, weight_decay=0.0)
     params, history = run(params=params, loss_fn=drafter_loss(cfg, target.config),
                           batch_fn=make_batch_fn(data, target.params, batch=args.batch, num_anchors=args.anchors,
@@ -341,7 +364,7 @@ def main(argv=None):
               "prompts": args.prompts, "new_tokens": args.new_tokens,
               "generated_tokens": int((data["lengths"] - data["prompt_lens"]).sum()),
               "sampled_fraction": args.sampled_fraction, "sample_temperature": args.sample_temperature,
-              "gamma": decay_gamma(args.block_size),
+              "gamma": decay_gamma(args.block_size), "init_from": args.init_from,
               "train_loss": history[-1]["loss"] if history else None,
               "train_acc": history[-1].get("acc") if history else None,
               "tau_eval_8_prompts_256_tokens_D7": final["tau"],

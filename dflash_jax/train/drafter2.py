@@ -45,11 +45,10 @@ from dflash_jax import selector as sel_mod
 from dflash_jax.checkpoint import load_drafter, load_target, save
 from dflash_jax.config import DrafterConfig, Qwen3Config
 from dflash_jax.drafter import Drafter, head_logits, init_drafter
-from dflash_jax.params import abstract_drafter, from_named, named_leaves
 from dflash_jax.train import corpus
 from dflash_jax.train.drafter import (CHECKPOINTS, add_training_arguments, build_data_or_exit, decay_gamma,
                                       make_batch_fn, measure_tau, shipped_drafter_config, training_hidden,
-                                      training_labels)
+                                      training_labels, warm_start)
 from dflash_jax.train.loop import OptimConfig, cross_entropy, load_training_tokenizer, run
 
 
@@ -108,17 +107,6 @@ def drafter2_loss(cfg: DrafterConfig, target_cfg: Qwen3Config, gamma: float | No
         return base + selector_weight * sel, metrics
 
     return loss_fn
-
-
-def warm_start(cfg: DrafterConfig, fresh, dflash: Drafter):
-    """fresh DFlash2 params with every tensor a DFlash drafter of the same layout also has copied from it."""
-    named = dict(named_leaves(fresh))
-    theirs = named_leaves(dflash.params)
-    for name, leaf in theirs.items():
-        if name not in named or tuple(named[name].shape) != tuple(leaf.shape):
-            raise ValueError(f"--init-from: tensor {name} {tuple(leaf.shape)} does not fit this DFlash2 drafter")
-        named[name] = jnp.asarray(leaf, named[name].dtype)
-    return from_named(abstract_drafter(cfg), named)
 
 
 def main(argv=None):

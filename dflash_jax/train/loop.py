@@ -1,7 +1,9 @@
 """The shared training loop: AdamW + warmup/cosine + clipping, orbax checkpoints, resume, progress with ETA.
 
 Batches are a pure function of the step number (`batch_fn(step)`), so a resumed run sees exactly the batches the
-interrupted one would have seen.
+interrupted one would have seen; a batch that depends on the model itself (its own generations, as in unlikelihood
+fine-tuning) is `batch_fn(step, params)` with `batch_uses_params=True`, a pure function of the step and the restored
+weights.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def make_optimizer(cfg: OptimConfig, trainable_mask: Any = None) -> optax.Gradie
 
 def run(*, params, loss_fn: Callable, batch_fn: Callable[[int], Any], optim: OptimConfig, ckpt_dir: str | Path,
         eval_fn: Callable[[Any], dict] | None = None, eval_every: int = 0, ckpt_every: int = 200,
-        desc: str = "train", log_file: str | Path | None = None) -> tuple[Any, list[dict]]:
+        desc: str = "train", log_file: str | Path | None = None,
+        batch_uses_params: bool = False) -> tuple[Any, list[dict]]:
     """Minimise loss_fn(params, batch) -> (loss, metrics dict); resumes from the newest checkpoint in ckpt_dir."""
     import orbax.checkpoint as ocp
 
@@ -70,7 +73,8 @@ def run(*, params, loss_fn: Callable, batch_fn: Callable[[int], Any], optim: Opt
     t0, running = time.perf_counter(), None
     try:
         for step in bar:
-            params, opt_state, metrics = step_fn(params, opt_state, batch_fn(step))
+            batch = batch_fn(step, params) if batch_uses_params else batch_fn(step)
+            params, opt_state, metrics = step_fn(params, opt_state, batch)
             if step % 10 == 0 or step == optim.steps - 1:
                 m = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 running = m["loss"] if running is None else 0.9 * running + 0.1 * m["loss"]

@@ -1,6 +1,9 @@
-"""Train the shipped target: a small Qwen3 on Python sources (next-token CE).
+"""Train the shipped target: a small Qwen3 on Python sources (next-token CE); or fine-tune a trained one.
 
     dflash-jax train-target            # reproduces checkpoints/target (resumable: rerun the same command)
+
+`--init-from X --unlikelihood W` starts from the target in X and adds W x the sequence-level unlikelihood loss on the
+model's own greedy continuations (dflash_jax/train/unlikelihood.py; checkpoints/target_v3 was made so).
 
 Data: the stdlib plus the pinned pure-Python packages of the `[corpus]` extra (`corpus.build_corpus`), held-out files
 by path hash never trained on. Each batch row comes from the stdlib with probability `--stdlib-weight` (else from the
@@ -25,7 +28,7 @@ import numpy as np
 from dflash_jax.checkpoint import save
 from dflash_jax.config import Qwen3Config
 from dflash_jax.target import Target, forward_with_cache, init_target
-from dflash_jax.train import corpus
+from dflash_jax.train import corpus, unlikelihood
 from dflash_jax.train.loop import OptimConfig, batch_rng, cross_entropy, load_training_tokenizer, run
 
 CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
@@ -106,6 +109,19 @@ def tokenized_corpus(tok, work_dir: Path, *, packages: bool) -> dict[str, np.nda
     return {**streams, "manifest": man}
 
 
+def load_init_target(path, tok) -> Target:
+    """The target a fine-tune starts from, in float32, or an error that says what is wrong with it."""
+    from dflash_jax.checkpoint import load_target
+    if not Path(path).exists():
+        raise SystemExit(f"error: --init-from {path}: no such folder (give a target saved by train-target)")
+    start = load_target(path, param_dtype="float32", compute_dtype="float32")
+    if start.config.vocab_size != tok.vocab_size or start.config.eos_token_id != tok.eos_id:
+        raise SystemExit(f"error: --init-from {path} was trained with another tokenizer (vocab "
+                         f"{start.config.vocab_size}, EOS {start.config.eos_token_id}; this tokenizer: vocab "
+                         f"{tok.vocab_size}, EOS {tok.eos_id})")
+    return start
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="dflash-jax train-target",
                                  description="Train the shipped target on the stdlib + corpus packages")
@@ -132,12 +148,27 @@ def main(argv=None):
     ap.add_argument("--tokenizer", default=str(CHECKPOINTS / "tokenizer.json"), help="tokenizer.json to train with")
     ap.add_argument("--out", default=str(CHECKPOINTS / "target"), help="where the trained target is saved")
     ap.add_argument("--work-dir", default=".train/target", help="orbax training checkpoints (for resume) and logs")
+    ft = ap.add_argument_group("fine-tuning a trained target (unlikelihood: see dflash_jax/train/unlikelihood.py)")
+    ft.add_argument("--init-from", default=None,
+                    help="start from this saved target (its shape; the shape options above are ignored)")
+    ft.add_argument("--unlikelihood", type=float, default=0.0,
+                    help="weight of the sequence-level unlikelihood loss on the model's own greedy continuations "
+                         "(0 = next-token loss only)")
+    ft.add_argument("--ul-batch", type=int, default=16, help="greedy continuations per step")
+    ft.add_argument("--ul-prefix", type=int, default=64, help="real-text prefix of each continuation (tokens)")
+    ft.add_argument("--ul-new-tokens", type=int, default=128, help="tokens generated per continuation")
+    ft.add_argument("--ul-ngram", type=int, default=4, help="a token inside a repeated n-gram of this length is penalised")
     args = ap.parse_args(argv)
+    if args.unlikelihood < 0:
+        raise SystemExit(f"error: --unlikelihood must be >= 0, got {args.unlikelihood}")
+    if args.unlikelihood > 0 and min(args.ul_batch, args.ul_prefix, args.ul_new_tokens, args.ul_ngram) < 1:
+        raise SystemExit("error: --ul-batch, --ul-prefix, --ul-new-tokens and --ul-ngram must be >= 1")
     if not 0.0 <= args.long_fraction <= 1.0:
         raise SystemExit(f"error: --long-fraction must be in [0, 1], got {args.long_fraction}")
 
     t_start = time.perf_counter()
     tok = load_training_tokenizer(args.tokenizer)
+    start = load_init_target(args.init_from, tok) if args.init_from else None  # a bad start fails before the corpus
     work = Path(args.work_dir)
     try:
         data = tokenized_corpus(tok, work, packages=not args.no_packages)
@@ -151,10 +182,13 @@ def main(argv=None):
     if len(data["train_packages"]):
         streams.append(data["train_packages"])
         weights.append(1.0 - args.stdlib_weight)
-    cfg = shipped_target_config(tok.vocab_size, tok.eos_id, layers=args.layers, hidden=args.hidden,
-                                intermediate=args.intermediate, heads=args.heads, kv_heads=args.kv_heads,
-                                rope_theta=args.rope_theta)
-    params = init_target(cfg, jax.random.key(args.seed)).params
+    if start is not None:
+        cfg, params = start.config, start.params
+    else:
+        cfg = shipped_target_config(tok.vocab_size, tok.eos_id, layers=args.layers, hidden=args.hidden,
+                                    intermediate=args.intermediate, heads=args.heads, kv_heads=args.kv_heads,
+                                    rope_theta=args.rope_theta)
+        params = init_target(cfg, jax.random.key(args.seed)).params
     long_start = args.steps - int(round(args.steps * args.long_fraction))
     long_batch = max(1, args.batch * args.seq_len // args.long_seq_len)
 
@@ -171,6 +205,12 @@ def main(argv=None):
         evals.append(heldout_loss_fn(cfg, data["eval_stdlib"], 1024, n_windows=16, name="heldout_loss_1024",
                                      chunk=4))
 
+    if args.unlikelihood > 0:
+        # What the fine-tune is for: repetition of greedy continuations of held-out prompts (as `dflash-jax quality`).
+        held_prompts = corpus.held_out_prompts(16, seed=0)
+        evals.append(lambda p: {"seq_rep_4": unlikelihood.median_seq_rep(Target(params=p, config=cfg), tok,
+                                                                         held_prompts)})
+
     def eval_fn(params):
         out = {}
         for e in evals:
@@ -179,10 +219,16 @@ def main(argv=None):
 
     optim = OptimConfig(steps=args.steps, lr=args.lr, weight_decay=args.weight_decay)
     work.mkdir(parents=True, exist_ok=True)
-    params, history = run(params=params, loss_fn=lm_loss(cfg), batch_fn=batch_fn, optim=optim,
+    loss_fn, uses_params = lm_loss(cfg), False
+    if args.unlikelihood > 0:  # the same text batches, plus the model's own continuations of real prefixes
+        batch_fn = unlikelihood.make_batch_fn(
+            cfg, batch_fn, lambda rng: mixed_windows(streams, weights, args.ul_batch, args.ul_prefix, rng),
+            prefix_len=args.ul_prefix, new_tokens=args.ul_new_tokens, ngram=args.ul_ngram, seed=args.seed)
+        loss_fn, uses_params = unlikelihood.unlikelihood_loss(cfg, args.unlikelihood), True
+    params, history = run(params=params, loss_fn=loss_fn, batch_fn=batch_fn, optim=optim,
                           ckpt_dir=work / "ckpt", eval_fn=eval_fn, eval_every=args.eval_every,
                           ckpt_every=args.ckpt_every, desc="target",
-                          log_file=work / "log.jsonl")
+                          log_file=work / "log.jsonl", batch_uses_params=uses_params)
     target = Target(params=params, config=cfg)
     save(args.out, target)
     final = eval_fn(params)
@@ -190,7 +236,10 @@ def main(argv=None):
     report = {"command": "dflash-jax train-target " + " ".join(argv or []), "steps": args.steps,
               "batch": args.batch, "seq_len": args.seq_len, "long_seq_len": args.long_seq_len,
               "long_from_step": long_start, "long_batch": long_batch, "tokens_seen": tokens_seen,
-              "stdlib_weight": args.stdlib_weight, "lr": args.lr,
+              "stdlib_weight": args.stdlib_weight, "lr": args.lr, "weight_decay": args.weight_decay,
+              "init_from": args.init_from, "unlikelihood": args.unlikelihood,
+              **({"ul_batch": args.ul_batch, "ul_prefix": args.ul_prefix, "ul_new_tokens": args.ul_new_tokens,
+                  "ul_ngram": args.ul_ngram} if args.unlikelihood > 0 else {}),
               "train_loss": history[-1]["loss"] if history else None, **final,
               "wall_time_s_this_invocation": round(time.perf_counter() - t_start, 1),
               "params": int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))),
