@@ -182,15 +182,16 @@ def _dflash2_drafter(args):
 
 def _quality(args):
     from dflash_jax import quality
-    from dflash_jax.defaults import load_default
+    from dflash_jax.checkpoint import load_target
+    from dflash_jax.defaults import checkpoints_dir
+    from dflash_jax.tokenizer import Tokenizer
 
-    target, _, tok = load_default()
-    if args.target:
-        from dflash_jax.checkpoint import load_target
-        target = load_target(args.target)
-        if target.config.vocab_size != tok.vocab_size:
-            raise SystemExit(f"error: --target {args.target} has vocab {target.config.vocab_size}, the shipped "
-                             f"tokenizer {tok.vocab_size}")
+    # Only the tokenizer and the one target measured: no drafter, no second target.
+    tok = Tokenizer.from_file(checkpoints_dir() / "tokenizer.json")
+    target = load_target(args.target or checkpoints_dir() / "target")
+    if args.target and target.config.vocab_size != tok.vocab_size:
+        raise SystemExit(f"error: --target {args.target} has vocab {target.config.vocab_size}, the shipped "
+                         f"tokenizer {tok.vocab_size}")
     r = quality.report(target, tok, prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
                        windows=args.windows)
     print(quality.format_report(r, show=args.show))

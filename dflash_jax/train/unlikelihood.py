@@ -23,7 +23,7 @@ import numpy as np
 
 from dflash_jax.config import Qwen3Config
 from dflash_jax.target import Target, forward_with_cache
-from dflash_jax.train.loop import batch_rng, cross_entropy
+from dflash_jax.train.loop import batch_rng
 
 # 1 - p is clipped here: a token the model is already certain of must not give an infinite loss.
 MIN_ONE_MINUS_P = 1e-5
@@ -51,11 +51,13 @@ def repeat_mask(rows: np.ndarray, prefix_len: int, n: int = 4) -> np.ndarray:
 def unlikelihood_loss(cfg: Qwen3Config, weight: float):
     """loss_fn(params, batch) -> (next-token loss on batch["text"] + weight * unlikelihood on batch["generated"],
     metrics). batch["generated"] [B, S] is prefix + greedy continuation, batch["repeated"] [B, S] its repeat mask."""
+    from dflash_jax.train.target import lm_loss  # the trainer's own next-token loss (target.py imports this module)
+
+    next_token_loss = lm_loss(cfg)
+
     def loss_fn(params, batch):
         model = Target(params=params, config=cfg)
-        text = batch["text"]  # [B, T+1]
-        logits, _, _ = forward_with_cache(model, text[:, :-1], None)
-        lm = cross_entropy(logits, text[:, 1:]).mean()
+        lm, _ = next_token_loss(params, batch["text"])  # [B, T+1] real text
 
         rows, repeated = batch["generated"], batch["repeated"]  # [B2, S], [B2, S]
         logits, _, _ = forward_with_cache(model, rows[:, :-1], None)
