@@ -10,7 +10,7 @@
     dflash-jax train-target / train-drafter      reproduce the shipped checkpoints (resumable)
     dflash-jax train-drafter --kind dflash2      train the DFlash2 drafter (checkpoints/drafter2, resumable)
 
-Compiled programs are kept in JAX's persistent compilation cache (`dflash_jax.compile_cache`: under
+Compiled programs are kept in JAX's persistent compilation cache (`dflash_jax.io.compile_cache`: under
 $XDG_CACHE_HOME/dflash-jax, or ~/.cache/dflash-jax), so a second run skips compiling; DFLASH_JAX_NO_COMPILE_CACHE=1
 turns it off.
 """
@@ -23,11 +23,11 @@ import sys
 
 def _generate(args):
     from dflash_jax import generate, generate_autoregressive
-    from dflash_jax.defaults import load_default
+    from dflash_jax.io.shipped import load_default
 
     target, drafter, tok = load_default(drafter=args.kind)
     if args.nvfp4:
-        from dflash_jax.quantize import quantize_nvfp4
+        from dflash_jax.quant.quantize import quantize_nvfp4
         drafter = quantize_nvfp4(drafter)
     ids = tok.encode(args.prompt)
     if not ids:
@@ -60,18 +60,18 @@ def _generate(args):
 
 def _bench(args):
     if args.device_report:
-        from dflash_jax import device_report
+        from dflash_jax.bench import device_report
         return device_report.main((["--smoke"] if args.smoke else []) + (["--out", args.out] if args.out else []))
     import jax
     import numpy as np  # noqa: F401
 
-    from dflash_jax import bench
+    from dflash_jax.bench import speculative as bench
 
     if args.random_tiny:
         from dflash_jax.config import DrafterConfig, Qwen3Config
-        from dflash_jax.drafter import init_drafter
-        from dflash_jax.decoding import generate
-        from dflash_jax.target import init_target
+        from dflash_jax.models.drafter import init_drafter
+        from dflash_jax.decode.programs import generate
+        from dflash_jax.models.target import init_target
         cfg = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=6,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=32)
         dcfg = DrafterConfig(model=cfg.replace(num_hidden_layers=2), block_size=16, mask_token_id=511,
@@ -90,7 +90,7 @@ def _bench(args):
             print()
         return
 
-    from dflash_jax.defaults import load_default
+    from dflash_jax.io.shipped import load_default
     from dflash_jax.train import corpus
 
     target, drafter, tok = load_default()
@@ -104,7 +104,7 @@ def _bench(args):
     extra, names, names2 = {}, ["dflash"], []
     dflash2 = None
     if args.nvfp4:
-        from dflash_jax.quantize import ATTENTION_PROJECTIONS, DFLASH2_PROJECTIONS, drop_global_scales, quantize_nvfp4
+        from dflash_jax.quant.quantize import ATTENTION_PROJECTIONS, DFLASH2_PROJECTIONS, drop_global_scales, quantize_nvfp4
         q = quantize_nvfp4(drafter)
         extra = {"nvfp4 no-scale": drop_global_scales(q), "nvfp4": q}
         names += list(extra)
@@ -149,8 +149,8 @@ def _bench(args):
 
 
 def _pair_table(args, target, drafter, prompts):
-    from dflash_jax import bench
-    from dflash_jax.quantize import quantize_nvfp4
+    from dflash_jax.bench import speculative as bench
+    from dflash_jax.quant.quantize import quantize_nvfp4
 
     lengths = (args.draft_length,) if args.draft_length else (7, 15)
     temps = (args.temperature,) if args.temperature is not None else (0.0, 0.7)
@@ -165,8 +165,8 @@ def _pair_table(args, target, drafter, prompts):
 
 def _dflash2_drafter(args):
     """The DFlash2 drafter for the bench: --dflash2 PATH, else the shipped one, else None (with a note)."""
-    from dflash_jax.checkpoint import load_drafter
-    from dflash_jax.defaults import checkpoints_dir
+    from dflash_jax.io.checkpoint import load_drafter
+    from dflash_jax.io.shipped import checkpoints_dir
 
     path = args.dflash2 or checkpoints_dir() / "drafter2"
     try:
@@ -181,10 +181,10 @@ def _dflash2_drafter(args):
 
 
 def _quality(args):
-    from dflash_jax import quality
-    from dflash_jax.checkpoint import load_target
-    from dflash_jax.defaults import checkpoints_dir
-    from dflash_jax.tokenizer import Tokenizer
+    from dflash_jax.bench import quality
+    from dflash_jax.io.checkpoint import load_target
+    from dflash_jax.io.shipped import checkpoints_dir
+    from dflash_jax.io.tokenizer import Tokenizer
 
     # Only the tokenizer and the one target measured: no drafter, no second target.
     tok = Tokenizer.from_file(checkpoints_dir() / "tokenizer.json")
@@ -201,9 +201,10 @@ def _tau_table(args, target, drafter, tok, prompts):
     import jax
     import numpy as np
 
-    from dflash_jax import bench
+    from dflash_jax.bench import speculative as bench
     from dflash_jax.params import param_bytes
-    from dflash_jax.quantize import calibrate_drafter, drop_global_scales, quantize_nvfp4
+    from dflash_jax.models.calibrate import calibrate_drafter
+    from dflash_jax.quant.quantize import drop_global_scales, quantize_nvfp4
     from dflash_jax.train import corpus
 
     drafters = {"dense": drafter}
@@ -234,7 +235,7 @@ def _tau_table(args, target, drafter, tok, prompts):
 
 
 def main(argv=None):
-    from dflash_jax.compile_cache import enable_compilation_cache
+    from dflash_jax.io.compile_cache import enable_compilation_cache
 
     enable_compilation_cache()  # the command's default; DFLASH_JAX_NO_COMPILE_CACHE=1 turns it off
     ap = argparse.ArgumentParser(prog="dflash-jax", description=__doc__,
@@ -270,7 +271,7 @@ def main(argv=None):
                    help="0 = greedy (default); > 0 = rejection sampling (then 'exact' is not expected to hold); "
                         "--pair-table runs 0 and 0.7 unless given")
     b.add_argument("--device-report", action="store_true",
-                   help="the prepared GPU run (dflash_jax/device_report.py): linear timings per backend, step costs, "
+                   help="the prepared GPU run (dflash_jax/bench/device_report.py): linear timings per backend, step costs, "
                         "embedded pair; writes device_report.json/.md into --out")
     b.add_argument("--smoke", action="store_true", help="with --device-report: tiny shapes, runs on CPU")
     b.add_argument("--out", default=None, help="with --device-report: output folder")

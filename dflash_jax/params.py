@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import DrafterConfig, Qwen3Config
-from dflash_jax.nvfp4 import NVFP4Array
+from dflash_jax.quant.nvfp4 import NVFP4Array
 
 
 def _dataclass(cls):

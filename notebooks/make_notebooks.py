@@ -119,7 +119,7 @@ plt.show()
 Batch 1, each prompt in turn; decode loop only (prefill and compilation excluded), medians over the prompts. These are
 this machine's numbers at the time of the run: on a shared CPU they move from run to run.""",
     """
-from dflash_jax import bench
+from dflash_jax.bench import speculative as bench
 
 r = bench.compare(target, drafter, prompts[:2], max_new_tokens=128, eos_ids=(tok.eos_id,))
 print(bench.format_compare_table([r]))
@@ -142,7 +142,7 @@ missing-tensor-scale collapse (llama.cpp PR #28000) reproduced on purpose and na
     SETUP + """
 import jax.numpy as jnp
 import dflash_jax as dj
-from dflash_jax import nvfp4
+from dflash_jax.quant import nvfp4
 from dflash_jax.train import corpus
 
 dj.enable_compilation_cache()  # compiled programs kept on disk: running the notebook again skips compiling
@@ -229,7 +229,7 @@ exactly DFlash, so the DFlash and DFlash2 columns agree): it shows the pipeline,
     """
 import jax
 
-from dflash_jax.defaults import checkpoints_dir
+from dflash_jax.io.shipped import checkpoints_dir
 if (checkpoints_dir() / "drafter2").exists():
     drafter2 = dj.load_drafter(checkpoints_dir() / "drafter2")
     print("shipped DFlash2 drafter:", drafter2.config.model.num_hidden_layers, "layers, selector top-k",
@@ -328,7 +328,7 @@ Read from the shipped checkpoints: `checkpoints/{target,drafter}/train_report.js
 `train_log.jsonl` (the training loop's log, one record every 10 steps, held-out evaluations included) when it is
 shipped too; without a log only the final numbers of the report are shown.""",
     SETUP + """
-from dflash_jax.defaults import checkpoints_dir
+from dflash_jax.io.shipped import checkpoints_dir
 
 root = checkpoints_dir()
 
@@ -454,7 +454,7 @@ plt.show()
 
 SHARDING = [
     """md:# Several devices: the shipped pair on a data 2 x model 4 mesh
-`make_mesh(data=2, model=4)` and `shard(model, mesh)` place every weight by the rules in `dflash_jax/sharding.py`
+`make_mesh(data=2, model=4)` and `shard(model, mesh)` place every weight by the rules in `dflash_jax/parallel/sharding.py`
 (tensor parallel over heads, MLP and vocabulary; data parallel over the batch); `generate` runs unchanged, as one
 program. On this CPU the 8 devices are virtual (`--xla_force_host_platform_device_count=8`, set before jax starts),
 so this shows placement and exactness, not speed.""",
@@ -464,7 +464,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 """ + SETUP + """
 import jax
 import dflash_jax as dj
-from dflash_jax.sharding import shard_fraction
+from dflash_jax.parallel.sharding import shard_fraction
 from dflash_jax.train import corpus
 
 CACHEABLE = dict(prefill_timing="rerun")  # no host callback in the program (a callback on a mesh rematerialises)
@@ -568,7 +568,7 @@ def key_numbers(nb) -> dict:
 
 def fingerprint() -> str:
     """sha256 over the shipped models, tokenizer and training logs/reports: the notebooks' inputs."""
-    from dflash_jax.defaults import checkpoints_dir
+    from dflash_jax.io.shipped import checkpoints_dir
 
     root = checkpoints_dir()
     h = hashlib.sha256()

@@ -47,7 +47,7 @@ class Mutant:
 _REUSE = '''
 
 def _planted(w):
-    from dflash_jax.nvfp4 import NVFP4Array
+    from dflash_jax.quant.nvfp4 import NVFP4Array
     if isinstance(w, NVFP4Array):  # block 0's scale applied to every block of the row
         return w.replace(block_scale=jnp.broadcast_to(w.block_scale[..., :1], w.block_scale.shape))
     return w
@@ -55,7 +55,7 @@ def _planted(w):
 _SHIFT = '''
 
 def _planted(w):
-    from dflash_jax.nvfp4 import NVFP4Array
+    from dflash_jax.quant.nvfp4 import NVFP4Array
     if isinstance(w, NVFP4Array):  # the block scales of row r applied to row r + 1
         return w.replace(block_scale=jnp.roll(w.block_scale, 1, axis=0))
     return w
@@ -63,7 +63,7 @@ def _planted(w):
 _SQUARE = '''
 
 def _planted(w):
-    from dflash_jax.nvfp4 import NVFP4Array
+    from dflash_jax.quant.nvfp4 import NVFP4Array
     if isinstance(w, NVFP4Array):  # the tensor scale applied twice
         return w.replace(global_scale=w.global_scale * w.global_scale)
     return w
@@ -76,64 +76,64 @@ SAMPLING = "tests/test_sampling.py"
 PROOF = "speculative_output_has_target_distribution or sampled_eos"
 
 MUTANTS = [
-    Mutant("q-temperature", "draft probabilities q computed at temperature 1 whatever is requested", "sampling.py",
+    Mutant("q-temperature", "draft probabilities q computed at temperature 1 whatever is requested", "decode/sampling.py",
            "q = processed_probs(d_logits, sp)  # [B, D, V]",
            "q = processed_probs(d_logits, dataclasses.replace(sp, temperature=1.0))  # [B, D, V]",
            (SAMPLING, "-k", PROOF), issue=True),
     Mutant("eos-whole-block", "EOS searched in the whole verified block instead of the committed prefix",
-           "decoding.py",
+           "decode/programs.py",
            "is_eos = jnp.isin(new_tokens, jnp.asarray(eos_ids, jnp.int32)) & (j < n[:, None])",
            "is_eos = jnp.isin(new_tokens, jnp.asarray(eos_ids, jnp.int32))",
            ("tests/test_eos.py", "-k", "not control"), issue=True,
-           alt=(("decoding.py", _EOS_TRACED + " & (j < n[:, None])", _EOS_TRACED),)),
-    Mutant("key-reuse", "the drafting key reused for acceptance", "decoding.py",
+           alt=(("decode/programs.py", _EOS_TRACED + " & (j < n[:, None])", _EOS_TRACED),)),
+    Mutant("key-reuse", "the drafting key reused for acceptance", "decode/programs.py",
            "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, keys, sampling, **q_kw)",
            "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, s.key, sampling, **q_kw)",
            (SAMPLING, "-k", PROOF), issue=True,
-           alt=(("decoding.py", "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, keys, sampling)",
+           alt=(("decode/programs.py", "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, keys, sampling)",
                  "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, s.key, sampling)"),)),
-    Mutant("scale-reuse", "an MLP applies block 0's NVFP4 scale to every block", "layers.py",
+    Mutant("scale-reuse", "an MLP applies block 0's NVFP4 scale to every block", "models/layers.py",
            "linear(x, p.up_proj), p.down_proj)", "linear(x, _planted(p.up_proj)), p.down_proj)", AUDIT_TESTS,
            issue=True),
-    Mutant("scale-shift", "v_proj's NVFP4 block scales shifted by one row", "layers.py",
+    Mutant("scale-shift", "v_proj's NVFP4 block scales shifted by one row", "models/layers.py",
            "v = linear(h, attn.v_proj).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)",
            "v = linear(h, _planted(attn.v_proj)).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)",
            AUDIT_TESTS, issue=True),
     Mutant("residual-from-p", "after a rejection, the token drawn from p instead of normalize(max(p - q, 0))",
-           "sampling.py",
+           "decode/sampling.py",
            "final = _categorical(uniforms[:, D:], residual_probs(p_at, jnp.where(was_proposed, q_at, 0.0)))",
            "final = _categorical(uniforms[:, D:], p_at)",
            (SAMPLING, "-k", PROOF), issue=True),
-    Mutant("bonus-row", "after a full block, the bonus drawn from verify row D - 1", "sampling.py",
+    Mutant("bonus-row", "after a full block, the bonus drawn from verify row D - 1", "decode/sampling.py",
            "p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]",
            "p_at = jnp.take_along_axis(p, jnp.where(n_acc == D, D - 1, n_acc)[:, None, None], axis=1)[:, 0]",
            (SAMPLING, "-k", PROOF), issue=True),
     Mutant("bonus-batch-row", "after a full block, the bonus drawn from the NEIGHBOURING sequence's verify row",
-           "sampling.py",
+           "decode/sampling.py",
            "p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]",
            "p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]\n"
            "    p_at = jnp.where((n_acc == D)[:, None], jnp.roll(p_at, 1, axis=0), p_at)",
            (SAMPLING, "-k", PROOF)),
     # -- more planted bugs of the same families ------------------------------------------------------------------
-    Mutant("scale-square", "the target's o_proj NVFP4 tensor scale applied twice", "target.py",
+    Mutant("scale-square", "the target's o_proj NVFP4 tensor scale applied twice", "models/target.py",
            "x = x + linear(attend(q, k, v, mask), layer.self_attn.o_proj)",
            "x = x + linear(attend(q, k, v, mask), _planted(layer.self_attn.o_proj))",
-           AUDIT_TESTS, alt=(("layers.py", "x = x + linear(a, layer.self_attn.o_proj)",
+           AUDIT_TESTS, alt=(("models/layers.py", "x = x + linear(a, layer.self_attn.o_proj)",
                               "x = x + linear(a, _planted(layer.self_attn.o_proj))"),)),
-    Mutant("accept-ratio-inverted", "accept while u * p(x) < q(x)", "sampling.py",
+    Mutant("accept-ratio-inverted", "accept while u * p(x) < q(x)", "decode/sampling.py",
            "ok = (u * q_x < p_x) & proposed", "ok = (u * p_x < q_x) & proposed", (SAMPLING, "-k", PROOF)),
     Mutant("pmin-cut-residual", "at a p_min cut, the token drawn from the residual as if the slot were rejected",
-           "sampling.py", "residual_probs(p_at, jnp.where(was_proposed, q_at, 0.0))", "residual_probs(p_at, q_at)",
+           "decode/sampling.py", "residual_probs(p_at, jnp.where(was_proposed, q_at, 0.0))", "residual_probs(p_at, q_at)",
            (SAMPLING, "-k", PROOF)),
-    Mutant("eos-not-emitted", "the EOS token itself dropped from the output", "decoding.py",
+    Mutant("eos-not-emitted", "the EOS token itself dropped from the output", "decode/programs.py",
            "n = jnp.where(hit, first_eos + 1, n)", "n = jnp.where(hit, first_eos, n)",
            ("tests/test_eos.py", "-k", "not control"),
-           alt=(("decoding.py", "n = jnp.where(hit, jnp.argmax(is_eos, axis=1) + 1, n)",
+           alt=(("decode/programs.py", "n = jnp.where(hit, jnp.argmax(is_eos, axis=1) + 1, n)",
                  "n = jnp.where(hit, jnp.argmax(is_eos, axis=1), n)"),)),
-    Mutant("budget-overshoot", "a block may overshoot max_new_tokens", "decoding.py",
+    Mutant("budget-overshoot", "a block may overshoot max_new_tokens", "decode/programs.py",
            "n = jnp.minimum(n, max_new - state.n_out)  # a block may overshoot the budget: cut inside it",
            "n = n", ("tests/test_eos.py", "-k", "budget"),
-           alt=(("decoding.py", "n = jnp.minimum(n, budget.max_new - state.n_out)", "n = n"),)),
+           alt=(("decode/programs.py", "n = jnp.minimum(n, budget.max_new - state.n_out)", "n = n"),)),
 ]
 
 # Patches whose `new` calls `_planted`: the helper appended to the patched file.

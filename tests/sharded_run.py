@@ -42,10 +42,10 @@ if ARGS.process_id is not None:
 import numpy as np  # noqa: E402
 
 import dflash_jax as dj  # noqa: E402
-from dflash_jax import decoding as G  # noqa: E402
-from dflash_jax import sharding as S  # noqa: E402
+from dflash_jax.decode import programs as G  # noqa: E402
+from dflash_jax.parallel import sharding as S  # noqa: E402
 from dflash_jax.config import DrafterConfig, Qwen3Config  # noqa: E402
-from dflash_jax.drafter import draft_proposal  # noqa: E402
+from dflash_jax.models.drafter import draft_proposal  # noqa: E402
 from dflash_jax.params import named_leaves  # noqa: E402
 from random_models import make_drafter, make_target, nontrivial_dflash2  # noqa: E402
 

@@ -13,9 +13,9 @@ import pytest
 
 import dflash_jax as dj
 from random_models import make_drafter, make_target
-from dflash_jax.attention import attention, visible
+from dflash_jax.models.attention import attention, visible
 from dflash_jax.config import DrafterConfig, Qwen3Config
-from dflash_jax.target import KVCache, forward_with_cache
+from dflash_jax.models.target import KVCache, forward_with_cache
 
 
 def naive_visible(q, k, causal, window):

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.audit import ScaleAudit, audit_scales
-from dflash_jax.linear import linear
-from dflash_jax.nvfp4 import NVFP4Array, quantize
+from dflash_jax.quant.audit import ScaleAudit, audit_scales
+from dflash_jax.quant.linear import linear
+from dflash_jax.quant.nvfp4 import NVFP4Array, quantize
 
 
 @jax.tree_util.register_dataclass
@@ -235,8 +235,8 @@ def test_squared_unit_global_scale_is_caught_by_the_gradients():
 def test_a_broken_dequantize_inside_linear_is_caught(monkeypatch):
     """The dense reference is computed by the audit itself, not by nvfp4.dequantize: a bug in the library's own
     dequantization (here: block scales shifted by one block) is caught on every leaf."""
-    import dflash_jax.nvfp4 as nvfp4_mod
-    linear_mod = importlib.import_module("dflash_jax.linear")
+    import dflash_jax.quant.nvfp4 as nvfp4_mod
+    linear_mod = importlib.import_module("dflash_jax.quant.linear")
 
     def shifted(q, dtype=jnp.float32):
         return nvfp4_mod.dequantize(q.replace(block_scale=jnp.roll(q.block_scale, 1, axis=-1)), dtype)
@@ -269,7 +269,7 @@ def test_native_backend_reference_rounds_activations(monkeypatch):
     """On the native (W4A4) backend, emulated on CPU, the reference rounds activations with the dynamic scale, so a
     correct forward matches it and a mis-applied scale is named. (Reachability is not asserted: the native path casts
     block scales to float8 for the kernel, and a float8 cast has no tangent.)"""
-    linear_mod = importlib.import_module("dflash_jax.linear")
+    linear_mod = importlib.import_module("dflash_jax.quant.linear")
 
     def emulated(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32):
         a = lhs.astype(jnp.float32) * jnp.repeat(lhs_scales.astype(jnp.float32), 16, axis=-1)
@@ -292,7 +292,7 @@ def test_tensor_scale_before_rmsnorm_with_large_inputs():
     """A tensor scale in front of an RMSNorm reaches the output only through eps; with large inputs its float32
     gradient can round to exactly 0 (it does for the shipped drafter's fc on real target features: test_shipped.py).
     The audit then re-checks it with shrunken inputs: a correct forward passes, a dropped scale is still named."""
-    from dflash_jax.layers import rms_norm
+    from dflash_jax.models.layers import rms_norm
 
     p = MLP(layers=[_params().layers[0]], norm=jnp.ones(D))
 

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax.checkpoint import CheckpointError
+from dflash_jax.io.checkpoint import CheckpointError
 from dflash_jax.config import DrafterConfig, Qwen3Config
-from dflash_jax.nvfp4 import E2M1_GRID, NVFP4Array, dequantize, quantize
+from dflash_jax.quant.nvfp4 import E2M1_GRID, NVFP4Array, dequantize, quantize
 from dflash_jax.params import is_linear_name, map_named, named_leaves
-from dflash_jax.safetensors_io import SafetensorsError, read_header, read_safetensors, write_safetensors
+from dflash_jax.io.safetensors_io import SafetensorsError, read_header, read_safetensors, write_safetensors
 
 F8 = np.dtype(ml_dtypes.float8_e4m3fn)
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -58,7 +58,7 @@ def _undocumented(parser, prefix):
 
 
 def test_every_subcommand_and_option_has_help(monkeypatch):
-    from dflash_jax import device_report
+    from dflash_jax.bench import device_report
     from dflash_jax.train import drafter as train_drafter, target as train_target, tokenizer_train
 
     parsers = {"dflash-jax": _parser_of(monkeypatch, cli.main, ["generate", "x"]),
@@ -83,7 +83,7 @@ def test_the_help_walker_catches_a_missing_line():
 
 def test_generate_no_compare(capsys, monkeypatch):
     import dflash_jax
-    from dflash_jax import decoding
+    from dflash_jax.decode import programs as decoding
 
     def no_autoregressive(*a, **k):
         raise AssertionError("--no-compare ran the autoregressive baseline")
@@ -97,7 +97,7 @@ def test_generate_no_compare(capsys, monkeypatch):
 
 def test_pair_goals_read_the_right_cells():
     """`bench --pair-table`'s summary: the tau ratio, speedups and exactness come from the cells they name."""
-    from dflash_jax import bench
+    from dflash_jax.bench import speculative as bench
 
     def row(T, D, n, tau, speedup, exact="4/4"):
         cell = {"tau": tau, "speedup": speedup, "exact_match": exact}

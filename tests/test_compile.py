@@ -1,4 +1,4 @@
-"""One compile path keyed on everything that changes the program (dflash_jax.decoding), and compile-once.
+"""One compile path keyed on everything that changes the program (dflash_jax.decode.programs), and compile-once.
 
 - sampling numbers, EOS sets and budgets are traced: a grid of them costs at most 2 programs (greedy + sampled);
 - prompt lengths and budgets map to power-of-two buckets (host-side keys: no compile needed to count them);
@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-import dflash_jax.linear as linear_mod
+import dflash_jax.quant.linear as linear_mod
 from random_models import make_drafter, make_target
 from dflash_jax.config import DrafterConfig, Qwen3Config
 
-G = importlib.import_module("dflash_jax.decoding")
+G = importlib.import_module("dflash_jax.decode.programs")
 ROOT = Path(__file__).resolve().parents[1]
 
 # A config no other test module uses, so every count below starts from programs this module builds.
@@ -153,7 +153,7 @@ SHARDING_SCRIPT = textwrap.dedent('''
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     sys.path.insert(0, {tests!r})
     import dflash_jax as dj
-    from dflash_jax import decoding as G
+    from dflash_jax.decode import programs as G
     from dflash_jax.config import DrafterConfig, Qwen3Config
     from random_models import make_drafter, make_target
     assert len(jax.devices()) == 4, jax.devices()

@@ -1,8 +1,8 @@
-"""Keeps `python -m dflash_jax.compilebench` from rotting: its sections on tiny models and budgets (figures are
+"""Keeps `python -m dflash_jax.bench.compile` from rotting: its sections on tiny models and budgets (figures are
 printed by the script, never asserted)."""
 
 from random_models import make_drafter, make_target
-from dflash_jax import compilebench
+from dflash_jax.bench import compile as compilebench
 from dflash_jax.config import DrafterConfig, Qwen3Config
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

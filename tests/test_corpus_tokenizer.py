@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_jax.tokenizer import Tokenizer
+from dflash_jax.io.tokenizer import Tokenizer
 from dflash_jax.train.corpus import (
     MAX_FILE_BYTES,
     batches,

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax.checkpoint import CheckpointError
+from dflash_jax.io.checkpoint import CheckpointError
 from dflash_jax.config import DrafterConfig
-from dflash_jax.nvfp4 import NVFP4Array
+from dflash_jax.quant.nvfp4 import NVFP4Array
 from dflash_jax.params import named_leaves
-from dflash_jax.quantize import quantize_nvfp4
-from dflash_jax.safetensors_io import read_header, read_safetensors, write_safetensors
+from dflash_jax.quant.quantize import quantize_nvfp4
+from dflash_jax.io.safetensors_io import read_header, read_safetensors, write_safetensors
 from test_checkpoint import assert_bit_exact, _edit_config
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -5,7 +5,7 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax import cli
-from dflash_jax.defaults import checkpoints_dir
+from dflash_jax.io.shipped import checkpoints_dir
 from dflash_jax.train.drafter2 import shipped_drafter2_config
 
 

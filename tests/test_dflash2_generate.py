@@ -24,10 +24,10 @@ from random_models import make_target, nontrivial_dflash2, random_params
 from test_generate import (COPY_MAX_NEW, COPY_PROMPTS, FLAW, PBS, _host_ops, _primitives, _prompt_batches, _pad_to,
                            assert_same, build_copy_pair, cycle_next, reference_acceptance)
 from dflash_jax.config import DrafterConfig, Qwen3Config
-from dflash_jax.drafter import draft_tokens
+from dflash_jax.models.drafter import draft_tokens
 from dflash_jax.params import abstract_drafter, from_named, map_named, named_leaves
 
-G = importlib.import_module("dflash_jax.decoding")
+G = importlib.import_module("dflash_jax.decode.programs")
 MAX_NEW = 20
 STATS: dict = {}
 

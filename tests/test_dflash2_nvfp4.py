@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import nvfp4
-from dflash_jax.drafter import draft_proposal
-from dflash_jax.nvfp4 import NVFP4Array
+from dflash_jax.quant import nvfp4
+from dflash_jax.models.drafter import draft_proposal
+from dflash_jax.quant.nvfp4 import NVFP4Array
 from dflash_jax.params import abstract_drafter, named_leaves
-from dflash_jax.quantize import DFLASH2_PROJECTIONS, ablated_forward, drop_global_scales, quantize_nvfp4
+from dflash_jax.quant.quantize import DFLASH2_PROJECTIONS, ablated_forward, drop_global_scales, quantize_nvfp4
 from random_models import make_target, nontrivial_dflash2, random_params
 
 CFG = dj.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,

@@ -32,11 +32,11 @@ from torch_reference import rel_err, rms, rope, tt
 
 import dflash_jax as dj
 from random_models import random_params
-from dflash_jax import selector as sel_mod
+from dflash_jax.models import selector as sel_mod
 from dflash_jax.config import DrafterConfig, Qwen3Config
-from dflash_jax.drafter import DraftCache, append_context, block_logits, draft_proposal, draft_tokens
+from dflash_jax.models.drafter import DraftCache, append_context, block_logits, draft_proposal, draft_tokens
 from dflash_jax.params import abstract_drafter, map_named, named_leaves
-from dflash_jax.attention import visible
+from dflash_jax.models.attention import visible
 
 REL_TOL = 1e-4
 
@@ -301,7 +301,7 @@ def test_sampled_walk_is_gumbel_max_over_path_scores():
     prop = draft_proposal(drafter, target, features, block)
     cand, unary = np.asarray(prop.candidates), np.asarray(jax.lax.top_k(prop.logits, 5)[0])
     sel = drafter.params.candidate_selector
-    from dflash_jax.drafter import block_hidden, cached_context
+    from dflash_jax.models.drafter import block_hidden, cached_context
     h = jax.jit(lambda d, t, f, b: block_hidden(d, t, b, cached_context(d, f))[:, 1:])(drafter, target, features,
                                                                                         block)
     u = np.random.default_rng(5).uniform(1e-6, 1, cand.shape).astype(np.float32)

@@ -20,14 +20,14 @@ import pytest
 
 from test_sampling import (CFG, DCFG, L, N, NEW, PROMPT, V, _close, _random_params, assert_fails, assert_matches,
                            compare, exact_law)
-from dflash_jax.drafter import Drafter
+from dflash_jax.models.drafter import Drafter
 from dflash_jax.params import abstract_drafter, abstract_target, from_named, map_named, named_leaves
-from dflash_jax.target import Target, target_forward
+from dflash_jax.models.target import Target, target_forward
 
 import itertools
 
-gen = importlib.import_module("dflash_jax.decoding")
-ds = importlib.import_module("dflash_jax.draft_step")
+gen = importlib.import_module("dflash_jax.decode.programs")
+ds = importlib.import_module("dflash_jax.decode.draft_step")
 
 DCFG2 = dataclasses.replace(DCFG, kind="dflash2", conv_group_size=8, selector_rank=4, selector_top_k=4)
 

@@ -27,8 +27,8 @@ from torch_reference import rel_err, rms, rope, tt
 import dflash_jax as dj
 from random_models import make_drafter, make_target
 from dflash_jax.config import DrafterConfig, Qwen3Config, check_pair
-from dflash_jax.drafter import DraftCache, append_context, block_logits
-from dflash_jax.layers import rms_norm
+from dflash_jax.models.drafter import DraftCache, append_context, block_logits
+from dflash_jax.models.layers import rms_norm
 from dflash_jax.params import named_leaves
 
 REL_TOL = 1e-4

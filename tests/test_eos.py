@@ -26,7 +26,7 @@ import dflash_jax as dj
 from random_models import make_drafter, make_target
 from test_generate import COPY_MAX_NEW, COPY_PROMPTS, FLAW, PBS, SETUPS, build_copy_pair, cycle_next
 
-gen = importlib.import_module("dflash_jax.decoding")
+gen = importlib.import_module("dflash_jax.decode.programs")
 PAD = -1
 PROMPTS = [COPY_PROMPTS[2], COPY_PROMPTS[1], COPY_PROMPTS[0] + [cycle_next(COPY_PROMPTS[0][-1])]]  # cycles 2, 5, 0
 

@@ -30,9 +30,9 @@ import dflash_jax as dj
 from random_models import make_drafter, make_target, random_params
 from dflash_jax.config import DrafterConfig, Qwen3Config
 from dflash_jax.params import abstract_drafter, abstract_target
-from dflash_jax.sampling import SamplingParams
+from dflash_jax.decode.sampling import SamplingParams
 
-G = importlib.import_module("dflash_jax.decoding")  # the package re-exports the function under the same name
+G = importlib.import_module("dflash_jax.decode.programs")  # the package re-exports the function under the same name
 PAD = -1
 STATS: dict[str, object] = {}  # figures for the report (printed by test_zz_report with -s)
 

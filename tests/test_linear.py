@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.linear import linear, resolve_backend, set_default_backend
-from dflash_jax.nvfp4 import dequantize, quantize
+from dflash_jax.quant.linear import linear, resolve_backend, set_default_backend
+from dflash_jax.quant.nvfp4 import dequantize, quantize
 
-# The package re-exports the *function* as `dflash_jax.linear`, shadowing the submodule.
-linear_mod = importlib.import_module("dflash_jax.linear")
+# The package re-exports the *function* as `dflash_jax.quant.linear`, shadowing the submodule.
+linear_mod = importlib.import_module("dflash_jax.quant.linear")
 
 
 def _rand(shape, seed=0, dtype=np.float32):

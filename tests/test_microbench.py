@@ -1,6 +1,6 @@
-"""Keeps `python -m dflash_jax.microbench` from rotting: a tiny run, and the HLO inspector on hand-written HLO."""
+"""Keeps `python -m dflash_jax.bench.matmul` from rotting: a tiny run, and the HLO inspector on hand-written HLO."""
 
-from dflash_jax import microbench
+from dflash_jax.bench import matmul as microbench
 
 FUSED_HLO = """
 %fused_dot (param_0: f32[4,32], param_1: bf16[32,32]) -> f32[4,32] {

@@ -11,8 +11,8 @@ from absl.testing import parameterized
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_jax import nvfp4
-from dflash_jax.nvfp4 import NVFP4Array, dequantize, quantize, unpack_codes
+from dflash_jax.quant import nvfp4
+from dflash_jax.quant.nvfp4 import NVFP4Array, dequantize, quantize, unpack_codes
 
 F32 = np.float32
 

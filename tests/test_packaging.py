@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import defaults
+from dflash_jax.io import shipped as defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def test_checkpoints_dir_order(tmp_path, monkeypatch):
     fake_pkg = tmp_path / "site" / "dflash_jax"
     (fake_pkg / "checkpoints").mkdir(parents=True)
     (fake_pkg / "checkpoints" / "tokenizer.json").write_text("{}")
-    monkeypatch.setattr(defaults, "__file__", str(fake_pkg / "defaults.py"))
+    monkeypatch.setattr(defaults, "__file__", str(fake_pkg / "io" / "shipped.py"))
     assert defaults.checkpoints_dir() == fake_pkg / "checkpoints"  # an installed wheel's package data
     other = tmp_path / "elsewhere"
     shutil.copytree(fake_pkg / "checkpoints", other)

@@ -1,4 +1,4 @@
-"""The Pallas W4A16 NVFP4 kernel (dflash_jax/pallas_nvfp4.py) and `linear(..., backend="pallas")`.
+"""The Pallas W4A16 NVFP4 kernel (dflash_jax/quant/pallas_nvfp4.py) and `linear(..., backend="pallas")`.
 
 On CPU the kernel runs in Pallas interpret mode: the same kernel code, executed by XLA:CPU. Interpret mode hides
 what only a GPU compile sees (Triton's power-of-two shapes, dot sizes >= 16, no 8-bit arithmetic, no gather) and
@@ -29,15 +29,15 @@ import pytest
 from jax import export
 
 import dflash_jax as dj
-from dflash_jax import pallas_nvfp4 as P
+from dflash_jax.quant import pallas_nvfp4 as P
 from dflash_jax.config import DrafterConfig, Qwen3Config
-from dflash_jax.drafter import DraftCache, append_context, block_logits
-from dflash_jax.linear import linear, resolve_backend, set_default_backend
-from dflash_jax.nvfp4 import E2M1_GRID, NVFP4Array, dequantize, quantize
+from dflash_jax.models.drafter import DraftCache, append_context, block_logits
+from dflash_jax.quant.linear import linear, resolve_backend, set_default_backend
+from dflash_jax.quant.nvfp4 import E2M1_GRID, NVFP4Array, dequantize, quantize
 from random_models import make_drafter, make_target
 
-linear_mod = importlib.import_module("dflash_jax.linear")
-G = importlib.import_module("dflash_jax.decoding")
+linear_mod = importlib.import_module("dflash_jax.quant.linear")
+G = importlib.import_module("dflash_jax.decode.programs")
 TIMES: dict[str, float] = {}
 
 # Qwen3-8B linear weights, [out, in]: q/o_proj, gate/up_proj, down_proj, k/v_proj.
@@ -456,9 +456,9 @@ def test_zz_report():
 # -- the prepared device script ------------------------------------------------------------------------------------
 
 def test_device_report_smoke(tmp_path):
-    """`python -m dflash_jax.device_report --smoke` runs every part on CPU (so the GPU script cannot rot), records
+    """`python -m dflash_jax.bench.device_report --smoke` runs every part on CPU (so the GPU script cannot rot), records
     a backend that cannot run as unavailable instead of crashing, and writes the JSON and the markdown table."""
-    from dflash_jax import device_report
+    from dflash_jax.bench import device_report
 
     t0 = time.perf_counter()
     data = device_report.main(["--smoke", "--out", str(tmp_path), "--budget-s", "3600"])

@@ -1,4 +1,4 @@
-"""dflash_jax.quality: the repetition metric, the hand-written set and the loss helpers."""
+"""dflash_jax.bench.quality: the repetition metric, the hand-written set and the loss helpers."""
 
 import ast
 import math
@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from dflash_jax import quality
+from dflash_jax.bench import quality
 from dflash_jax.config import Qwen3Config
-from dflash_jax.target import target_forward
+from dflash_jax.models.target import target_forward
 
 from random_models import make_target
 

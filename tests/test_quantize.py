@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import nvfp4
-from dflash_jax.nvfp4 import NVFP4Array
+from dflash_jax.quant import nvfp4
+from dflash_jax.quant.nvfp4 import NVFP4Array
 from dflash_jax.params import named_leaves
-from dflash_jax.quantize import (ATTENTION_PROJECTIONS, ablated_forward, collect_linear_inputs, drop_global_scales,
+from dflash_jax.quant.quantize import (ATTENTION_PROJECTIONS, ablated_forward, collect_linear_inputs, drop_global_scales,
                                  quantize_nvfp4)
 
 CFG = dj.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
@@ -114,7 +114,7 @@ def test_w4a4_emulation(pair):
     assert leaf.input_scale is not None
     amax = np.abs(cal["layers.0.self_attn.v_proj"]).max()
     np.testing.assert_allclose(float(leaf.input_scale), amax / 2688.0, rtol=1e-6)
-    from dflash_jax.linear import linear
+    from dflash_jax.quant.linear import linear
     x = jnp.asarray(cal["layers.0.self_attn.v_proj"][:5])
     manual = nvfp4.dequantize(nvfp4.quantize(x, global_scale=leaf.input_scale)) @ nvfp4.dequantize(leaf).T
     np.testing.assert_allclose(np.asarray(linear(x, leaf)), np.asarray(manual), rtol=1e-5, atol=1e-6)

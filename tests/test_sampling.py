@@ -37,14 +37,14 @@ import numpy as np
 import pytest
 
 import stats
-from dflash_jax import sampling
+from dflash_jax.decode import sampling
 from dflash_jax.config import DrafterConfig, Qwen3Config
-from dflash_jax.drafter import Drafter
+from dflash_jax.models.drafter import Drafter
 from dflash_jax.params import abstract_drafter, abstract_target, map_named
-from dflash_jax.sampling import SamplingParams, accept_block, processed_probs, residual_probs, sample_tokens
-from dflash_jax.target import Target, target_forward
+from dflash_jax.decode.sampling import SamplingParams, accept_block, processed_probs, residual_probs, sample_tokens
+from dflash_jax.models.target import Target, target_forward
 
-gen = importlib.import_module("dflash_jax.decoding")  # the module (the package exports a function of that name)
+gen = importlib.import_module("dflash_jax.decode.programs")  # the module (the package exports a function of that name)
 
 MODULE = "test_sampling"
 V = 8  # vocabulary
@@ -63,7 +63,7 @@ def assert_fails(label, checks):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reference math (numpy float64, written independently of dflash_jax.sampling)
+# Reference math (numpy float64, written independently of dflash_jax.decode.sampling)
 # ---------------------------------------------------------------------------------------------------------------
 
 def ref_probs(logits, temperature=1.0, top_k=0, top_p=1.0) -> np.ndarray:
@@ -618,7 +618,7 @@ def test_autoregressive_output_has_target_distribution(models, enumeration, temp
 
 def _control(monkeypatch, models, enumeration, pair, kw, **patches):
     fresh_programs(monkeypatch)
-    from dflash_jax import draft_step
+    from dflash_jax.decode import draft_step
     for name, fn in patches.items():
         monkeypatch.setattr(gen, name, fn)
         if hasattr(draft_step, name):  # drafts are drawn in draft_step (one draft step for DFlash and DFlash2)

@@ -1,4 +1,4 @@
-"""Target and drafter over a device mesh (dflash_jax.sharding): rules, placement, generation, multi-process, loading.
+"""Target and drafter over a device mesh (dflash_jax.parallel.sharding): rules, placement, generation, multi-process, loading.
 
 Multi-device checks need XLA_FLAGS set before jax starts, so they run in subprocesses (tests/sharded_run.py: one
 process with 8 virtual CPU devices, and a 2-process x 4-device jax.distributed job); this module only reads their
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import sharding as S
+from dflash_jax.parallel import sharding as S
 from dflash_jax.config import Qwen3Config
 from random_models import make_target
 

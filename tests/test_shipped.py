@@ -20,7 +20,7 @@ def default():
 
 
 def test_shipped_files_and_size():
-    from dflash_jax.defaults import checkpoints_dir
+    from dflash_jax.io.shipped import checkpoints_dir
     root = checkpoints_dir()
     for part in ("tokenizer.json", "target/dflash_jax.json", "drafter/dflash_jax.json", "README.md",
                  "target/train_report.json", "drafter/train_report.json"):
@@ -55,7 +55,7 @@ def drafter2():
 
 def test_shipped_dflash2_drafter_is_exact_and_accepts(default, drafter2):
     """checkpoints/drafter2: the DFlash2 drafter for the same target (load_default(drafter="dflash2"))."""
-    from dflash_jax.defaults import checkpoints_dir
+    from dflash_jax.io.shipped import checkpoints_dir
     assert (checkpoints_dir() / "drafter2" / "train_report.json").exists()
     target, drafter, tok, prompts = default
     assert drafter2.config.kind == "dflash2" and drafter2.config.block_size == 16
@@ -71,8 +71,8 @@ def test_shipped_nvfp4_dflash2_audit_on_real_features(default, drafter2):
     """The shipped DFlash2 drafter, NVFP4, on real target features: every scale reaches the proposal (logits and
     selector scores; fc's tensor scale only through hidden_norm's eps, see audit.py), and dropping only the conv and
     selector tensor scales is named exactly."""
-    from dflash_jax.drafter import draft_proposal
-    from dflash_jax.quantize import DFLASH2_PROJECTIONS, ablated_forward
+    from dflash_jax.models.drafter import draft_proposal
+    from dflash_jax.quant.quantize import DFLASH2_PROJECTIONS, ablated_forward
     target, _, _, prompts = default
     q = dj.quantize_nvfp4(drafter2)
     ids = prompts[0][:24]
@@ -116,7 +116,7 @@ def test_hf_export_round_trip_and_transformers_parity(default, tmp_path):
 
 def test_target_v3_is_the_documented_fine_tune():
     """checkpoints/target_v3: target v2 after unlikelihood fine-tuning, stored in bfloat16 (checkpoints/README.md)."""
-    from dflash_jax.defaults import checkpoints_dir
+    from dflash_jax.io.shipped import checkpoints_dir
     folder = checkpoints_dir() / "target_v3"
     report = json.loads((folder / "train_report.json").read_text())
     assert report["unlikelihood"] > 0 and report["init_from"] and report["command"].startswith("dflash-jax train-target")

@@ -17,13 +17,13 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax.config import Qwen3Config
-from dflash_jax.layers import rms_norm, write_rows
+from dflash_jax.models.layers import rms_norm, write_rows
 from dflash_jax.params import (abstract_drafter, abstract_target, is_spec, logical_axes, map_named,
                                named_leaves)
-from dflash_jax.target import KVCache, Target, forward_with_cache, init_target, target_forward
+from dflash_jax.models.target import KVCache, Target, forward_with_cache, init_target, target_forward
 
-# `dflash_jax.target` the attribute is shadowed by nothing, but import the module explicitly for monkeypatching.
-target_mod = importlib.import_module("dflash_jax.target")
+# `dflash_jax.models.target` the attribute is shadowed by nothing, but import the module explicitly for monkeypatching.
+target_mod = importlib.import_module("dflash_jax.models.target")
 
 PARITY_RTOL = 1e-4  # of the reference's scale (max |ref|)
 CACHE_RTOL = 2e-6  # same math, different shapes / reduction orders

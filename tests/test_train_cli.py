@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from dflash_jax.checkpoint import load_target
+from dflash_jax.io.checkpoint import load_target
 from dflash_jax.train import target as train_target
 
 TINY = ["--no-packages", "--steps", "6", "--batch", "2", "--seq-len", "32", "--long-seq-len", "64",

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import selector as sel_mod
-from dflash_jax.drafter import draft_proposal
+from dflash_jax.models import selector as sel_mod
+from dflash_jax.models.drafter import draft_proposal
 from dflash_jax.params import abstract_drafter
-from dflash_jax.quantize import DFLASH2_PROJECTIONS, drop_global_scales, quantize_nvfp4
+from dflash_jax.quant.quantize import DFLASH2_PROJECTIONS, drop_global_scales, quantize_nvfp4
 from dflash_jax.train import drafter as td
 from dflash_jax.train import drafter2 as td2
 from dflash_jax.train.loop import OptimConfig, run
@@ -140,8 +140,8 @@ def test_cli_trains_end_to_end_and_resumes(tmp_path):
     checkpoint, saved drafter and report; the same command again resumes (nothing left to do) and gives the same
     drafter."""
     from dflash_jax import cli
-    from dflash_jax.tokenizer import Tokenizer
-    from dflash_jax.defaults import checkpoints_dir
+    from dflash_jax.io.tokenizer import Tokenizer
+    from dflash_jax.io.shipped import checkpoints_dir
 
     tok = Tokenizer.from_file(checkpoints_dir() / "tokenizer.json")
     tcfg = CFG.replace(vocab_size=tok.vocab_size)

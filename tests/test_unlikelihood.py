@@ -97,8 +97,8 @@ def test_bad_fine_tuning_options_are_named(tmp_path):
 
 
 def test_init_from_a_target_of_another_tokenizer_is_refused(tmp_path):
-    from dflash_jax.defaults import checkpoints_dir
-    from dflash_jax.tokenizer import Tokenizer
+    from dflash_jax.io.shipped import checkpoints_dir
+    from dflash_jax.io.tokenizer import Tokenizer
     from dflash_jax.train.target import load_init_target
     tok = Tokenizer.from_file(checkpoints_dir() / "tokenizer.json")
     dj.save(tmp_path / "t", dj.init_target(CFG, jax.random.key(0)))
@@ -111,8 +111,8 @@ def test_fine_tune_command_end_to_end(tmp_path):
     reports the held-out repetition it is for."""
     import json
 
-    from dflash_jax.defaults import checkpoints_dir
-    from dflash_jax.tokenizer import Tokenizer
+    from dflash_jax.io.shipped import checkpoints_dir
+    from dflash_jax.io.tokenizer import Tokenizer
     tok = Tokenizer.from_file(checkpoints_dir() / "tokenizer.json")
     small = CFG.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id)
     start = dj.init_target(small, jax.random.key(0))

@@ -22,13 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.checkpoint import load_drafter, load_target, save
+from dflash_jax.io.checkpoint import load_drafter, load_target, save
 from dflash_jax.config import DrafterConfig, Qwen3Config, default_target_layer_ids
-from dflash_jax.drafter import Drafter, block_pass, context_kv, embed_block, head_logits, init_drafter
-from dflash_jax.decoding import generate, generate_autoregressive
+from dflash_jax.models.drafter import Drafter, block_pass, context_kv, embed_block, head_logits, init_drafter
+from dflash_jax.decode.programs import generate, generate_autoregressive
 from dflash_jax.params import abstract_drafter, from_named, named_leaves
-from dflash_jax.target import Target, forward_with_cache
-from dflash_jax.tokenizer import Tokenizer
+from dflash_jax.models.target import Target, forward_with_cache
+from dflash_jax.io.tokenizer import Tokenizer
 from dflash_jax.train import corpus
 from dflash_jax.train.loop import OptimConfig, batch_rng, cross_entropy, load_training_tokenizer, run
 

@@ -41,10 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import selector as sel_mod
-from dflash_jax.checkpoint import load_drafter, load_target, save
+from dflash_jax.models import selector as sel_mod
+from dflash_jax.io.checkpoint import load_drafter, load_target, save
 from dflash_jax.config import DrafterConfig, Qwen3Config
-from dflash_jax.drafter import Drafter, head_logits, init_drafter
+from dflash_jax.models.drafter import Drafter, head_logits, init_drafter
 from dflash_jax.train import corpus
 from dflash_jax.train.drafter import (CHECKPOINTS, add_training_arguments, build_data_or_exit, decay_gamma,
                                       make_batch_fn, measure_tau, shipped_drafter_config, training_hidden,

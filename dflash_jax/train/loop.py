@@ -20,6 +20,9 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from dflash_jax.io.tokenizer import Tokenizer
+from dflash_jax.models.target import Target, forward_with_cache
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
@@ -113,8 +116,6 @@ def load_training_tokenizer(path):
     """The tokenizer a trainer needs (EOS and the drafter's mask token), or an error that says what to do."""
     from pathlib import Path
 
-    from dflash_jax.tokenizer import Tokenizer
-
     path = Path(path)
     if not path.exists():
         raise SystemExit(f"error: no tokenizer at {path}: pass --tokenizer, or train one with "
@@ -126,3 +127,13 @@ def load_training_tokenizer(path):
                          "(python -m dflash_jax.train.tokenizer_train)") from None
     except Exception as e:  # not a tokenizer file at all
         raise SystemExit(f"error: {path} is not a tokenizers JSON file ({e})") from None
+
+
+def lm_loss(cfg):
+    """loss_fn(params, tokens [B, S+1]) -> (mean next-token cross-entropy of a target of config cfg, {})."""
+    def loss_fn(params, batch):
+        tokens = batch  # [B, S+1]
+        logits, _, _ = forward_with_cache(Target(params=params, config=cfg), tokens[:, :-1], None)
+        ce = cross_entropy(logits, tokens[:, 1:])
+        return ce.mean(), {}
+    return loss_fn

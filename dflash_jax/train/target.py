@@ -25,11 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.checkpoint import save
+from dflash_jax.io.checkpoint import save
 from dflash_jax.config import Qwen3Config
-from dflash_jax.target import Target, forward_with_cache, init_target
+from dflash_jax.models.target import Target, forward_with_cache, init_target
 from dflash_jax.train import corpus, unlikelihood
-from dflash_jax.train.loop import OptimConfig, batch_rng, cross_entropy, load_training_tokenizer, run
+from dflash_jax.train.loop import OptimConfig, batch_rng, cross_entropy, lm_loss, load_training_tokenizer, run  # noqa: F401
+from dflash_jax.io.checkpoint import load_target
 
 CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 
@@ -43,15 +44,6 @@ def shipped_target_config(vocab_size: int, eos_id: int, *, layers: int = 6, hidd
                        head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=rope_theta,
                        max_position_embeddings=max_positions, tie_word_embeddings=True, eos_token_id=eos_id,
                        param_dtype="float32", compute_dtype="float32")
-
-
-def lm_loss(cfg: Qwen3Config):
-    def loss_fn(params, batch):
-        tokens = batch  # [B, S+1]
-        logits, _, _ = forward_with_cache(Target(params=params, config=cfg), tokens[:, :-1], None)
-        ce = cross_entropy(logits, tokens[:, 1:])
-        return ce.mean(), {}
-    return loss_fn
 
 
 def random_windows(stream: np.ndarray, batch: int, length: int, rng: np.random.Generator) -> np.ndarray:
@@ -111,7 +103,6 @@ def tokenized_corpus(tok, work_dir: Path, *, packages: bool) -> dict[str, np.nda
 
 def load_init_target(path, tok) -> Target:
     """The target a fine-tune starts from, in float32, or an error that says what is wrong with it."""
-    from dflash_jax.checkpoint import load_target
     if not Path(path).exists():
         raise SystemExit(f"error: --init-from {path}: no such folder (give a target saved by train-target)")
     start = load_target(path, param_dtype="float32", compute_dtype="float32")

@@ -19,7 +19,7 @@ from typing import Sequence
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from dflash_jax.tokenizer import SPECIAL_TOKENS, Tokenizer
+from dflash_jax.io.tokenizer import SPECIAL_TOKENS, Tokenizer
 from dflash_jax.train.corpus import manifest, read_texts, split_files, stdlib_files
 
 

@@ -22,8 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import Qwen3Config
-from dflash_jax.target import Target, forward_with_cache
-from dflash_jax.train.loop import batch_rng
+from dflash_jax.models.target import Target, forward_with_cache
+from dflash_jax.decode.programs import generate_autoregressive
+from dflash_jax.train.loop import batch_rng, lm_loss
+from dflash_jax.train.repetition import continuation_repetition
 
 # 1 - p is clipped here: a token the model is already certain of must not give an infinite loss.
 MIN_ONE_MINUS_P = 1e-5
@@ -51,8 +53,6 @@ def repeat_mask(rows: np.ndarray, prefix_len: int, n: int = 4) -> np.ndarray:
 def unlikelihood_loss(cfg: Qwen3Config, weight: float):
     """loss_fn(params, batch) -> (next-token loss on batch["text"] + weight * unlikelihood on batch["generated"],
     metrics). batch["generated"] [B, S] is prefix + greedy continuation, batch["repeated"] [B, S] its repeat mask."""
-    from dflash_jax.train.target import lm_loss  # the trainer's own next-token loss (target.py imports this module)
-
     next_token_loss = lm_loss(cfg)
 
     def loss_fn(params, batch):
@@ -82,7 +82,6 @@ def make_batch_fn(cfg: Qwen3Config, text_batch, prefix_windows, *, prefix_len: i
     text_batch(step) -> [B, T+1] and prefix_windows(rng) -> [B2, prefix_len] draw from the corpus; both are pure
     functions of the step, and the continuations of the restored weights, so a resumed run sees the batches the
     interrupted one would have."""
-    from dflash_jax.decoding import generate_autoregressive
 
     def batch_fn(step: int, params) -> dict:
         text = np.asarray(text_batch(step), np.int32)
@@ -105,5 +104,4 @@ def make_batch_fn(cfg: Qwen3Config, text_batch, prefix_windows, *, prefix_len: i
 
 def median_seq_rep(target: Target, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 256) -> float:
     """Median seq-rep-4 of the target's greedy continuations of `prompts` (the figure this fine-tune lowers)."""
-    from dflash_jax.quality import continuation_repetition
     return continuation_repetition(target, tokenizer, prompts, max_new_tokens=max_new_tokens)["median"]

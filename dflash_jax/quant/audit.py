@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.linear import DequantizedNVFP4, resolve_backend
-from dflash_jax.nvfp4 import BLOCK_SIZE, E2M1_GRID, NVFP4Array
+from dflash_jax.quant.linear import DequantizedNVFP4, resolve_backend
+from dflash_jax.quant.nvfp4 import BLOCK_SIZE, E2M1_GRID, NVFP4Array
 
 PARTS = ("block_scale", "global_scale")
 # Outputs agree when max |nvfp4 - dense| <= VALUE_RTOL * max |dense| (per output leaf). The two forwards run the same

@@ -1,8 +1,8 @@
 """Benchmark: one device vs a (data x model) mesh, for the embedded pair and a random Qwen3-8B-shaped pair with few
 layers; and host memory when a big bf16 checkpoint is loaded straight into shards.
 
-    python -m dflash_jax.shardbench                         # 8 virtual CPU devices, mesh data 2 x model 4
-    python -m dflash_jax.shardbench --skip-8b --load-gb 2   # + peak host memory loading a 2 GB bf16 checkpoint
+    python -m dflash_jax.bench.mesh                         # 8 virtual CPU devices, mesh data 2 x model 4
+    python -m dflash_jax.bench.mesh --skip-8b --load-gb 2   # + peak host memory loading a 2 GB bf16 checkpoint
 
 Per model: compile time, decode tokens/s and greedy exactness (sharded tokens == one-device tokens) for the dense and
 the NVFP4 drafter, and the collectives per decode step found in the compiled HLO (none may all-gather a weight).
@@ -23,7 +23,7 @@ from pathlib import Path
 
 
 def _parse(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dflash_jax.shardbench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dflash_jax.bench.mesh", description=__doc__.split("\n\n")[0])
     p.add_argument("--devices", type=int, default=8, help="virtual CPU devices when running on CPU (default 8)")
     p.add_argument("--data", type=int, default=2)
     p.add_argument("--model", type=int, default=4)
@@ -51,10 +51,19 @@ import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-import dflash_jax as dj  # noqa: E402
-from dflash_jax import decoding as G  # noqa: E402
-from dflash_jax import sharding as S  # noqa: E402
+from dflash_jax.decode import programs as G  # noqa: E402
+from dflash_jax.decode.programs import generate  # noqa: E402
+from dflash_jax.io.checkpoint import load_target  # noqa: E402
+from dflash_jax.io.shipped import load_default  # noqa: E402
+from dflash_jax.models.drafter import Drafter  # noqa: E402
+from dflash_jax.models.target import Target  # noqa: E402
+from dflash_jax.quant.quantize import quantize_nvfp4  # noqa: E402
+from dflash_jax.parallel import sharding as S  # noqa: E402
 from dflash_jax.config import DrafterConfig, Qwen3Config  # noqa: E402
+from dflash_jax.io.safetensors_io import write_safetensors  # noqa: E402
+from dflash_jax.params import abstract_drafter, abstract_target  # noqa: E402
+from dflash_jax.params import abstract_target, named_leaves  # noqa: E402
+from dflash_jax.params import is_spec  # noqa: E402
 
 
 def qwen3_8b_shaped(layers: int, vocab: int) -> tuple[Qwen3Config, DrafterConfig]:
@@ -70,7 +79,6 @@ def qwen3_8b_shaped(layers: int, vocab: int) -> tuple[Qwen3Config, DrafterConfig
 
 def _random(model_cls, abstract, cfg_dtype, seed):
     """Random params (std 0.02, norms 1) drawn with numpy, one tensor at a time."""
-    from dflash_jax.params import is_spec
     rng = np.random.default_rng(seed)
 
     def draw(spec):
@@ -81,10 +89,9 @@ def _random(model_cls, abstract, cfg_dtype, seed):
 
 
 def random_pair(cfg: Qwen3Config, dcfg: DrafterConfig, seed: int = 0):
-    from dflash_jax.params import abstract_drafter, abstract_target
     dt = np.dtype(cfg.storage_dtype)
-    target = dj.Target(params=_random(dj.Target, abstract_target(cfg), dt, seed), config=cfg)
-    drafter = dj.Drafter(params=_random(dj.Drafter, abstract_drafter(dcfg), dt, seed + 1), config=dcfg)
+    target = Target(params=_random(Target, abstract_target(cfg), dt, seed), config=cfg)
+    drafter = Drafter(params=_random(Drafter, abstract_drafter(dcfg), dt, seed + 1), config=dcfg)
     return jax.device_put(target, jax.devices()[0]), jax.device_put(drafter, jax.devices()[0])
 
 
@@ -99,8 +106,8 @@ def compare(name: str, target, drafter, mesh, prompts, max_new: int) -> dict:
     ts, ds = S.shard(target, mesh), S.shard(drafter, mesh)
     many = str(mesh.devices.size) if mesh.devices.size > 1 else "mesh1"  # a 1 x 1 mesh (--smoke on one device)
     for where, (t, d) in (("1", (target, drafter)), (many, (ts, ds))):
-        first = dj.generate(t, d, prompts, max_new_tokens=max_new, prefill_timing="rerun")
-        again = dj.generate(t, d, prompts, max_new_tokens=max_new, prefill_timing="rerun")
+        first = generate(t, d, prompts, max_new_tokens=max_new, prefill_timing="rerun")
+        again = generate(t, d, prompts, max_new_tokens=max_new, prefill_timing="rerun")
         out[f"compile_s_{where}"] = round(first.timings["compile_s"], 2)
         out[f"decode_tok_s_{where}"] = round(again.decode_tokens_per_second, 2)
         out[f"tau_{where}"] = round(again.tau, 3)
@@ -130,8 +137,6 @@ def load_config(gb: float, model: int) -> Qwen3Config:
 
 def write_random_checkpoint(folder: Path, cfg: Qwen3Config, file_gb: float = 0.5) -> int:
     """A random HF Qwen3 checkpoint (bf16) in several safetensors files with an index; returns its bytes."""
-    from dflash_jax.params import abstract_target, named_leaves
-    from dflash_jax.safetensors_io import write_safetensors
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
     rng = np.random.default_rng(0)
@@ -173,7 +178,7 @@ def measure_load(folder: str, data: int, model: int) -> dict:
     jax.block_until_ready(jax.numpy.zeros(8))  # the runtime's own memory is part of the baseline
     base = _rss_kb("VmRSS")
     t0 = time.perf_counter()
-    target = dj.load_target(folder, param_dtype="bfloat16", mesh=mesh)
+    target = load_target(folder, param_dtype="bfloat16", mesh=mesh)
     jax.block_until_ready(target)
     wall = time.perf_counter() - t0
     leaf = target.params.layers[0].mlp.gate_proj
@@ -190,7 +195,7 @@ def load_benchmark(gb: float, data: int, model: int, devices: int) -> dict:
         size = write_random_checkpoint(folder, cfg)
         write_s = time.perf_counter() - t0
         env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-        proc = subprocess.run([sys.executable, "-m", "dflash_jax.shardbench", "--measure-load", str(folder),
+        proc = subprocess.run([sys.executable, "-m", "dflash_jax.bench.mesh", "--measure-load", str(folder),
                                "--data", str(data), "--model", str(model)], env=env, capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(proc.stderr[-3000:])
@@ -229,10 +234,10 @@ def main(argv=None) -> dict:
         args.skip_embedded = args.skip_8b = True
         args.load_gb = min(args.load_gb, 0.01)
     if not args.skip_embedded:
-        target, drafter, _ = dj.load_default()
+        target, drafter, _ = load_default()
         prompts = _prompts(target.config.vocab_size, args.batch)
         rows.append(compare("embedded, dense drafter", target, drafter, mesh, prompts, args.max_new_tokens))
-        rows.append(compare("embedded, NVFP4 drafter", target, dj.quantize_nvfp4(drafter), mesh, prompts,
+        rows.append(compare("embedded, NVFP4 drafter", target, quantize_nvfp4(drafter), mesh, prompts,
                             args.max_new_tokens))
     if not args.skip_8b:
         cfg, dcfg = qwen3_8b_shaped(args.layers, args.vocab)

@@ -21,9 +21,12 @@ from jax.sharding import NamedSharding
 
 from dflash_jax.config import (DrafterConfig, Qwen3Config, default_compute_dtype, read_config_json,
                                read_json_object)
-from dflash_jax.nvfp4 import NVFP4Array
-from dflash_jax.params import abstract_drafter, abstract_target, from_named, is_linear_name, named_leaves
-from dflash_jax.safetensors_io import (LazyTensor, SafetensorsError, lazy_safetensors, read_safetensors,
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.models.target import Target
+from dflash_jax.parallel import sharding as shd
+from dflash_jax.quant.nvfp4 import NVFP4Array
+from dflash_jax.params import abstract_drafter, abstract_target, from_named, is_linear_name, map_named, named_leaves
+from dflash_jax.io.safetensors_io import (LazyTensor, SafetensorsError, lazy_safetensors, read_safetensors,
                                        write_safetensors)
 
 SAVED_MARKER = "dflash_jax.json"
@@ -170,10 +173,9 @@ def _placed_dense(key: str, arr: LazyTensor, sharding, dtype, path: Path):
 
 
 def _params_from_hf(kind: str, path: Path, abstract, dtype, quant: dict | None, mesh=None, cfg=None):
-    """mesh: place every parameter straight into its shards (`dflash_jax.sharding` rules for `cfg`), reading each
+    """mesh: place every parameter straight into its shards (`dflash_jax.parallel.sharding` rules for `cfg`), reading each
     device's slice from the file on its own, one tensor at a time."""
     if mesh is not None:
-        from dflash_jax import sharding as shd
         rules = shd.rules_for(cfg, mesh, what=kind)  # refuses a mesh that cannot split this model, before reading
         axes = {n: s.logical_axes for n, s in named_leaves(abstract).items()}
     tensors = _read_tensors(path, lazy=mesh is not None)
@@ -250,9 +252,6 @@ def save(path: str | Path, model) -> Path:
     """Save a Target or Drafter (dense and NVFP4 leaves alike) with orbax, plus its config."""
     import orbax.checkpoint as ocp
 
-    from dflash_jax.drafter import Drafter
-    from dflash_jax.target import Target
-
     kind = "target" if isinstance(model, Target) else "drafter" if isinstance(model, Drafter) else None
     if kind is None:
         raise TypeError(f"save() takes a Target or a Drafter, got {type(model).__name__}")
@@ -275,7 +274,6 @@ def save(path: str | Path, model) -> Path:
 
 
 def _abstract_restore_target(abstract, nvfp4: dict[str, dict], dtype):
-    from dflash_jax.params import map_named
 
     def leaf(name, spec):
         if name in nvfp4:
@@ -307,7 +305,6 @@ def _load_saved(path: Path, kind: str):
 
 
 def _cast_dense(params, dtype):
-    from dflash_jax.params import map_named
     return map_named(lambda n, x: x if isinstance(x, NVFP4Array) else x.astype(dtype), params)
 
 
@@ -316,8 +313,7 @@ def _cast_dense(params, dtype):
 def _maybe_shard(model, mesh):
     if mesh is None:
         return model
-    from dflash_jax.sharding import shard
-    return shard(model, mesh)
+    return shd.shard(model, mesh)
 
 
 def _dtypes(param_dtype: str | None, compute_dtype: str | None) -> tuple[str, str]:
@@ -332,10 +328,9 @@ def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dty
     """A Target from an HF Qwen3 folder (optionally ModelOpt NVFP4) or a folder written by `save`.
 
     Dtypes: see `_dtypes` (compute: bf16 on accelerators, f32 on CPU; parameters: the compute dtype).
-    mesh: a `dflash_jax.sharding.make_mesh` mesh: HF safetensors go straight into sharded device arrays (each device
+    mesh: a `dflash_jax.parallel.sharding.make_mesh` mesh: HF safetensors go straight into sharded device arrays (each device
     reads only its slice of the memory-mapped file, one tensor at a time, so host memory stays near the size of the
     placed parameters); a `save` folder is restored, then sharded."""
-    from dflash_jax.target import Target
 
     path = Path(path)
     param_dtype, compute_dtype = _dtypes(param_dtype, compute_dtype)
@@ -362,7 +357,6 @@ def load_drafter(path: str | Path, *, param_dtype: str | None = None, compute_dt
     base_kernel`, `...kernel_projection.weight`) and selector (`candidate_selector.{predecessor,successor}_codebook`
     with or without `.weight`, `candidate_selector.hidden_projection.weight`) tensors are then required.
     Dtypes and mesh: as `load_target`."""
-    from dflash_jax.drafter import Drafter
 
     path = Path(path)
     param_dtype, compute_dtype = _dtypes(param_dtype, compute_dtype)
@@ -400,8 +394,6 @@ def save_hf(path: str | Path, model, *, dtype: str | None = None, quant_algo: st
     in config.json; dense leaves in `dtype` (default: the model's storage dtype). Loading the folder back with
     `load_target` / `load_drafter` gives bit-identical NVFP4 codes and scales.
     """
-    from dflash_jax.drafter import Drafter
-    from dflash_jax.target import Target
 
     if isinstance(model, Target):
         kind, cfg_json, model_cfg = "target", model.config.to_hf_dict(), model.config

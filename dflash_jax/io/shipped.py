@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dflash_jax.checkpoint import load_drafter, load_target
-from dflash_jax.tokenizer import Tokenizer
+from dflash_jax.io.checkpoint import load_drafter, load_target
+from dflash_jax.io.tokenizer import Tokenizer
 
 
 ENV_VAR = "DFLASH_JAX_CHECKPOINTS"
@@ -18,8 +18,8 @@ def checkpoints_dir() -> Path:
     (`dflash_jax/checkpoints`, the repository's top-level `checkpoints/` mapped into the wheel); else the
     `checkpoints/` folder next to the package (a source checkout or an editable install)."""
     env = os.environ.get(ENV_VAR)
-    here = Path(__file__).resolve().parent
-    candidates = [Path(env)] if env else [here / "checkpoints", here.parent / "checkpoints"]
+    package = Path(__file__).resolve().parents[1]  # dflash_jax/
+    candidates = [Path(env)] if env else [package / "checkpoints", package.parent / "checkpoints"]
     for path in candidates:
         if (path / "tokenizer.json").exists():
             return path

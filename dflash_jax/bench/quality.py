@@ -17,14 +17,10 @@ from typing import Sequence
 
 import numpy as np
 
-
-def seq_rep_n(tokens: Sequence[int], n: int = 4) -> float:
-    """1 - distinct n-grams / all n-grams of `tokens` (0.0 when there are no n-grams)."""
-    toks = [int(t) for t in tokens]
-    grams = [tuple(toks[i:i + n]) for i in range(len(toks) - n + 1)]
-    if not grams:
-        return 0.0
-    return 1.0 - len(set(grams)) / len(grams)
+from dflash_jax.train.repetition import continuation_repetition, seq_rep_n  # noqa: F401 (re-exported)
+from dflash_jax.models.target import target_forward
+from dflash_jax.train import corpus
+from dflash_jax.train.target import heldout_loss_fn
 
 
 # (prompt, hand-written body). Prompts end right after the docstring, as a user would start a function.
@@ -95,27 +91,12 @@ def handwritten_texts() -> list[tuple[str, str]]:
     return [(p, p + body) for p, body in HANDWRITTEN]
 
 
-def continuation_repetition(target, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 256,
-                            n: int = 4, temperature: float = 0.0, seed: int = 0) -> dict:
-    """Continuations of `prompts` (one batched call; greedy unless temperature > 0): per-prompt seq-rep-n, its
-    median, and the texts."""
-    from dflash_jax.decoding import generate_autoregressive
-
-    ids = [tokenizer.encode(p) for p in prompts]
-    res = generate_autoregressive(target, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    reps = [seq_rep_n(toks, n) for toks in res.token_lists()]
-    return {"median": float(statistics.median(reps)), "per_prompt": reps,
-            "texts": [tokenizer.decode(t) for t in res.token_lists()]}
-
-
 def text_loss(target, tokenizer, texts: Sequence[str]) -> float:
     """Mean next-token loss (nats/token) of the target over each text (all tokens after the first).
 
     One forward over all texts, right-padded to a common length: the target is causal, so padding after a text
     changes none of its logits, and one program is compiled instead of one per text length."""
     import jax.numpy as jnp
-
-    from dflash_jax.target import target_forward
 
     ids = [tokenizer.encode(text) for text in texts]
     width = max(len(t) for t in ids)
@@ -136,8 +117,6 @@ def heldout_loss(target, tokenizer, *, seq_len: int = 256, n_windows: int = 64, 
     skip_codecs leaves out ``encodings/``: its codec modules are near-identical generated tables, so their loss
     says more about whether a sibling table was trained on than about code (the v2 corpus drops such siblings).
     """
-    from dflash_jax.train import corpus
-    from dflash_jax.train.target import heldout_loss_fn
 
     held = corpus.split_files(corpus.stdlib_files())[1]
     if skip_codecs:
@@ -153,7 +132,6 @@ def report(target, tokenizer, *, prompts: int = 16, max_new_tokens: int = 256, s
            windows: int = 64) -> dict:
     """Held-out loss (256- and 1024-token windows), and seq-rep-4 of greedy continuations of held-out and
     hand-written prompts, with the hand-written solutions' own seq-rep-4 and the target's loss on them."""
-    from dflash_jax.train import corpus
 
     held = corpus.held_out_prompts(prompts, seed=seed)
     hand = [p.rstrip("\n") for p, _ in HANDWRITTEN]  # the newline is the model's (see corpus._sample_prompts)

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import Qwen3Config
-from dflash_jax.layers import decoder_layer, rms_norm, write_rows
-from dflash_jax.linear import backend_scope, linear, program_backend
+from dflash_jax.models.layers import decoder_layer, rms_norm, write_rows
+from dflash_jax.quant.linear import backend_scope, linear, program_backend
 from dflash_jax.params import (TargetParams, abstract_target, init_from_abstract, static_field)
 
 
@@ -146,7 +146,7 @@ def target_forward(target: Target, tokens, layer_ids: Sequence[int] = (), *,
                    nvfp4_backend: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Public call: logits [B, T, V] f32 and features [B, T, len(layer_ids)*H] for tokens at positions 0..T-1.
 
-    nvfp4_backend: for NVFP4 weights (see `dflash_jax.linear`); None = the current default, resolved per call.
+    nvfp4_backend: for NVFP4 weights (see `dflash_jax.quant.linear`); None = the current default, resolved per call.
     """
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.drafter import Drafter, DraftCache, append_context, block_hidden, propose_from_hidden
-from dflash_jax.decoding import generate, generate_autoregressive, prefill
-from dflash_jax.target import KVCache, Target, forward_with_cache
+from dflash_jax.models.drafter import Drafter, DraftCache, append_context, block_hidden, propose_from_hidden
+from dflash_jax.decode.programs import generate, generate_autoregressive, prefill
+from dflash_jax.models.target import KVCache, Target, forward_with_cache
 
 # Benchmarks run with the persistent compilation cache on (cli.py), which never stores a program with a host
 # callback: prefill is timed by a prefill-only rerun of the same compiled program instead of a callback stamp.

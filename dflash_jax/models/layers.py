@@ -1,7 +1,7 @@
 """The Qwen3 building blocks shared by the target and the drafter: RMSNorm, RoPE, projections, SwiGLU, and the
-decoder layer itself (attention is `dflash_jax.attention.attention`).
+decoder layer itself (attention is `dflash_jax.models.attention.attention`).
 
-Every linear goes through `dflash_jax.linear.linear`, which dispatches on the weight's leaf type (dense or NVFP4);
+Every linear goes through `dflash_jax.quant.linear.linear`, which dispatches on the weight's leaf type (dense or NVFP4);
 nothing here knows or cares whether a weight is quantized.
 """
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.attention import attention
+from dflash_jax.models.attention import attention
 from dflash_jax.config import Qwen3Config
-from dflash_jax.linear import linear
+from dflash_jax.quant.linear import linear
 from dflash_jax.params import MLP, Attention, DecoderLayer
-from dflash_jax.sharding import constrain_kv
+from dflash_jax.parallel.sharding import constrain_kv
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -45,7 +45,7 @@ def project_kv(attn: Attention, h: jax.Array, positions: jax.Array, cfg: Qwen3Co
     k = linear(h, attn.k_proj).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
     k = rope(rms_norm(k, attn.k_norm, cfg.rms_norm_eps), positions, cfg)
     v = linear(h, attn.v_proj).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
-    return constrain_kv(k, v, cfg)  # placed as the KV cache on a mesh (dflash_jax.sharding); identity otherwise
+    return constrain_kv(k, v, cfg)  # placed as the KV cache on a mesh (dflash_jax.parallel.sharding); identity otherwise
 
 
 def project_q(attn: Attention, h: jax.Array, positions: jax.Array, cfg: Qwen3Config) -> jax.Array:

@@ -20,7 +20,7 @@ each shard must hold whole blocks of 16, i.e. in / model % 16 == 0), the per-ten
 
 Leaves are placed with `jax.make_array_from_callback`, so the same call works with several processes (each process
 builds only the shards of its own devices), and a checkpoint loader can read each shard's slice straight from disk
-(`dflash_jax.checkpoint.load_target(..., mesh=...)`).
+(`dflash_jax.io.checkpoint.load_target(..., mesh=...)`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dflash_jax.config import Qwen3Config
-from dflash_jax.nvfp4 import BLOCK_SIZE, NVFP4Array
+from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.quant.nvfp4 import BLOCK_SIZE, NVFP4Array
 from dflash_jax.params import abstract_drafter, abstract_target, map_named, named_leaves
 
 AXES = ("data", "model")
@@ -135,13 +135,12 @@ def _leaf_sharding(name: str, spec_axes: tuple[str, ...], leaf: Any, rules: Rule
 
 def _model_parts(tree):
     """(params, config, abstract params, kind) of a Target or Drafter."""
-    from dflash_jax.drafter import Drafter
-    from dflash_jax.target import Target
-
-    if isinstance(tree, Target):
-        return tree.params, tree.config, abstract_target(tree.config), "target"
-    if isinstance(tree, Drafter):
-        return tree.params, tree.config.model, abstract_drafter(tree.config), "drafter"
+    # Told apart by their config (models sit above this package and are not imported here).
+    config = getattr(tree, "config", None)
+    if isinstance(config, Qwen3Config):
+        return tree.params, config, abstract_target(config), "target"
+    if isinstance(config, DrafterConfig):
+        return tree.params, config.model, abstract_drafter(config), "drafter"
     raise TypeError(f"expected a Target or a Drafter, got {type(tree).__name__}")
 
 
@@ -260,7 +259,7 @@ def models_mesh(*models) -> Mesh | None:
     for name, mesh in found:
         if mesh is None:
             raise ShardingError(f"{found[0][0]} and {found[1][0]} must be sharded on the same mesh: the "
-                                f"{name} is not sharded (use dflash_jax.sharding.shard(model, mesh) on both)")
+                                f"{name} is not sharded (use dflash_jax.parallel.sharding.shard(model, mesh) on both)")
         if mesh != first:
             desc = "; ".join(f"{n} on mesh {_describe(m)}" for n, m in found)
             raise ShardingError(f"target and drafter are sharded on different meshes: {desc} (shard both on one "

@@ -18,13 +18,13 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import block_conv, selector
-from dflash_jax.attention import attention
+from dflash_jax.models import block_conv, selector
+from dflash_jax.models.attention import attention
 from dflash_jax.config import DrafterConfig, check_pair
-from dflash_jax.layers import mlp, project_kv, project_q, rms_norm, write_rows
-from dflash_jax.linear import backend_scope, linear, program_backend
+from dflash_jax.models.layers import mlp, project_kv, project_q, rms_norm, write_rows
+from dflash_jax.quant.linear import backend_scope, linear, program_backend
 from dflash_jax.params import DFlash2Params, DrafterParams, abstract_drafter, init_from_abstract, static_field
-from dflash_jax.target import KVCache, Target
+from dflash_jax.models.target import KVCache, Target
 
 
 @jax.tree_util.register_dataclass
@@ -201,7 +201,7 @@ def draft_logits(drafter: Drafter, target: Target, features, block, *,
     final_logit_softcapping; for DFlash2 these are the base logits the selector starts from).
 
     features [B, C, K*H]: target layer outputs of context positions 0..C-1; block [B, bs] at positions C..C+bs-1.
-    nvfp4_backend: for NVFP4 weights (see `dflash_jax.linear`); None = the current default, resolved per call.
+    nvfp4_backend: for NVFP4 weights (see `dflash_jax.quant.linear`); None = the current default, resolved per call.
     """
     return draft_proposal(drafter, target, features, block, nvfp4_backend=nvfp4_backend).logits
 

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dflash_jax.nvfp4 import BLOCK_SIZE, NVFP4Array, dequantize
+from dflash_jax.quant.nvfp4 import BLOCK_SIZE, NVFP4Array, dequantize
 
 # None: the Triton kernel on a GPU, interpreted elsewhere. False forces the Triton lowering, e.g. to export a CUDA
 # program from a CPU-only host (jax.export with platforms=["cuda"]); True forces the interpreter.

@@ -1,7 +1,7 @@
 """Compile-time and context-scaling figures, measured in one run and printed (never asserted: machines are noisy).
 
-    python -m dflash_jax.compilebench                     # every section, on the shipped models
-    python -m dflash_jax.compilebench --sections attention,programs
+    python -m dflash_jax.bench.compile                     # every section, on the shipped models
+    python -m dflash_jax.bench.compile --sections attention,programs
 
 Sections:
   attention  verify step (D+1 tokens) at 64 live tokens in caches of 256 and 16,384 slots: ms each and the ratio
@@ -31,12 +31,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.bench import speculative as bench
+from dflash_jax.config import Qwen3Config
+from dflash_jax.decode import programs as G
+from dflash_jax.decode.programs import generate
+from dflash_jax.io.compile_cache import enable_compilation_cache
+from dflash_jax.io.shipped import load_default
+from dflash_jax.models.layers import decoder_layer, rms_norm, write_rows
+from dflash_jax.models.target import KVCache, init_target, lm_logits
+
 SECTIONS = ("attention", "programs", "sampling", "cli", "scan")
 
 
 def attention_section(target, drafter, *, live: int = 64, cache_lens=(256, 16384), reps: int = 20) -> dict:
     """Steps at `live` tokens in caches of each size, all timed in turns (one round = every step at every size)."""
-    from dflash_jax import bench
 
     steps, metas = {}, {}
     for n in cache_lens:
@@ -56,9 +64,6 @@ def attention_section(target, drafter, *, live: int = 64, cache_lens=(256, 16384
 
 
 def programs_section(target, drafter, *, n_prompts: int = 100, max_len: int = 1000, new_tokens: int = 8) -> dict:
-    from dflash_jax import decoding as G
-    from dflash_jax.decoding import generate
-
     rng = np.random.default_rng(0)
     V = target.config.vocab_size
     lens = np.linspace(1, max_len, n_prompts).astype(int)
@@ -84,7 +89,6 @@ def programs_section(target, drafter, *, n_prompts: int = 100, max_len: int = 10
 def sampling_section(target, drafter, *, new_tokens: int = 300, prompt_len: int = 40, reps: int = 3) -> dict:
     """Greedy vs sampling program. Defaults pick a budget bucket (512) the other sections do not compile, so both
     compile times are measured (unless a persistent cache already holds them)."""
-    from dflash_jax.decoding import generate
 
     prompt = [list(np.random.default_rng(1).integers(2, target.config.vocab_size, prompt_len))]
     out = {}
@@ -121,9 +125,6 @@ def cli_section(prompt: str = "def f(x):") -> dict:
 
 def scan_section(*, layers: int = 36, hidden: int = 256, steps: int = 64, reps: int = 3) -> dict:
     """Prototype only (not the package's forward): layers unrolled vs lax.scan over stacked layers."""
-    from dflash_jax.config import Qwen3Config
-    from dflash_jax.layers import decoder_layer, rms_norm, write_rows
-    from dflash_jax.target import KVCache, init_target, lm_logits
 
     cfg = Qwen3Config(vocab_size=4096, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)
@@ -191,7 +192,7 @@ def scan_section(*, layers: int = 36, hidden: int = 256, steps: int = 64, reps: 
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m dflash_jax.compilebench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m dflash_jax.bench.compile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions per step measurement")
@@ -202,9 +203,6 @@ def main(argv=None):
     bad = sorted(set(sections) - set(SECTIONS))
     if bad:
         raise SystemExit(f"error: unknown sections {bad}; choose from {SECTIONS}")
-
-    from dflash_jax.compile_cache import enable_compilation_cache
-    from dflash_jax.defaults import load_default
 
     enable_compilation_cache()
     print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs, load average "

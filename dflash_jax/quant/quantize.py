@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import dflash_jax.linear as linear_mod
-from dflash_jax.nvfp4 import BLOCK_SIZE, E2M1_GRID, E2M1_MAX, E4M3_MAX, NVFP4Array, _round_to_e2m1_codes, quantize
+import dflash_jax.quant.linear as linear_mod
+from dflash_jax.quant.nvfp4 import BLOCK_SIZE, E2M1_GRID, E2M1_MAX, E4M3_MAX, NVFP4Array, _round_to_e2m1_codes, quantize
 from dflash_jax.params import is_linear_name, map_named, named_leaves
 
 ATTENTION_PROJECTIONS = ("*self_attn.q_proj", "*self_attn.k_proj", "*self_attn.v_proj", "*self_attn.o_proj")
@@ -60,7 +60,7 @@ def quantize_nvfp4(model, *, method: str = "rtn", exclude: Sequence[str] = (), c
     if need_cal:
         if calibration is None:
             raise ValueError(f"method={method!r} / activations={activations!r} needs calibration activations "
-                             "(see dflash_jax.quantize.collect_linear_inputs)")
+                             "(see dflash_jax.quant.quantize.collect_linear_inputs)")
         missing = sorted(names - set(calibration))
         if missing:
             raise ValueError(f"calibration has no activations for {missing}")
@@ -146,37 +146,6 @@ def collect_linear_inputs(forward, model, *args, max_rows: int = 4096, seed: int
             x = x[rng.choice(len(x), max_rows, replace=False)]
         out[name] = x
     return out
-
-
-def calibrate_drafter(target, drafter, token_windows, *, anchors_per_window: int = 8, seed: int = 0,
-                      max_rows: int = 4096) -> dict[str, np.ndarray]:
-    """Calibration activations for every drafter linear, from real text, as `quantize_nvfp4` takes them: for each
-    token window [T], the target's features of the window, then drafter blocks anchored at random positions (context
-    strictly before the anchor, as at inference), run eagerly through `collect_linear_inputs`. The anchor positions
-    are drawn once and shared by every window, so each anchor is one batched draft pass over all windows: eager ops
-    compile once per shape, and random per-window anchors made ~100 shapes (minutes of op compiles on a CPU)."""
-    from dflash_jax.drafter import draft_logits
-    from dflash_jax.target import target_forward
-
-    cfg = drafter.config
-    rng = np.random.default_rng(seed)
-    windows = np.asarray(token_windows, np.int32)
-    if windows.ndim != 2 or windows.shape[1] < 10:
-        raise ValueError(f"token_windows must be [n, T] with T >= 10, got shape {windows.shape}")
-    feats = np.asarray(target_forward(target, windows, cfg.target_layer_ids)[1])
-    contexts, blocks = [], []
-    k = min(anchors_per_window, windows.shape[1] - 9)
-    for a in np.sort(rng.choice(np.arange(8, windows.shape[1] - 1), size=k, replace=False)):
-        contexts.append(feats[:, :a])  # [n, a, F]
-        blk = np.full((len(windows), cfg.block_size), cfg.mask_token_id, np.int32)
-        blk[:, 0] = windows[:, a]
-        blocks.append(blk)
-
-    def forward(d, contexts, blocks):
-        for f, b in zip(contexts, blocks):
-            draft_logits(d, target, f, b)
-
-    return collect_linear_inputs(forward, drafter, contexts, blocks, max_rows=max_rows, seed=seed)
 
 
 def _without_global_scales(params, patterns: Sequence[str]):

@@ -18,7 +18,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.linear import linear
+from dflash_jax.quant.linear import linear
 from dflash_jax.params import CandidateSelector
 
 

@@ -1,6 +1,6 @@
-"""CPU micro-benchmark of `dflash_jax.linear.linear` under `jax.jit`, plus a look at the compiled HLO.
+"""CPU micro-benchmark of `dflash_jax.quant.linear.linear` under `jax.jit`, plus a look at the compiled HLO.
 
-    python -m dflash_jax.microbench [--size 2048] [--tokens 1,8,16] [--reps 20] [--warmup 3]
+    python -m dflash_jax.bench.matmul [--size 2048] [--tokens 1,8,16] [--reps 20] [--warmup 3]
 
 What it measures: y = x @ W.T for one square weight W [size, size] and x [tokens, size], one jitted call per
 timing (weight passed as an argument, never closed over, so XLA cannot constant-fold the dequantization), for
@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.linear import linear
-from dflash_jax.nvfp4 import NVFP4Array, quantize
+from dflash_jax.quant.linear import linear
+from dflash_jax.quant.nvfp4 import NVFP4Array, quantize
 
 BASELINE = "f32 W . f32 x"
 
@@ -250,7 +250,7 @@ def compiled_hlo(case: Case, tokens: int) -> str:
 # -- main --------------------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m dflash_jax.microbench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dflash_jax.bench.matmul", description=__doc__.split("\n")[0])
     ap.add_argument("--size", type=int, default=2048, help="weight is [size, size] (multiple of 16)")
     ap.add_argument("--tokens", default="1,8,16", help="comma-separated token counts (rows of x)")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per cell (median reported)")
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
     size = args.size
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    print(f"dflash_jax.microbench: linear(x [T, {size}], W [{size}, {size}]) under jax.jit")
+    print(f"dflash_jax.bench.matmul: linear(x [T, {size}], W [{size}, {size}]) under jax.jit")
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}, "
           f"{os.cpu_count()} CPUs, {platform.machine()}, load avg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"{args.reps} timed reps after {args.warmup} warmup calls per cell; one run, not repeated")

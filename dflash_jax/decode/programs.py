@@ -30,13 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from dflash_jax import sharding as shd
+from dflash_jax.parallel import sharding as shd
 from dflash_jax.config import check_pair
-from dflash_jax.draft_step import draft_step
-from dflash_jax.drafter import Drafter, DraftCache, append_context
-from dflash_jax.linear import backend_scope, program_backend
-from dflash_jax.sampling import SamplingParams, accept_block, sample_tokens
-from dflash_jax.target import KVCache, Target, forward_with_cache
+from dflash_jax.decode.draft_step import draft_step
+from dflash_jax.models.drafter import Drafter, DraftCache, append_context
+from dflash_jax.quant.linear import backend_scope, program_backend
+from dflash_jax.decode.sampling import SamplingParams, accept_block, sample_tokens
+from dflash_jax.models.target import KVCache, Target, forward_with_cache
 
 PAD = -1
 
@@ -576,13 +576,13 @@ def generate(target: Target, drafter: Drafter, prompt, *, max_new_tokens: int, d
 
     prompt: int [B, T] or a list of token lists (rows may differ in length). Greedy (temperature 0) output equals
     `generate_autoregressive` token for token; at temperature > 0 rejection sampling keeps the target's distribution.
-    nvfp4_backend: for NVFP4 weights (`dflash_jax.linear`); None = the current default, resolved now, per call.
+    nvfp4_backend: for NVFP4 weights (`dflash_jax.quant.linear`); None = the current default, resolved now, per call.
     prefill_timing: "stamp" = one host callback marks the end of prefill (such a program never enters JAX's
     persistent compilation cache); "rerun" = no callback, prefill is timed by a second, prefill-only run of the same
     compiled program (what the CLI and benchmarks use, with the persistent cache on; also what a mesh spanning several
     processes gets).
 
-    Sharded models (`dflash_jax.sharding.shard`, or `load_target(..., mesh=)`): the prompt batch goes along the mesh's
+    Sharded models (`dflash_jax.parallel.sharding.shard`, or `load_target(..., mesh=)`): the prompt batch goes along the mesh's
     "data" axis (padded with inert rows when the axis does not divide it); the tokens are those of one device.
     """
     return _run(speculative_call(target, drafter, prompt, max_new_tokens=max_new_tokens, draft_length=draft_length,

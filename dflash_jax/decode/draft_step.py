@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import jax
 
-from dflash_jax import selector
-from dflash_jax.drafter import Drafter, block_hidden, head_logits, propose_from_hidden
-from dflash_jax.sampling import SamplingParams, _draw, sample_tokens
-from dflash_jax.target import KVCache, Target
+from dflash_jax.models import selector
+from dflash_jax.models.drafter import Drafter, block_hidden, head_logits, propose_from_hidden
+from dflash_jax.decode.sampling import SamplingParams, _draw, sample_tokens
+from dflash_jax.models.target import KVCache, Target
 
 
 def draft_step(drafter: Drafter, target: Target, block: jax.Array, cache: KVCache, num_slots: int, keys: jax.Array,

@@ -39,8 +39,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import pallas_nvfp4
-from dflash_jax.nvfp4 import BLOCK_SIZE, NVFP4Array, _quantize, dequantize, unpack_e2m1
+from dflash_jax.quant import pallas_nvfp4
+from dflash_jax.quant.nvfp4 import BLOCK_SIZE, NVFP4Array, _quantize, dequantize, unpack_e2m1
 
 BACKENDS = ("portable", "pallas", "native")
 ENV_VAR = "DFLASH_JAX_NVFP4_BACKEND"

@@ -1,0 +1,2 @@
+"""Reading and writing models: HF / z-lab / ModelOpt folders and orbax (`checkpoint`), safetensors, the tokenizer,
+the shipped default models (`shipped`) and the persistent compilation cache."""

@@ -1,0 +1,1 @@
+"""Meshes and shardings: logical-axis rules for the weights and caches, placement, HLO collective counts."""
