@@ -29,7 +29,7 @@ from dflash_jax.decode.programs import generate, generate_autoregressive
 from dflash_jax.params import abstract_drafter, from_named, named_leaves
 from dflash_jax.models.target import Target, forward_with_cache
 from dflash_jax.io.tokenizer import Tokenizer
-from dflash_jax.train import corpus
+from dflash_jax.train import corpus, instructions
 from dflash_jax.train.loop import OptimConfig, batch_rng, cross_entropy, load_training_tokenizer, run
 
 CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
@@ -199,8 +199,9 @@ def make_batch_fn(data: dict[str, np.ndarray], target_params, *, batch: int, num
 
 
 def measure_tau(target: Target, drafter: Drafter, prompts: list[list[int]], *, max_new_tokens: int = 128,
-                draft_length: int | None = None) -> dict:
-    res = generate(target, drafter, prompts, max_new_tokens=max_new_tokens, draft_length=draft_length)
+                draft_length: int | None = None, eos_ids=()) -> dict:
+    res = generate(target, drafter, prompts, max_new_tokens=max_new_tokens, draft_length=draft_length,
+                   eos_ids=eos_ids)
     return {"tau": res.tau, "acceptance_rate": res.acceptance_rate,
             "position_acceptance": [round(float(x), 4) for x in res.position_acceptance]}
 
@@ -221,11 +222,29 @@ def target_fingerprint(target: Target) -> str:
     return h.hexdigest()[:16]
 
 
+def chat_prompt_ids(tok, n: int, *, split: str, seed: int, max_prompt_tokens: int | None = None) -> list[list[int]]:
+    """`n` instruction requests of the corpus `split` through the tokenizer's chat template (see
+    `train.instructions`); requests whose prompt exceeds max_prompt_tokens are replaced by further ones (a chat
+    prompt cannot be cut without breaking its template)."""
+    ids: list[list[int]] = []
+    extra = 0
+    while len(ids) < n:
+        requests = instructions.instruction_requests(n + extra, split=split, seed=seed)
+        ids = [p for p in instructions.chat_prompts(tok, requests)
+               if max_prompt_tokens is None or len(p) <= max_prompt_tokens][:n]
+        extra += max(8, n // 8)
+    return ids
+
+
 def build_data(target: Target, tok, cfg: DrafterConfig, work: Path, *, prompts: int, new_tokens: int,
                max_prompt_tokens: int, sampled_fraction: float, sample_temperature: float, seed: int,
-               packages: bool) -> dict[str, np.ndarray]:
-    """Target continuations and their tapped features, cached in `work` (the data is the expensive part)."""
+               packages: bool, chat: bool = False) -> dict[str, np.ndarray]:
+    """Target continuations and their tapped features, cached in `work` (the data is the expensive part).
+
+    chat: the target is an instruct model: its answers (until its EOS) to instruction requests through its own chat
+    template (`chat_prompt_ids`), instead of continuations of corpus code."""
     tag = f"{prompts}_{new_tokens}_{max_prompt_tokens}_{sampled_fraction}_{sample_temperature}_{seed}_{int(packages)}"
+    tag += "_chat" if chat else ""
     seq_file, feat_file = work / f"sequences_{tag}.npz", work / f"features_{tag}_{'-'.join(map(str, cfg.target_layer_ids))}.npy"
     seq_len = max_prompt_tokens + new_tokens
     # The cache is named by the data flags alone, so a retrained target would silently reuse the old target's
@@ -242,8 +261,10 @@ def build_data(target: Target, tok, cfg: DrafterConfig, work: Path, *, prompts: 
             print(f"warning: {seq_file} records no target; reusing it as made with this target", flush=True)
     else:
         t0 = time.perf_counter()
-        texts = training_prompts(prompts, seed, packages=packages)
-        ids = [tok.encode(t)[-max_prompt_tokens:] for t in texts]
+        if chat:
+            ids = chat_prompt_ids(tok, prompts, split="train", seed=seed, max_prompt_tokens=max_prompt_tokens)
+        else:
+            ids = [tok.encode(t)[-max_prompt_tokens:] for t in training_prompts(prompts, seed, packages=packages)]
         data = make_sequences(target, ids, max_new_tokens=new_tokens, seq_len=seq_len,
                               sampled_fraction=sampled_fraction, temperature=sample_temperature, seed=seed,
                               eos_ids=(tok.eos_id,))
@@ -302,6 +323,11 @@ def add_training_arguments(ap, *, out, work_dir, work_help):
                     help="fraction of continuations sampled (the rest greedy)")
     ap.add_argument("--sample-temperature", type=float, default=0.7, help="temperature of the sampled ones")
     ap.add_argument("--no-packages", action="store_true", help="prompts from the stdlib alone (no [corpus] extra)")
+    ap.add_argument("--chat", action="store_true",
+                    help="an instruct target: train on its answers (until EOS) to instruction requests made from the "
+                         "corpus, through its chat template; evaluate on held-out requests")
+    ap.add_argument("--mask-token-id", type=int, default=None,
+                    help="the drafter's mask token (default: the tokenizer's <|mask|>, else <|endoftext|>)")
     ap.add_argument("--steps", type=int, default=3000, help="optimizer steps")
     ap.add_argument("--batch", type=int, default=8, help="sequences per batch")
     ap.add_argument("--anchors", type=int, default=64, help="random anchors (blocks) per sequence")
@@ -311,13 +337,33 @@ def add_training_arguments(ap, *, out, work_dir, work_help):
     ap.add_argument("--seed", type=int, default=0, help="data and init seed")
 
 
+def eval_prompt_ids(tok, args, n: int = 8) -> list[list[int]]:
+    """The held-out prompts tau is measured on: held-out instruction requests (--chat) or held-out code."""
+    if args.chat:
+        return chat_prompt_ids(tok, n, split="eval", seed=1)
+    return [tok.encode(t) for t in corpus.held_out_prompts(n, seed=1)]
+
+
+def mask_token_id(tok, args) -> int:
+    """--mask-token-id, else the tokenizer's mask token, else <|endoftext|>: a token that never occurs in a block's
+    context (the drafter reads its embedding as "to be predicted")."""
+    if args.mask_token_id is not None:
+        return int(args.mask_token_id)
+    mask = getattr(tok, "mask_id", None)
+    if mask is None and hasattr(tok, "token_to_id"):
+        mask = tok.token_to_id("<|endoftext|>")
+    if mask is None:
+        raise SystemExit("error: the tokenizer has no <|mask|> or <|endoftext|> token: pass --mask-token-id")
+    return int(mask)
+
+
 def build_data_or_exit(target, tok, cfg, data_dir, args):
     """build_data from the shared flags; a missing corpus is a message, not a traceback."""
     try:
         return build_data(target, tok, cfg, data_dir, prompts=args.prompts, new_tokens=args.new_tokens,
                           max_prompt_tokens=args.max_prompt_tokens, sampled_fraction=args.sampled_fraction,
                           sample_temperature=args.sample_temperature, seed=args.seed,
-                          packages=not args.no_packages)
+                          packages=not args.no_packages, chat=args.chat)
     except corpus.CorpusError as e:
         raise SystemExit(f"error: {e}") from None
 
@@ -335,16 +381,17 @@ def main(argv=None):
     t_start = time.perf_counter()
     tok = load_training_tokenizer(args.tokenizer)
     target = load_target(args.target, compute_dtype="float32")
-    cfg = shipped_drafter_config(target.config, tok.mask_id, layers=args.layers, block_size=args.block_size,
+    cfg = shipped_drafter_config(target.config, mask_token_id(tok, args), layers=args.layers, block_size=args.block_size,
                                  taps=args.taps, tap_ids=args.tap_ids)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     data = build_data_or_exit(target, tok, cfg, work, args)
-    eval_prompts = [tok.encode(t) for t in corpus.held_out_prompts(8, seed=1)]
+    eval_prompts = eval_prompt_ids(tok, args)
+    eos = (tok.eos_id,) if args.chat else ()
 
     def eval_fn(params):
         return {k: v for k, v in measure_tau(target, Drafter(params=params, config=cfg), eval_prompts,
-                                             max_new_tokens=256, draft_length=7).items()
+                                             max_new_tokens=256, draft_length=7, eos_ids=eos).items()
                 if k != "position_acceptance"}
 
     params = init_drafter(cfg, jax.random.key(args.seed + 1)).params
@@ -358,7 +405,7 @@ def main(argv=None):
                           ckpt_every=args.ckpt_every, desc="drafter", log_file=work / "log.jsonl")
     drafter = Drafter(params=params, config=cfg)
     save(args.out, drafter)
-    final = measure_tau(target, drafter, eval_prompts, max_new_tokens=256, draft_length=7)
+    final = measure_tau(target, drafter, eval_prompts, max_new_tokens=256, draft_length=7, eos_ids=eos)
     report = {"command": "dflash-jax train-drafter " + " ".join(argv or []), "steps": args.steps,
               "layers": args.layers, "batch": args.batch, "anchors_per_sequence": args.anchors,
               "prompts": args.prompts, "new_tokens": args.new_tokens,

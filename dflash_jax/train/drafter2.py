@@ -46,8 +46,8 @@ from dflash_jax.io.checkpoint import load_drafter, load_target, save
 from dflash_jax.config import DrafterConfig, Qwen3Config
 from dflash_jax.models.drafter import Drafter, head_logits, init_drafter
 from dflash_jax.train import corpus
-from dflash_jax.train.drafter import (CHECKPOINTS, add_training_arguments, build_data_or_exit, decay_gamma,
-                                      make_batch_fn, measure_tau, shipped_drafter_config, training_hidden,
+from dflash_jax.train.drafter import (CHECKPOINTS, add_training_arguments, build_data_or_exit, decay_gamma, eval_prompt_ids,
+                                      make_batch_fn, mask_token_id, measure_tau, shipped_drafter_config, training_hidden,
                                       training_labels, warm_start)
 from dflash_jax.train.loop import OptimConfig, cross_entropy, load_training_tokenizer, run
 
@@ -132,7 +132,7 @@ def main(argv=None):
     t_start = time.perf_counter()
     tok = load_training_tokenizer(args.tokenizer)
     target = load_target(args.target, compute_dtype="float32")
-    cfg = shipped_drafter2_config(target.config, tok.mask_id, layers=args.layers, block_size=args.block_size,
+    cfg = shipped_drafter2_config(target.config, mask_token_id(tok, args), layers=args.layers, block_size=args.block_size,
                                   taps=args.taps, tap_ids=args.tap_ids, conv_kernel_size=args.conv_kernel_size,
                                   conv_group_size=args.conv_group_size, selector_rank=args.selector_rank,
                                   selector_top_k=args.selector_top_k, sliding_window=args.sliding_window)
@@ -141,12 +141,14 @@ def main(argv=None):
     data_dir = Path(args.data_dir) if args.data_dir else work
     data_dir.mkdir(parents=True, exist_ok=True)
     data = build_data_or_exit(target, tok, cfg, data_dir, args)
-    eval_prompts = [tok.encode(t) for t in corpus.held_out_prompts(args.eval_prompts, seed=1)]
+    eval_prompts = eval_prompt_ids(tok, args, args.eval_prompts)
+    eos = (tok.eos_id,) if args.chat else ()
     d7 = min(7, cfg.block_size - 1)  # the report's draft length
 
     def eval_fn(params):
         return {k: v for k, v in measure_tau(target, Drafter(params=params, config=cfg), eval_prompts,
-                                             max_new_tokens=args.eval_tokens, draft_length=d7).items()
+                                             max_new_tokens=args.eval_tokens, draft_length=d7,
+                                             eos_ids=eos).items()
                 if k != "position_acceptance"}
 
     params = init_drafter(cfg, jax.random.key(args.seed + 1)).params
@@ -162,7 +164,7 @@ def main(argv=None):
     drafter = Drafter(params=params, config=cfg)
     save(args.out, drafter)
     final = history[-1] if history else {}
-    tau = measure_tau(target, drafter, eval_prompts, max_new_tokens=args.eval_tokens, draft_length=d7)
+    tau = measure_tau(target, drafter, eval_prompts, max_new_tokens=args.eval_tokens, draft_length=d7, eos_ids=eos)
     report = {"command": "dflash-jax train-drafter --kind dflash2 " + " ".join(argv or []), "steps": args.steps,
               "layers": args.layers, "batch": args.batch, "anchors_per_sequence": args.anchors,
               "prompts": args.prompts, "new_tokens": args.new_tokens,
