@@ -45,7 +45,6 @@ from dflash_jax.models import selector as sel_mod
 from dflash_jax.io.checkpoint import load_drafter, load_target, save
 from dflash_jax.config import DrafterConfig, Qwen3Config
 from dflash_jax.models.drafter import Drafter, head_logits, init_drafter
-from dflash_jax.train import corpus
 from dflash_jax.train.drafter import (CHECKPOINTS, add_training_arguments, build_data_or_exit, decay_gamma, eval_prompt_ids,
                                       make_batch_fn, mask_token_id, measure_tau, shipped_drafter_config, training_hidden,
                                       training_labels, warm_start)
