@@ -369,8 +369,11 @@ def _load_gguf_target(path: Path, param_dtype: str, compute_dtype: str, mesh):
     if d["model_type"] != "qwen3":
         raise NotImplementedError(f"{path}: GGUF architecture {d['model_type']!r} is not supported yet (qwen3)")
     cfg = Qwen3Config.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
+    abstract = abstract_target(cfg)
     try:
-        params = _params_from_hf("target", path, abstract_target(cfg), cfg.storage_dtype, None, mesh=mesh, cfg=cfg,
+        gguf_model.check_against(g, tensors, {_dense_keys("target", n)[0]: s.shape
+                                              for n, s in named_leaves(abstract).items()})
+        params = _params_from_hf("target", path, abstract, cfg.storage_dtype, None, mesh=mesh, cfg=cfg,
                                  tensors=tensors)
     except GGUFError as e:
         raise CheckpointError(str(e)) from None

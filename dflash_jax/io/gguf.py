@@ -141,11 +141,8 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: GGUF version {self.version} is not supported (2 and 3 are)")
         n_tensors = cur.scalar("<Q", "the tensor count")
         n_kv = cur.scalar("<Q", "the metadata count")
-        # Each kv takes >= 12 bytes and each tensor info >= 24: a count that cannot fit is corruption, not a
-        # reason to loop for ever.
-        if n_kv * 12 + n_tensors * 24 > size:
-            raise GGUFError(f"{self.path}: header claims {n_kv} metadata entries and {n_tensors} tensors, more "
-                            f"than a {size}-byte file can hold (truncated or corrupt)")
+        # No up-front plausibility check on the counts: every entry reads >= 12 bytes through the bounds-checked
+        # cursor, so a corrupt count ends at the first read past the end, with an error naming that entry.
         self.metadata: dict[str, Any] = {}
         self.value_types: dict[str, int] = {}
         for i in range(n_kv):
@@ -230,16 +227,12 @@ class GGUFFile:
         """The tensor (numpy shape) decoded into `dtype`, rows of the outermost axis limited to `rows`."""
         t = self.info(name)
         packed = self.raw(name).reshape(-1, t.row_bytes)  # [R, row bytes]
-        n_rows = packed.shape[0]
-        start, stop, step = (rows or slice(None)).indices(n_rows if len(t.shape) > 1 else 1)
-        if len(t.shape) > 1:
+        out_shape = t.shape
+        if rows is not None and len(t.shape) > 1:
             lead = t.shape[0]
-            inner = n_rows // lead  # rows of the flattened matrix per outermost index
-            sel = range(start, stop, step)
-            out_shape = (len(sel),) + t.shape[1:]
-            packed = packed.reshape(lead, inner, t.row_bytes)[start:stop:step].reshape(-1, t.row_bytes)
-        else:
-            out_shape = t.shape
+            start, stop, step = rows.indices(lead)
+            out_shape = (len(range(start, stop, step)),) + t.shape[1:]
+            packed = packed.reshape(lead, -1, t.row_bytes)[start:stop:step].reshape(-1, t.row_bytes)
         out = np.empty((packed.shape[0], t.shape[-1]), dtype=dtype)
         chunk = max(1, _ROW_CHUNK_BYTES // max(t.row_bytes, 1))
         for r in range(0, packed.shape[0], chunk):

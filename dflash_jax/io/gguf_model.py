@@ -46,6 +46,32 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+_HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
+_HF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def gguf_name(hf: str) -> str | None:
+    """The inverse of `hf_name`."""
+    if hf in _HF_GLOBAL:
+        return _HF_GLOBAL[hf]
+    m = _HF_LAYER_RE.match(hf)
+    if m and m.group(2) in _HF_LAYER:
+        return f"blk.{int(m.group(1))}.{_HF_LAYER[m.group(2)]}"
+    return None
+
+
+def check_against(g: GGUFFile, tensors: dict, expected: dict[str, tuple[int, ...]]) -> None:
+    """Every expected HF tensor {name: shape} is in the file with that shape; errors name the GGUF tensor."""
+    for hf, shape in expected.items():
+        name = gguf_name(hf) or hf
+        if hf not in tensors:
+            raise GGUFError(f"{g.path}: tensor {name!r} is missing (the model's {hf}, shape {list(shape)})")
+        if tuple(tensors[hf].shape) != tuple(shape):
+            raise GGUFError(f"{g.path}: tensor {name!r} has shape {list(tensors[hf].shape)} (numpy order), expected "
+                            f"{list(shape)} for the model's {hf}")
+
+
 def hf_config(g: GGUFFile) -> dict:
     """An HF-style config dict from the metadata (`{arch}.*` keys; vocabulary size from the embedding rows; tied
     when there is no `output.weight`; bos / eos from `tokenizer.ggml.*_token_id`)."""
@@ -174,4 +200,4 @@ def hf_tensors(g: GGUFFile, cfg: dict) -> dict[str, GGUFTensor]:
     return out
 
 
-__all__ = ["hf_config", "hf_tensors", "hf_name", "GGUFTensor", "ARCHITECTURES"]
+__all__ = ["hf_config", "hf_tensors", "hf_name", "gguf_name", "check_against", "GGUFTensor", "ARCHITECTURES"]
