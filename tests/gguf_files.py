@@ -60,7 +60,7 @@ def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict[str, tuple[n
 
 def model_metadata(cfg, arch: str) -> dict:
     return {
-        f"{arch}.block_count": cfg.num_hidden_layers, f"{arch}.context_length": cfg.max_position_embeddings,
+        f"{arch}.vocab_size": cfg.vocab_size, f"{arch}.block_count": cfg.num_hidden_layers, f"{arch}.context_length": cfg.max_position_embeddings,
         f"{arch}.embedding_length": cfg.hidden_size, f"{arch}.feed_forward_length": cfg.intermediate_size,
         f"{arch}.attention.head_count": cfg.num_attention_heads,
         f"{arch}.attention.head_count_kv": cfg.num_key_value_heads, f"{arch}.attention.key_length": cfg.head_dim,

