@@ -28,6 +28,7 @@ from dflash_jax.models.drafter import Drafter, block_pass, context_kv, embed_blo
 from dflash_jax.decode.programs import generate, generate_autoregressive
 from dflash_jax.params import abstract_drafter, from_named, named_leaves
 from dflash_jax.models.target import Target, forward_with_cache
+from dflash_jax.io.shipped import smollm2_path
 from dflash_jax.io.tokenizer import Tokenizer
 from dflash_jax.train import corpus, instructions
 from dflash_jax.train.loop import OptimConfig, batch_rng, cross_entropy, load_training_tokenizer, run
@@ -307,7 +308,8 @@ def warm_start(cfg: DrafterConfig, fresh, source: Drafter, *, exact: bool = Fals
 
 def add_training_arguments(ap, *, out, work_dir, work_help):
     """The flags every drafter trainer shares: what to train against, the data recipe, the optimizer."""
-    ap.add_argument("--target", default=str(CHECKPOINTS / "target"), help="the frozen target (folder)")
+    ap.add_argument("--target", default=str(CHECKPOINTS / "target"),
+                    help="the frozen target: a folder, a .gguf file, or 'smollm2' (the packaged SmolLM2 GGUF)")
     ap.add_argument("--tokenizer", default=str(CHECKPOINTS / "tokenizer.json"), help="tokenizer.json")
     ap.add_argument("--out", default=str(out), help="where the trained drafter is saved")
     ap.add_argument("--work-dir", default=work_dir, help=work_help)
@@ -342,6 +344,15 @@ def eval_prompt_ids(tok, args, n: int = 8) -> list[list[int]]:
     if args.chat:
         return chat_prompt_ids(tok, n, split="eval", seed=1)
     return [tok.encode(t) for t in corpus.held_out_prompts(n, seed=1)]
+
+
+def resolve_target_and_tokenizer(args) -> None:
+    """--target smollm2 is the packaged SmolLM2-135M-Instruct GGUF; a GGUF target brings its own tokenizer unless
+    --tokenizer names another one."""
+    if args.target == "smollm2":
+        args.target = str(smollm2_path())
+    if str(args.target).endswith(".gguf") and args.tokenizer == str(CHECKPOINTS / "tokenizer.json"):
+        args.tokenizer = args.target
 
 
 def mask_token_id(tok, args) -> int:
@@ -379,6 +390,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
+    resolve_target_and_tokenizer(args)
     tok = load_training_tokenizer(args.tokenizer)
     target = load_target(args.target, compute_dtype="float32")
     cfg = shipped_drafter_config(target.config, mask_token_id(tok, args), layers=args.layers, block_size=args.block_size,

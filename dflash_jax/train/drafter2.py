@@ -46,7 +46,7 @@ from dflash_jax.io.checkpoint import load_drafter, load_target, save
 from dflash_jax.config import DrafterConfig, Qwen3Config
 from dflash_jax.models.drafter import Drafter, head_logits, init_drafter
 from dflash_jax.train.drafter import (CHECKPOINTS, add_training_arguments, build_data_or_exit, decay_gamma, eval_prompt_ids,
-                                      make_batch_fn, mask_token_id, measure_tau, shipped_drafter_config, training_hidden,
+                                      make_batch_fn, mask_token_id, measure_tau, resolve_target_and_tokenizer, shipped_drafter_config, training_hidden,
                                       training_labels, warm_start)
 from dflash_jax.train.loop import OptimConfig, cross_entropy, load_training_tokenizer, run
 
@@ -129,6 +129,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
+    resolve_target_and_tokenizer(args)
     tok = load_training_tokenizer(args.tokenizer)
     target = load_target(args.target, compute_dtype="float32")
     cfg = shipped_drafter2_config(target.config, mask_token_id(tok, args), layers=args.layers, block_size=args.block_size,

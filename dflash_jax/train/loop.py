@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from dflash_jax.io.tokenizer import Tokenizer
+from dflash_jax.io.tokenizer import Tokenizer, load_tokenizer
 from dflash_jax.models.target import Target, forward_with_cache
 
 
@@ -113,13 +113,19 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def load_training_tokenizer(path):
-    """The tokenizer a trainer needs (EOS and the drafter's mask token), or an error that says what to do."""
+    """The tokenizer a trainer needs (EOS, and for the shipped models the drafter's mask token), or an error that
+    says what to do. A GGUF file (a pretrained model's own tokenizer) is read with `load_tokenizer`."""
     from pathlib import Path
 
     path = Path(path)
     if not path.exists():
         raise SystemExit(f"error: no tokenizer at {path}: pass --tokenizer, or train one with "
                          "`python -m dflash_jax.train.tokenizer_train --out {path}`")
+    if path.suffix == ".gguf":
+        try:
+            return load_tokenizer(path)
+        except Exception as e:
+            raise SystemExit(f"error: {path}: {e}") from None
     try:
         return Tokenizer.from_file(path)
     except ValueError as e:  # lacks <|endoftext|> / <|mask|>
