@@ -247,6 +247,17 @@ def test_qwen2_attention_bias_key_and_family_switches():
     odd = cfg.replace(qk_norm=True)
     with pytest.raises(ValueError, match="'llama' with qk_norm=True.*no HF config.json form"):
         odd.to_hf_dict()
+    # Params of one family under another family's config: a clear error, not a None in the arithmetic.
+    small = cfg.replace(vocab_size=V, num_hidden_layers=1, param_dtype="float32", compute_dtype="float32")
+    llama = dj.init_target(small, jax.random.key(0))
+    qwen2 = dj.init_target(small.replace(model_type="qwen2", attention_bias=None), jax.random.key(0))
+    tokens = np.zeros((1, 3), np.int32)
+    with pytest.raises(ValueError, match="attention_bias=True but the layer's params have no q/k/v biases"):
+        dj.target_forward(llama.replace(config=qwen2.config), tokens)
+    with pytest.raises(ValueError, match="attention_bias=False but the layer's params have q/k/v biases"):
+        dj.target_forward(qwen2.replace(config=llama.config), tokens)
+    with pytest.raises(ValueError, match="qk_norm=True but the layer's params have no q_norm"):
+        dj.target_forward(llama.replace(config=odd.replace(vocab_size=V, num_hidden_layers=1)), tokens)
     with pytest.raises(ValueError, match="drafter's layers are Qwen3 layers"):
         DrafterConfig(model=cfg.replace(num_hidden_layers=1), block_size=4, mask_token_id=1, target_layer_ids=(0,),
                       num_target_layers=2)
