@@ -10,7 +10,7 @@ from dflash_jax.quant import nvfp4
 from dflash_jax.quant.audit import ScaleAudit, audit_scales
 from dflash_jax.io.checkpoint import CheckpointError, load_drafter, load_target, save, save_hf
 from dflash_jax.io.compile_cache import enable_compilation_cache
-from dflash_jax.config import DrafterConfig, Qwen3Config, default_target_layer_ids
+from dflash_jax.config import DrafterConfig, Qwen3Config, TargetConfig, default_target_layer_ids
 from dflash_jax.models.drafter import Drafter, draft_logits, draft_tokens, init_drafter
 from dflash_jax.decode.programs import GenerationResult, generate, generate_autoregressive
 from dflash_jax.quant.nvfp4 import NVFP4Array
@@ -23,7 +23,7 @@ from dflash_jax.io.tokenizer import Tokenizer
 
 __all__ = [
     "nvfp4", "NVFP4Array", "audit_scales", "ScaleAudit",
-    "Qwen3Config", "DrafterConfig", "default_target_layer_ids",
+    "Qwen3Config", "TargetConfig", "DrafterConfig", "default_target_layer_ids",
     "Target", "KVCache", "init_target", "target_forward",
     "Drafter", "init_drafter", "draft_logits", "draft_tokens",
     "generate", "generate_autoregressive", "GenerationResult",

@@ -1,4 +1,4 @@
-"""Checkpoints: HF folders (Qwen3 targets, z-lab DFlash drafters, ModelOpt NVFP4 exports) and orbax.
+"""Checkpoints: HF folders (Qwen3 / Qwen2 / Llama targets, z-lab DFlash drafters, ModelOpt NVFP4 exports) and orbax.
 
 HF tensor names are derived from the parameter paths (see params.py), so the expected key set is exactly the
 abstract tree's: a missing, unexpected, mis-shaped or non-finite tensor is an error that names it. Linear layers
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -46,9 +47,14 @@ def _hf_prefix(kind: str, name: str) -> str:
     return name
 
 
+_BIAS = re.compile(r"\.(q|k|v)_bias$")
+
+
 def _dense_keys(kind: str, name: str) -> tuple[str, ...]:
     """The HF tensor names a dense parameter may be stored under, the one `save_hf` writes first."""
     module = _hf_prefix(kind, name)
+    if _BIAS.search(name):  # `self_attn.q_bias` is HF's `self_attn.q_proj.bias`
+        return (_BIAS.sub(r".\1_proj", module) + ".bias",)
     if name.endswith(".base_kernel"):
         return (module,)
     if name.endswith("_codebook"):
@@ -325,7 +331,8 @@ def _dtypes(param_dtype: str | None, compute_dtype: str | None) -> tuple[str, st
 
 
 def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dtype: str | None = None, mesh=None):
-    """A Target from an HF Qwen3 folder (optionally ModelOpt NVFP4) or a folder written by `save`.
+    """A Target from an HF Qwen3, Qwen2 or Llama folder (`model_type` qwen3 / qwen2 / llama; optionally ModelOpt
+    NVFP4) or a folder written by `save`. A config this decoder cannot run is refused naming the key.
 
     Dtypes: see `_dtypes` (compute: bf16 on accelerators, f32 on CPU; parameters: the compute dtype).
     mesh: a `dflash_jax.parallel.sharding.make_mesh` mesh: HF safetensors go straight into sharded device arrays (each device
@@ -342,8 +349,6 @@ def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dty
     arch = d.get("architectures") or []
     if "DFlashDraftModel" in arch or "DFlash2DraftModel" in arch:
         raise CheckpointError(f"{path}: is a DFlash drafter ({arch[0]}), not a target (use load_drafter)")
-    if d.get("model_type") not in (None, "qwen3"):
-        raise NotImplementedError(f"{path}: model_type {d.get('model_type')!r} is not supported (qwen3)")
     cfg = Qwen3Config.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
     params = _params_from_hf("target", path, abstract_target(cfg), cfg.storage_dtype, read_quant_config(path, d),
                              mesh=mesh, cfg=cfg)
@@ -387,7 +392,7 @@ def _np_dense(x, dtype_name: str) -> np.ndarray:
 
 
 def save_hf(path: str | Path, model, *, dtype: str | None = None, quant_algo: str | None = None) -> Path:
-    """Write an HF folder: a Qwen3 target (`Qwen3ForCausalLM`) or a z-lab DFlash / DFlash2 drafter
+    """Write an HF folder: a target (`Qwen3ForCausalLM`, `Qwen2ForCausalLM` or `LlamaForCausalLM`) or a z-lab DFlash / DFlash2 drafter
     (`DFlashDraftModel` / `DFlash2DraftModel`, tensor names as z-lab stores them).
 
     NVFP4 leaves are written in ModelOpt's export format with `hf_quant_config.json` and a `quantization_config`
