@@ -2,7 +2,7 @@
 
 Public calls (a contract): `load_target`, `load_drafter`, `save`, `save_hf`, `target_forward`, `draft_logits`,
 `draft_tokens`, `generate`, `generate_autoregressive`, `audit_scales`, `quantize_nvfp4`, `load_default`,
-`enable_compilation_cache`, `make_mesh`, `shard` (dflash_jax.parallel.sharding), and the `nvfp4` module. Drafters are DFlash or
+`enable_compilation_cache`, `load_tokenizer` (GGUF or tokenizer.json), `make_mesh`, `shard` (dflash_jax.parallel.sharding), and the `nvfp4` module. Drafters are DFlash or
 DFlash2 (`DrafterConfig.kind`); every call takes either.
 """
 
@@ -16,10 +16,11 @@ from dflash_jax.decode.programs import GenerationResult, generate, generate_auto
 from dflash_jax.quant.nvfp4 import NVFP4Array
 from dflash_jax.quant.quantize import drop_global_scales, quantize_nvfp4
 from dflash_jax.models.target import KVCache, Target, init_target, target_forward
-from dflash_jax.io.shipped import load_default
+from dflash_jax.io.shipped import load_default, smollm2_path
 from dflash_jax.parallel import sharding
 from dflash_jax.parallel.sharding import ShardingError, make_mesh, shard
-from dflash_jax.io.tokenizer import Tokenizer
+from dflash_jax.io.tokenizer import ModelTokenizer, Tokenizer, TokenizerError, load_tokenizer
+from dflash_jax.io.gguf import GGUFError
 
 __all__ = [
     "nvfp4", "NVFP4Array", "audit_scales", "ScaleAudit",
@@ -28,6 +29,7 @@ __all__ = [
     "Drafter", "init_drafter", "draft_logits", "draft_tokens",
     "generate", "generate_autoregressive", "GenerationResult",
     "load_target", "load_drafter", "save", "save_hf", "CheckpointError",
-    "quantize_nvfp4", "drop_global_scales", "load_default", "Tokenizer", "enable_compilation_cache",
+    "quantize_nvfp4", "drop_global_scales", "load_default", "Tokenizer", "load_tokenizer", "ModelTokenizer",
+    "TokenizerError", "GGUFError", "smollm2_path", "enable_compilation_cache",
     "make_mesh", "shard", "ShardingError", "sharding",
 ]

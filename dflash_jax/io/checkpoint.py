@@ -27,6 +27,8 @@ from dflash_jax.models.target import Target
 from dflash_jax.parallel import sharding as shd
 from dflash_jax.quant.nvfp4 import NVFP4Array
 from dflash_jax.params import abstract_drafter, abstract_target, from_named, is_linear_name, map_named, named_leaves
+from dflash_jax.io import gguf_model
+from dflash_jax.io.gguf import GGUFError, GGUFFile, is_gguf
 from dflash_jax.io.safetensors_io import (LazyTensor, SafetensorsError, lazy_safetensors, read_safetensors,
                                        write_safetensors)
 
@@ -178,13 +180,15 @@ def _placed_dense(key: str, arr: LazyTensor, sharding, dtype, path: Path):
     return jax.make_array_from_callback(tuple(arr.shape), sharding, shard)
 
 
-def _params_from_hf(kind: str, path: Path, abstract, dtype, quant: dict | None, mesh=None, cfg=None):
+def _params_from_hf(kind: str, path: Path, abstract, dtype, quant: dict | None, mesh=None, cfg=None, tensors=None):
     """mesh: place every parameter straight into its shards (`dflash_jax.parallel.sharding` rules for `cfg`), reading each
-    device's slice from the file on its own, one tensor at a time."""
+    device's slice from the file on its own, one tensor at a time. tensors: HF-named lazy tensors read from elsewhere
+    (a GGUF file) instead of the folder's safetensors."""
     if mesh is not None:
         rules = shd.rules_for(cfg, mesh, what=kind)  # refuses a mesh that cannot split this model, before reading
         axes = {n: s.logical_axes for n, s in named_leaves(abstract).items()}
-    tensors = _read_tensors(path, lazy=mesh is not None)
+    if tensors is None:
+        tensors = _read_tensors(path, lazy=mesh is not None)
     used: set[str] = set()
     named = {}
     for name, spec in named_leaves(abstract).items():
@@ -332,7 +336,9 @@ def _dtypes(param_dtype: str | None, compute_dtype: str | None) -> tuple[str, st
 
 def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dtype: str | None = None, mesh=None):
     """A Target from an HF Qwen3, Qwen2 or Llama folder (`model_type` qwen3 / qwen2 / llama; optionally ModelOpt
-    NVFP4) or a folder written by `save`. A config this decoder cannot run is refused naming the key.
+    NVFP4), a folder written by `save`, or a llama.cpp GGUF file of the llama / qwen2 / qwen3 architectures (a
+    `.gguf` suffix or the GGUF magic; see `dflash_jax.io.gguf_model`). A config this decoder cannot run is refused
+    naming the key.
 
     Dtypes: see `_dtypes` (compute: bf16 on accelerators, f32 on CPU; parameters: the compute dtype).
     mesh: a `dflash_jax.parallel.sharding.make_mesh` mesh: HF safetensors go straight into sharded device arrays (each device
@@ -341,6 +347,8 @@ def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dty
 
     path = Path(path)
     param_dtype, compute_dtype = _dtypes(param_dtype, compute_dtype)
+    if is_gguf(path):
+        return _load_gguf_target(path, param_dtype, compute_dtype, mesh)
     if (path / SAVED_MARKER).exists():
         cfg, params = _load_saved(path, "target")
         cfg = cfg.replace(param_dtype=param_dtype, compute_dtype=compute_dtype)
@@ -352,6 +360,27 @@ def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dty
     cfg = Qwen3Config.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
     params = _params_from_hf("target", path, abstract_target(cfg), cfg.storage_dtype, read_quant_config(path, d),
                              mesh=mesh, cfg=cfg)
+    return Target(params=params, config=cfg)
+
+
+def _load_gguf_target(path: Path, param_dtype: str, compute_dtype: str, mesh):
+    """A Target from a llama.cpp GGUF file: config from the metadata, tensors decoded one at a time from the
+    memory-mapped file into the storage dtype (see `dflash_jax.io.gguf_model`)."""
+    try:
+        g = GGUFFile(path)
+        d = gguf_model.hf_config(g)
+        tensors = gguf_model.hf_tensors(g, d)
+    except GGUFError as e:
+        raise CheckpointError(str(e)) from None
+    cfg = Qwen3Config.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
+    abstract = abstract_target(cfg)
+    try:
+        gguf_model.check_against(g, tensors, {_dense_keys("target", n)[0]: s.shape
+                                              for n, s in named_leaves(abstract).items()})
+        params = _params_from_hf("target", path, abstract, cfg.storage_dtype, None, mesh=mesh, cfg=cfg,
+                                 tensors=tensors)
+    except GGUFError as e:
+        raise CheckpointError(str(e)) from None
     return Target(params=params, config=cfg)
 
 
