@@ -172,13 +172,17 @@ def _placed_dense(key: str, arr: LazyTensor, sharding, dtype, path: Path):
     return jax.make_array_from_callback(tuple(arr.shape), sharding, shard)
 
 
-def _params_from_hf(kind: str, path: Path, abstract, dtype, quant: dict | None, mesh=None, cfg=None):
+def _params_from_hf(kind: str, path: Path, abstract, dtype, quant: dict | None, mesh=None, cfg=None, tensors=None):
     """mesh: place every parameter straight into its shards (`dflash_jax.parallel.sharding` rules for `cfg`), reading each
-    device's slice from the file on its own, one tensor at a time."""
+    device's slice from the file on its own, one tensor at a time. tensors: HF-named numpy arrays already read (a
+    GGUF drafter, `io/gguf_drafter.py`) instead of the folder's safetensors; every check below applies to them."""
     if mesh is not None:
         rules = shd.rules_for(cfg, mesh, what=kind)  # refuses a mesh that cannot split this model, before reading
         axes = {n: s.logical_axes for n, s in named_leaves(abstract).items()}
-    tensors = _read_tensors(path, lazy=mesh is not None)
+    if tensors is None:
+        tensors = _read_tensors(path, lazy=mesh is not None)
+    elif mesh is not None:
+        raise ValueError("_params_from_hf: tensors given in memory are placed after loading (checkpoint._maybe_shard)")
     used: set[str] = set()
     named = {}
     for name, spec in named_leaves(abstract).items():
