@@ -2,7 +2,7 @@
 
 Public calls (a contract): `load_target`, `load_drafter` (folders and llama.cpp `dflash` GGUF files), `save`,
 `save_hf`, `save_gguf`, `target_forward`, `draft_logits`,
-`draft_tokens`, `generate`, `generate_autoregressive`, `audit_scales`, `quantize_nvfp4`, `load_default`,
+`draft_tokens`, `generate`, `generate_autoregressive`, `audit_scales`, `audit_file`, `quantize_nvfp4`, `load_default`,
 `enable_compilation_cache`, `make_mesh`, `shard` (dflash_jax.parallel.sharding), and the `nvfp4` module. Drafters are DFlash or
 DFlash2 (`DrafterConfig.kind`); every call takes either.
 """
@@ -11,6 +11,7 @@ from dflash_jax.quant import nvfp4
 from dflash_jax.quant.audit import ScaleAudit, audit_scales
 from dflash_jax.io.checkpoint import CheckpointError, load_target, save, save_hf
 from dflash_jax.io.gguf_drafter import GGUFError, load_drafter, save_gguf
+from dflash_jax.io.audit_file import FileAudit, audit_file
 from dflash_jax.io.compile_cache import enable_compilation_cache
 from dflash_jax.config import DrafterConfig, Qwen3Config, default_target_layer_ids
 from dflash_jax.models.drafter import Drafter, draft_logits, draft_tokens, init_drafter
@@ -30,6 +31,7 @@ __all__ = [
     "Drafter", "init_drafter", "draft_logits", "draft_tokens",
     "generate", "generate_autoregressive", "GenerationResult",
     "load_target", "load_drafter", "save", "save_hf", "save_gguf", "CheckpointError", "GGUFError",
+    "audit_file", "FileAudit",
     "quantize_nvfp4", "drop_global_scales", "load_default", "Tokenizer", "enable_compilation_cache",
     "make_mesh", "shard", "ShardingError", "sharding",
 ]

@@ -9,6 +9,7 @@
     dflash-jax bench --device-report --out DIR   the prepared GPU run: NVFP4 backends, step costs (--smoke: CPU)
     dflash-jax train-target / train-drafter      reproduce the shipped checkpoints (resumable)
     dflash-jax train-drafter --kind dflash2      train the DFlash2 drafter (checkpoints/drafter2, resumable)
+    dflash-jax audit PATH                        NVFP4 scale audit of a GGUF drafter, HF/ModelOpt or saved folder
 
 Compiled programs are kept in JAX's persistent compilation cache (`dflash_jax.io.compile_cache`: under
 $XDG_CACHE_HOME/dflash-jax, or ~/.cache/dflash-jax), so a second run skips compiling; DFLASH_JAX_NO_COMPILE_CACHE=1
@@ -234,6 +235,23 @@ def _tau_table(args, target, drafter, tok, prompts):
     print(bench.format_tau_table(rows))
 
 
+def _audit(args):
+    from dflash_jax.io.audit_file import audit_file
+
+    target = None
+    if args.target:
+        from dflash_jax.io.checkpoint import load_target
+        target = load_target(args.target, param_dtype="float32", compute_dtype="float32")
+    kw = {k: v for k, v in (("vocab_size", args.vocab_size), ("num_target_layers", args.num_target_layers)) if v}
+    try:
+        report = audit_file(args.path, target=target, graph=not args.no_graph, **kw)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report.format())
+    return 0 if report.ok else 1
+
+
 def main(argv=None):
     from dflash_jax.io.compile_cache import enable_compilation_cache
 
@@ -285,6 +303,19 @@ def main(argv=None):
     q.add_argument("--seed", type=int, default=0, help="seed of the held-out prompt sample")
     q.add_argument("--windows", type=int, default=64,
                    help="held-out loss windows of 256 tokens (a quarter as many of 1024; default 64)")
+    au = sub.add_parser("audit", help="NVFP4 scale audit of a model file; exits 1 when a scale is flagged",
+                        description="Audit the NVFP4 scales of a llama.cpp dflash GGUF drafter, an HF / ModelOpt "
+                        "folder or a folder written by dflash_jax.save: a table of every per-tensor scale, flagging "
+                        "missing, zero, negative, NaN/inf, exactly-1.0 and outlier values, and the graph check that "
+                        "every scale reaches the output (audit_scales). Exit status: 0 all clear, 1 something "
+                        "flagged, 2 the file could not be read.")
+    au.add_argument("path", help="a .gguf file or a model folder")
+    au.add_argument("--target", default=None,
+                    help="target folder the drafter runs with for the graph check (default: a random stand-in)")
+    au.add_argument("--no-graph", action="store_true", help="only the scale table (no forward pass)")
+    au.add_argument("--vocab-size", type=int, default=None, help="for a GGUF that does not record its vocabulary")
+    au.add_argument("--num-target-layers", type=int, default=None,
+                    help="for a GGUF that does not record its target's depth")
     sub.add_parser("train-target", help="reproduce checkpoints/target", add_help=False)
     sub.add_parser("train-drafter", help="reproduce checkpoints/drafter (--kind dflash2: checkpoints/drafter2)",
                    add_help=False)
@@ -303,6 +334,8 @@ def main(argv=None):
                 from dflash_jax.train.drafter import main as train_main
         return train_main(rest)
     args = ap.parse_args(argv)
+    if args.cmd == "audit":
+        return _audit(args)
     if args.cmd == "generate":
         _generate(args)
     elif args.cmd == "quality":
@@ -316,4 +349,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
