@@ -102,6 +102,9 @@ def _bench(args):
     if args.pair_table:
         _pair_table(args, target, drafter, prompts)
         return
+    if args.gguf_roundtrip:
+        _gguf_roundtrip(args, target, drafter, prompts)
+        return
     extra, names, names2 = {}, ["dflash"], []
     dflash2 = None
     if args.nvfp4:
@@ -235,6 +238,51 @@ def _tau_table(args, target, drafter, tok, prompts):
     print(bench.format_tau_table(rows))
 
 
+def _gguf_roundtrip(args, target, drafter, prompts):
+    import tempfile
+
+    import numpy as np
+
+    from dflash_jax.bench import speculative as bench
+    from dflash_jax.decode.programs import generate
+    from dflash_jax.quant.quantize import quantize_nvfp4
+
+    from dflash_jax.io.audit_file import audit_file
+
+    drafters, pairs, audits = {}, [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind, model in (("", drafter), ("dflash2 ", _dflash2_drafter(args))):
+            if model is None:
+                continue
+            q = quantize_nvfp4(model)
+            loaded, bug = bench.gguf_roundtrip(q, tmp, name=kind.strip() or "dflash")
+            drafters.update({f"{kind}nvfp4": q, f"{kind}nvfp4 gguf": loaded, f"{kind}nvfp4 gguf attn scale=1": bug})
+            pairs.append((f"{kind}nvfp4", q, loaded))
+            for label, f in (("intact", "gguf"), ("attention .scale = 1", "attn_scale_1.gguf")):
+                name = kind.strip() or "dflash"
+                path = f"{tmp}/{name}.gguf" if f == "gguf" else f"{tmp}/{name}_{f}"
+                report = audit_file(path, graph=False)
+                audits.append(f"  {name} nvfp4 GGUF, {label}: {len(report.rows)} per-tensor scales, flagged "
+                              f"{len(report.flagged)}: {', '.join(report.flagged_names) or '-'}")
+    D = args.draft_length or drafter.config.block_size - 1
+    print(f"embedded models, {len(prompts)} held-out prompts, batch 1, greedy, draft length {D}: NVFP4 drafters in "
+          "memory, written with save_gguf and read back, and the same file with every attention .scale set to 1.0")
+    (first, d0), *rest = drafters.items()
+    results = [bench.compare(target, d0, prompts, max_new_tokens=n, draft_length=D, drafters=dict(rest),
+                             temperature=0.0, seed=args.seed) for n in args.new_tokens]
+    for r in results:  # compare() names its first drafter "dflash"
+        r[first] = r.pop("dflash")
+    print(bench.format_compare_table(results, list(drafters)))
+    same = {}
+    for name, q, loaded in pairs:  # the output itself, token for token (one batched greedy run each)
+        kw = dict(max_new_tokens=args.new_tokens[0], draft_length=D)
+        a, b = generate(target, q, [list(p) for p in prompts], **kw), generate(target, loaded, [list(p) for p in prompts], **kw)
+        same[f"{name} -> GGUF -> {name}"] = bool(np.array_equal(a.tokens, b.tokens))
+    print(bench.format_gguf_goals(results, same))
+    print("dflash-jax audit on the written files (scale table):")
+    print("\n".join(audits))
+
+
 def _audit(args):
     from dflash_jax.io.audit_file import audit_file
 
@@ -293,6 +341,9 @@ def main(argv=None):
                         "embedded pair; writes device_report.json/.md into --out")
     b.add_argument("--smoke", action="store_true", help="with --device-report: tiny shapes, runs on CPU")
     b.add_argument("--out", default=None, help="with --device-report: output folder")
+    b.add_argument("--gguf-roundtrip", action="store_true",
+                   help="NVFP4 drafters (DFlash, and DFlash2 when one exists) vs the same written with save_gguf and "
+                        "read back, and vs that file with its attention .scale tensors set to 1.0 (the llama.cpp bug)")
     b.add_argument("--dflash2", default=None,
                    help="with --nvfp4 / --tau-table: a DFlash2 drafter folder (default: the shipped one)")
     q = sub.add_parser("quality", help="the target as a language model: held-out loss and repetition (seq-rep-4)")

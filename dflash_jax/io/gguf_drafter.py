@@ -602,6 +602,20 @@ def save_gguf(path: str | Path, drafter: Drafter, *, dtype: str = "float32") -> 
     return path
 
 
+def patch_scales(path: str | Path, select, value: float) -> list[str]:
+    """Overwrite, in place, every F32 {1} tensor whose name `select(name)` accepts with `value` (e.g. the attention
+    `.scale` tensors with 1.0: the bug report replayed). Returns the names patched. For audits and benchmarks."""
+    meta, tensors, buf = read_gguf(path)
+    hits = [t for n, t in tensors.items() if select(n) and t.ggml_type == F32 and t.nbytes == 4]
+    if hasattr(buf, "close"):
+        buf.close()
+    with open(path, "r+b") as f:
+        for t in hits:
+            f.seek(t.offset)
+            f.write(np.float32(value).tobytes())
+    return [t.name for t in hits]
+
+
 def is_gguf(path: str | Path) -> bool:
     path = Path(path)
     if not path.is_file():
@@ -611,4 +625,4 @@ def is_gguf(path: str | Path) -> bool:
 
 
 __all__ = ["save_gguf", "load_drafter", "load_drafter_gguf", "read_gguf", "gguf_name", "param_name", "config_metadata",
-           "config_from_metadata", "GGUFError", "is_gguf"]
+           "config_from_metadata", "GGUFError", "is_gguf", "patch_scales"]
