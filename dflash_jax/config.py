@@ -32,9 +32,27 @@ def _dtype_name(value: Any) -> str:
     return name
 
 
+# The decoder families one target config describes. They differ only by feature switches (see TargetConfig):
+#   qwen3: per-head q/k RMSNorm, no biases;  qwen2: q/k/v biases, no q/k norm;  llama: neither.
+MODEL_TYPES = ("qwen3", "qwen2", "llama")
+HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+_FEATURES = {"qwen3": dict(qk_norm=True, attention_bias=False), "qwen2": dict(qk_norm=False, attention_bias=True),
+             "llama": dict(qk_norm=False, attention_bias=False)}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
-    """The Qwen3 decoder: GQA, per-head q/k RMSNorm, NeoX RoPE, SwiGLU MLP, no biases."""
+    """One decoder-only target: GQA, NeoX RoPE, SwiGLU MLP, RMSNorm, with the family's features as switches.
+
+    `model_type` names the HF family ("qwen3" | "qwen2" | "llama"); `qk_norm` (per-head q/k RMSNorm before RoPE)
+    and `attention_bias` (biases on q/k/v, never on o_proj) default to that family's values and may be set apart
+    from it (`to_hf_dict` then refuses what HF cannot express). `TargetConfig` is the same class.
+
+    RoPE: `rope_type` "default", "linear" (positions divided by `rope_scaling_factor`) or "llama3" (Llama 3.x:
+    long wavelengths divided by the factor, short ones kept, a smooth blend between, set by the low/high frequency
+    factors and `rope_original_max_position_embeddings`).
+    """
 
     vocab_size: int
     hidden_size: int
@@ -45,7 +63,7 @@ class Qwen3Config:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
-    rope_scaling_factor: float = 1.0  # "linear" RoPE scaling; 1.0 = none
+    rope_scaling_factor: float = 1.0  # linear / llama3 factor; 1.0 with rope_type "default" = none
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
@@ -55,6 +73,14 @@ class Qwen3Config:
     # Execution, not architecture (never written to config.json): attention visits cached keys this many slots at a
     # time, up to the longest live row, so its cost follows the context, not the cache capacity (None: one pass).
     attention_chunk: int | None = 256
+    # Family and feature switches (after the fields above, so configs saved before they existed still load).
+    model_type: str = "qwen3"
+    qk_norm: bool | None = None  # None: the family's value
+    attention_bias: bool | None = None  # None: the family's value
+    rope_type: str = "default"
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max_position_embeddings: int | None = None  # llama3 only
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -69,8 +95,44 @@ class Qwen3Config:
             raise ValueError(f"config: head_dim must be even for RoPE, got {self.head_dim}")
         if self.attention_chunk is not None and int(self.attention_chunk) < 1:
             raise ValueError(f"config: attention_chunk must be >= 1 or None, got {self.attention_chunk}")
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"config: model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
+        for name, value in _FEATURES[self.model_type].items():  # one canonical form: configs are static metadata
+            object.__setattr__(self, name, value if getattr(self, name) is None else bool(getattr(self, name)))
+        self._canonical_rope()
         object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype))
         object.__setattr__(self, "compute_dtype", _dtype_name(self.compute_dtype))
+
+    def _canonical_rope(self):
+        factor = float(self.rope_scaling_factor)
+        if not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"config: rope_scaling_factor must be finite and > 0, got {self.rope_scaling_factor!r}")
+        object.__setattr__(self, "rope_scaling_factor", factor)
+        kind = self.rope_type
+        if kind not in ROPE_TYPES:
+            raise ValueError(f"config: rope_type must be one of {ROPE_TYPES}, got {kind!r}")
+        # Configs saved before rope_type existed carry a linear factor under "default".
+        if kind == "default" and factor != 1.0:
+            kind = "linear"
+        if kind == "linear" and factor == 1.0:
+            kind = "default"
+        object.__setattr__(self, "rope_type", kind)
+        if kind == "llama3":
+            low, high = float(self.rope_low_freq_factor), float(self.rope_high_freq_factor)
+            original = self.rope_original_max_position_embeddings
+            if original is None or int(original) < 1:
+                raise ValueError("config: rope_type 'llama3' needs rope_original_max_position_embeddings >= 1, got "
+                                 f"{original!r}")
+            if not (0 < low < high):
+                raise ValueError(f"config: llama3 RoPE needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
+                                 f"{low} and {high}")
+            object.__setattr__(self, "rope_low_freq_factor", low)
+            object.__setattr__(self, "rope_high_freq_factor", high)
+            object.__setattr__(self, "rope_original_max_position_embeddings", int(original))
+        else:  # unused by this type: one canonical value
+            object.__setattr__(self, "rope_low_freq_factor", 1.0)
+            object.__setattr__(self, "rope_high_freq_factor", 4.0)
+            object.__setattr__(self, "rope_original_max_position_embeddings", None)
 
     @property
     def dtype(self):
@@ -83,37 +145,58 @@ class Qwen3Config:
     def replace(self, **changes) -> "Qwen3Config":
         return dataclasses.replace(self, **changes)
 
+    def drafter_stack(self, num_hidden_layers: int) -> "Qwen3Config":
+        """The layer stack of a DFlash drafter for this target: Qwen3 layers (q/k norm, no biases) of the target's
+        sizes and RoPE, whatever the target's family (z-lab's drafters are Qwen3 layers for every target)."""
+        return self.replace(num_hidden_layers=num_hidden_layers, model_type="qwen3", qk_norm=True,
+                            attention_bias=False)
+
     # -- HF config.json ----------------------------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: dict, *, param_dtype: str | None = None, compute_dtype: str | None = None,
                      **overrides) -> "Qwen3Config":
+        """A config from an HF `config.json` of a Qwen3, Qwen2 or Llama causal LM; what this decoder cannot run is
+        refused with an error naming the key."""
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in d]
         if missing:
             raise ValueError(f"config.json is missing required keys: {missing}")
-        if d.get("attention_bias", False):
-            raise NotImplementedError("config.json: attention_bias=true is not supported (Qwen3 has no biases)")
+        model_type = d.get("model_type")
+        if model_type is None:  # older files: the architecture names the family
+            by_arch = {v: k for k, v in HF_ARCHITECTURES.items()}
+            model_type = next((by_arch[a] for a in d.get("architectures") or [] if a in by_arch), "qwen3")
+        if model_type not in MODEL_TYPES:
+            raise NotImplementedError(f"config.json: model_type {model_type!r} is not supported "
+                                      f"(one of {list(MODEL_TYPES)})")
+        features = dict(_FEATURES[model_type])
+        if model_type != "qwen2" and d.get("attention_bias", False):
+            # HF Llama / Qwen3 put the bias on o_proj too; this decoder has q/k/v biases only (Qwen2's layout).
+            raise NotImplementedError(f"config.json: attention_bias=true is not supported for model_type "
+                                      f"{model_type!r} (it biases o_proj too); only Qwen2's q/k/v biases are")
+        if d.get("mlp_bias", False):
+            raise NotImplementedError("config.json: mlp_bias=true is not supported (the MLP has no biases)")
         if d.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"config.json: hidden_act={d['hidden_act']!r} is not supported (silu only)")
+        if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise NotImplementedError(f"config.json: partial_rotary_factor={d['partial_rotary_factor']} is not "
+                                      "supported (RoPE over the whole head)")
         n_heads = int(d["num_attention_heads"])
         head_dim = int(d.get("head_dim") or d["hidden_size"] // n_heads)
         rope_theta = d.get("rope_theta")
         rope_scaling = d.get("rope_scaling")
+        key = "rope_scaling"
         if rope_scaling is None and isinstance(d.get("rope_parameters"), dict):  # newer HF layout
-            rope_scaling = d["rope_parameters"]
+            rope_scaling, key = d["rope_parameters"], "rope_parameters"
             rope_theta = rope_theta or rope_scaling.get("rope_theta")
-        factor = 1.0
-        if rope_scaling:
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if kind == "linear":
-                factor = float(rope_scaling["factor"])
-            elif kind != "default":
-                raise NotImplementedError(f"config.json: rope_scaling type {kind!r} is not supported "
-                                          "(default and linear are)")
+        rope = _rope_fields(rope_scaling, key, d)
         layer_types = d.get("layer_types")
         if layer_types and any(t != "full_attention" for t in layer_types):
             raise NotImplementedError(f"config.json: layer_types {sorted(set(layer_types))} not supported "
                                       "(full_attention only)")
+        if model_type == "qwen2" and not layer_types and d.get("use_sliding_window", False) \
+                and int(d.get("max_window_layers", 28)) < int(d["num_hidden_layers"]):
+            raise NotImplementedError("config.json: use_sliding_window=true is not supported (the layers from "
+                                      "max_window_layers on would attend within sliding_window)")
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
@@ -128,21 +211,27 @@ class Qwen3Config:
             head_dim=head_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta or 10000.0),
-            rope_scaling_factor=factor,
             max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos,
             param_dtype=param_dtype or (dtype_in_file if dtype_in_file in _DTYPES else "float32"),
             compute_dtype=compute_dtype or default_compute_dtype(),
+            model_type=model_type,
+            **features,
+            **rope,
         )
         kwargs.update(overrides)
         return cls(**kwargs)
 
     def to_hf_dict(self) -> dict:
+        if (self.qk_norm, self.attention_bias) != tuple(_FEATURES[self.model_type].values()):
+            raise ValueError(f"config: model_type {self.model_type!r} with qk_norm={self.qk_norm}, attention_bias="
+                             f"{self.attention_bias} has no HF config.json form (the {self.model_type} family has "
+                             f"{_FEATURES[self.model_type]})")
         d = {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
+            "architectures": [HF_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -153,22 +242,65 @@ class Qwen3Config:
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": (None if self.rope_scaling_factor == 1.0
-                             else {"rope_type": "linear", "factor": self.rope_scaling_factor}),
+            "rope_scaling": self._rope_scaling_dict(),
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": False,
             "attention_dropout": 0.0,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
             "torch_dtype": self.param_dtype,
         }
+        if self.model_type == "llama":
+            d.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+        else:  # qwen2 / qwen3: full attention in every layer
+            d.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers,
+                     layer_types=["full_attention"] * self.num_hidden_layers)
+            if self.model_type == "qwen3":
+                d["attention_bias"] = False
         if self.bos_token_id is not None:
             d["bos_token_id"] = self.bos_token_id
         if self.eos_token_id is not None:
             d["eos_token_id"] = self.eos_token_id
         return d
+
+    def _rope_scaling_dict(self) -> dict | None:
+        if self.rope_type == "default":
+            return None
+        if self.rope_type == "linear":
+            return {"rope_type": "linear", "factor": self.rope_scaling_factor}
+        return {"rope_type": "llama3", "factor": self.rope_scaling_factor,
+                "low_freq_factor": self.rope_low_freq_factor, "high_freq_factor": self.rope_high_freq_factor,
+                "original_max_position_embeddings": self.rope_original_max_position_embeddings}
+
+
+TargetConfig = Qwen3Config  # the clearer name: one config for every target family
+
+
+def _rope_fields(rope_scaling, key: str, d: dict) -> dict:
+    """The config's RoPE fields from an HF `rope_scaling` (or `rope_parameters`) object; errors name the key."""
+    if not rope_scaling:
+        return {}
+    if not isinstance(rope_scaling, dict):
+        raise ValueError(f"config.json: {key} must be an object, got {type(rope_scaling).__name__}")
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if kind == "default":
+        return {}
+
+    def number(name, cast=float):
+        if name not in rope_scaling:
+            raise ValueError(f"config.json: {key}.{name} is required for rope_type {kind!r}")
+        value = rope_scaling[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"config.json: {key}.{name} must be a number, got {value!r}")
+        return cast(value)
+
+    if kind == "linear":
+        return dict(rope_type="linear", rope_scaling_factor=number("factor"))
+    if kind == "llama3":
+        original = (rope_scaling.get("original_max_position_embeddings")
+                    or d.get("max_position_embeddings"))  # HF's fallback when the key is absent
+        return dict(rope_type="llama3", rope_scaling_factor=number("factor"),
+                    rope_low_freq_factor=number("low_freq_factor"), rope_high_freq_factor=number("high_freq_factor"),
+                    rope_original_max_position_embeddings=int(original) if original is not None else None)
+    raise NotImplementedError(f"config.json: {key}.rope_type {kind!r} is not supported (default, linear, llama3)")
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
@@ -226,6 +358,9 @@ class DrafterConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if not self.model.qk_norm or self.model.attention_bias:
+            raise ValueError("drafter config: the drafter's layers are Qwen3 layers (q/k norm, no biases); got "
+                             f"qk_norm={self.model.qk_norm}, attention_bias={self.model.attention_bias}")
         if self.kind not in DRAFTER_KINDS:
             raise ValueError(f"drafter config: kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
         if self.block_size < 2:
@@ -376,6 +511,9 @@ class DrafterConfig:
             extra = {k: pick(k) for k in DFLASH2_REQUIRED}
         cap = pick("final_logit_softcapping")
         stripped = {k: v for k, v in d.items() if k != "layer_types"}  # the drafter handles its own layer types
+        # z-lab's drafter layers are Qwen3 layers whatever target they serve (a Llama or Qwen2 one included), so the
+        # stack is read as qwen3 even where the file copies the target's model_type.
+        stripped["model_type"] = "qwen3"
         model = Qwen3Config.from_hf_dict(stripped, param_dtype=param_dtype, compute_dtype=compute_dtype)
         return cls(model=model, block_size=int(block_size), mask_token_id=int(mask_token_id),
                    target_layer_ids=tuple(int(i) for i in layer_ids), num_target_layers=int(n_target), kind=kind,
@@ -449,5 +587,5 @@ def check_pair(drafter: DrafterConfig, target: Qwen3Config) -> None:
         raise ValueError("drafter does not match target: " + "; ".join(problems))
 
 
-__all__ = ["Qwen3Config", "DrafterConfig", "default_target_layer_ids", "check_pair", "read_config_json",
+__all__ = ["Qwen3Config", "TargetConfig", "DrafterConfig", "default_target_layer_ids", "check_pair", "read_config_json",
            "default_compute_dtype"]

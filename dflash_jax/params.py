@@ -51,8 +51,20 @@ class Attention:
     k_proj: Any  # [nKV*hd, H]
     v_proj: Any  # [nKV*hd, H]
     o_proj: Any  # [H, nH*hd]
-    q_norm: Any  # [hd]
-    k_norm: Any  # [hd]
+    q_norm: Any  # [hd], or None without q/k norm (Llama, Qwen2)
+    k_norm: Any  # [hd], or None without q/k norm
+
+
+# Biases get a subclass rather than optional fields on Attention, for the reason DFlash2 has its own classes: extra
+# fields would change the pytree of every Qwen3 model and break the orbax checkpoints saved before they existed.
+@_dataclass
+class BiasedAttention(Attention):
+    """Attention with q/k/v biases (Qwen2), added after each projection's `linear`; o_proj has none. HF names them
+    `self_attn.{q,k,v}_proj.bias`; here they are `self_attn.{q,k,v}_bias`, dense even in an NVFP4 model."""
+
+    q_bias: Any  # [nH*hd]
+    k_bias: Any  # [nKV*hd]
+    v_bias: Any  # [nKV*hd]
 
 
 @_dataclass
@@ -127,16 +139,23 @@ class DFlash2Params:
 def abstract_layer(cfg: Qwen3Config) -> DecoderLayer:
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    attn = dict(
+        q_proj=ParamSpec((q, H), ("q_heads", "embed")),
+        k_proj=ParamSpec((kv, H), ("kv_heads", "embed")),
+        v_proj=ParamSpec((kv, H), ("kv_heads", "embed")),
+        o_proj=ParamSpec((H, q), ("embed", "q_heads")),
+        q_norm=ParamSpec((hd,), ("head_dim",), "ones") if cfg.qk_norm else None,
+        k_norm=ParamSpec((hd,), ("head_dim",), "ones") if cfg.qk_norm else None,
+    )
+    if cfg.attention_bias:  # a bias shards like its projection's out axis
+        self_attn = BiasedAttention(**attn, q_bias=ParamSpec((q,), ("q_heads",), "zeros"),
+                                    k_bias=ParamSpec((kv,), ("kv_heads",), "zeros"),
+                                    v_bias=ParamSpec((kv,), ("kv_heads",), "zeros"))
+    else:
+        self_attn = Attention(**attn)
     return DecoderLayer(
         input_layernorm=ParamSpec((H,), ("embed",), "ones"),
-        self_attn=Attention(
-            q_proj=ParamSpec((q, H), ("q_heads", "embed")),
-            k_proj=ParamSpec((kv, H), ("kv_heads", "embed")),
-            v_proj=ParamSpec((kv, H), ("kv_heads", "embed")),
-            o_proj=ParamSpec((H, q), ("embed", "q_heads")),
-            q_norm=ParamSpec((hd,), ("head_dim",), "ones"),
-            k_norm=ParamSpec((hd,), ("head_dim",), "ones"),
-        ),
+        self_attn=self_attn,
         post_attention_layernorm=ParamSpec((H,), ("embed",), "ones"),
         mlp=MLP(
             gate_proj=ParamSpec((I, H), ("mlp", "embed")),

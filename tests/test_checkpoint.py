@@ -219,11 +219,22 @@ def test_tied_lm_head_must_equal_the_embedding(tmp_path):
         dj.load_target(tmp_path)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gemma2", "mixtral"])
 def test_unsupported_model_type(tmp_path, model_type):
     dj.save_hf(tmp_path, _target())
     _edit_config(tmp_path, lambda c: c.update(model_type=model_type))
     with pytest.raises(NotImplementedError, match=f"model_type '{model_type}' is not supported"):
+        dj.load_target(tmp_path)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_qwen3_tensors_under_another_family_are_refused(tmp_path, model_type):
+    """A Qwen3 folder relabelled llama / qwen2 (families without q/k norm) fails on the tensors it does not expect
+    (qwen2 first misses its q/k/v biases), naming them."""
+    dj.save_hf(tmp_path, _target())
+    _edit_config(tmp_path, lambda c: c.update(model_type=model_type))
+    expected = "unexpected tensors.*q_norm" if model_type == "llama" else "missing tensor.*q_proj.bias"
+    with pytest.raises(CheckpointError, match=expected):
         dj.load_target(tmp_path)
 
 

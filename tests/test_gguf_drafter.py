@@ -350,6 +350,20 @@ def _refused(path, match, **kw):
     assert c.count == 0
 
 
+def _retype(src, dst, tensor: str, type_id: int):
+    """A copy of `src` whose tensor info for `tensor` declares ggml type `type_id` (found with gguf-py's reader)."""
+    data = bytearray(src.read_bytes())
+    field = next(t for t in gguf.GGUFReader(src).tensors if t.name == tensor)
+    key = len(tensor).to_bytes(8, "little") + tensor.encode()
+    at = data.index(key) + len(key)
+    n_dims = int.from_bytes(data[at:at + 4], "little")
+    assert n_dims == len(field.shape)
+    at += 4 + 8 * n_dims  # the type follows the dims
+    assert int.from_bytes(data[at:at + 4], "little") == int(field.tensor_type)
+    data[at:at + 4] = type_id.to_bytes(4, "little")
+    dst.write_bytes(bytes(data))
+
+
 def test_bad_files_are_refused_naming_the_problem(tmp_path):
     q = _quantized("dflash")
     good = dj.save_gguf(tmp_path / "good.gguf", q)
@@ -368,11 +382,9 @@ def test_bad_files_are_refused_naming_the_problem(tmp_path):
     codes_only = np.ascontiguousarray(_pack_reference(np.asarray(fc.packed), np.asarray(fc.block_scale))
                                       .reshape(-1, 36)[:, 4:]).reshape(64, -1)
     _engine_file(tmp_path / "no_block_scales.gguf", q, tensor_over={"fc.weight": (codes_only, Q.NVFP4, (64, 72))})
-    _refused(tmp_path / "no_block_scales.gguf", r"tensor 'fc\.weight' \(NVFP4 \[64, 128\]\) needs 4608 bytes")
-    q4k = np.zeros((64, 144), np.uint8)  # one Q4_K super-block (256 values) per row
-    _engine_file(tmp_path / "q4k.gguf", q, tensor_over={"blk.0.attn_q.weight": (q4k, Q.Q4_K, None),
-                                                        "blk.0.attn_q.scale": None})
-    _refused(tmp_path / "q4k.gguf", r"tensor 'blk\.0\.attn_q\.weight': ggml type 12 is not supported")
+    _refused(tmp_path / "no_block_scales.gguf", r"tensors 'fc\.weight' and 'fc\.scale' overlap")
+    _retype(good, tmp_path / "unknown_type.gguf", "blk.0.attn_q.weight", 77)
+    _refused(tmp_path / "unknown_type.gguf", r"tensor 'blk\.0\.attn_q\.weight' has unknown ggml tensor type id 77")
     for layers in ([0, 3], [2, 5]):
         _engine_file(tmp_path / "layers.gguf", q, meta_over={"dflash.target_layers": layers})
         _refused(tmp_path / "layers.gguf", r"dflash\.target_layers .* out of range: stored as HF layer id \+ 1")

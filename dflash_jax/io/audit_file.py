@@ -153,28 +153,27 @@ def _finish(rows: list[ScaleRow]) -> list[ScaleRow]:
 
 
 def _gguf_rows(path: Path) -> list[ScaleRow]:
-    meta, tensors, buf = gd.read_gguf(path)
+    g = gd.open_gguf(path)
     rows = []
-    for name, info in tensors.items():
-        if info.ggml_type != gd.NVFP4:
+    for name, info in g.tensors.items():
+        if info.type_id != gd.NVFP4:
             continue
         base = gd._base(name)
         kind, layer = _split_gguf(base)
         row = ScaleRow(tensor=name, scale_name=base + ".scale", scale=None, kind=kind, layer=layer)
-        raw = np.frombuffer(buf, np.uint8, count=info.nbytes, offset=info.offset).reshape(-1, 36)
+        raw = np.asarray(g.raw(name)).reshape(-1, 36)
         scale_bytes = np.where(raw[:, :4] == 0x7F, 0, raw[:, :4] & 0x7F).astype(np.uint8)  # as ggml reads them
         row.block_scale_max = float(scale_bytes.view(ml_dtypes.float8_e4m3fn).astype(np.float32).max())
         row.all_zero = not (raw[:, 4:] & 0x77).any()  # every code +-0
-        s = tensors.get(base + ".scale")
+        s = g.tensors.get(base + ".scale")
         if s is not None:
-            if s.ggml_type != gd.F32 or int(np.prod(s.shape)) != 1:
-                row.flags.append(f"mis-shaped: {gd.TYPE_NAMES.get(s.ggml_type, s.ggml_type)} {list(s.shape)}, "
-                                 "expected F32 {1}")
+            if s.type_id != gd.F32 or int(np.prod(s.shape)) != 1:
+                row.flags.append(f"mis-shaped: {s.type_name} {list(s.shape)}, expected F32 {{1}}")
             else:
-                row.scale = float(gd.dense_array(buf, s).reshape(()))
-        i = tensors.get(base + ".input_scale")
-        if i is not None and i.ggml_type == gd.F32 and int(np.prod(i.shape)) == 1:
-            row.input_scale = float(gd.dense_array(buf, i).reshape(()))
+                row.scale = float(g.dequantize(base + ".scale").reshape(()))
+        i = g.tensors.get(base + ".input_scale")
+        if i is not None and i.type_id == gd.F32 and int(np.prod(i.shape)) == 1:
+            row.input_scale = float(g.dequantize(base + ".input_scale").reshape(()))
         rows.append(row)
     return rows
 

