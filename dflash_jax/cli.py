@@ -169,7 +169,7 @@ def _pair_table(args, target, drafter, prompts):
 
 def _dflash2_drafter(args):
     """The DFlash2 drafter for the bench: --dflash2 PATH, else the shipped one, else None (with a note)."""
-    from dflash_jax.io.checkpoint import load_drafter
+    from dflash_jax.io.gguf_drafter import load_drafter  # folders and GGUF drafters
     from dflash_jax.io.shipped import checkpoints_dir
 
     path = args.dflash2 or checkpoints_dir() / "drafter2"

@@ -365,6 +365,9 @@ def _retype(src, dst, tensor: str, type_id: int):
 
 
 def test_bad_files_are_refused_naming_the_problem(tmp_path):
+    with _Compiles() as c:  # the counter does see a compilation
+        jax.jit(lambda x: x * 3 + 0.25)(jnp.ones(5))
+    assert c.count > 0
     q = _quantized("dflash")
     good = dj.save_gguf(tmp_path / "good.gguf", q)
     raw = good.read_bytes()
