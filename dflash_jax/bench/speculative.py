@@ -14,12 +14,14 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.io.gguf_drafter import load_drafter_gguf, patch_scales, save_gguf
 from dflash_jax.models.drafter import Drafter, DraftCache, append_context, block_hidden, propose_from_hidden
 from dflash_jax.decode.programs import generate, generate_autoregressive, prefill
 from dflash_jax.models.target import KVCache, Target, forward_with_cache
@@ -345,4 +347,37 @@ def format_pair_goals(rows: list[dict], name: str = "nvfp4") -> str:
     same, runs = exact_counts([r for r in rows if r["temperature"] == 0])
     if runs:
         lines.append(f"  greedy output identical to autoregressive: {same}/{runs} runs (goal 100%)")
+    return "\n".join(lines)
+
+
+ATTENTION_GGUF = ("attn_q", "attn_k", "attn_v", "attn_output")
+
+
+def gguf_roundtrip(drafter: Drafter, folder, name: str = "drafter") -> tuple[Drafter, Drafter]:
+    """(drafter -> save_gguf -> load, the same file with its attention `.scale` tensors overwritten with 1.0 -> load):
+    the second is llama.cpp PR #28000's bug replayed through the file (the graph multiplied those weights by 1)."""
+    folder = Path(folder)
+    kw = dict(param_dtype=drafter.config.model.param_dtype, compute_dtype=drafter.config.model.compute_dtype)
+    path = save_gguf(folder / f"{name}.gguf", drafter)
+    bug = folder / f"{name}_attn_scale_1.gguf"
+    bug.write_bytes(path.read_bytes())
+    patch_scales(bug, lambda t: t.endswith(".scale") and t.split(".")[-2] in ATTENTION_GGUF, 1.0)
+    return load_drafter_gguf(path, **kw), load_drafter_gguf(bug, **kw)
+
+
+def format_gguf_goals(results: list[dict], same_tokens: dict) -> str:
+    """Issue 24's bench goals: the GGUF round trip keeps tau and output; the attention scales set to 1 collapse tau."""
+    lines = ["GGUF goals (this run):"]
+    for r in results:
+        t = {n: r[n]["tau"] for n in r if isinstance(r[n], dict) and "tau" in r[n]}
+        line = (f"  {r['max_new_tokens']:>5} new tok, D {r['draft_length']}: tau nvfp4 {t['nvfp4']:.3f} vs its GGUF "
+                f"round trip {t['nvfp4 gguf']:.3f} (goal: equal); attention .scale = 1: "
+                f"{t['nvfp4 gguf attn scale=1']:.3f} = {t['nvfp4 gguf attn scale=1'] / t['nvfp4 gguf']:.2f}x "
+                f"(goal <= 0.3x)")
+        if "dflash2 nvfp4" in t:
+            line += (f"; DFlash2 nvfp4 {t['dflash2 nvfp4']:.3f} vs GGUF {t['dflash2 nvfp4 gguf']:.3f}, attention "
+                     f".scale = 1: {t['dflash2 nvfp4 gguf attn scale=1'] / t['dflash2 nvfp4 gguf']:.2f}x")
+        lines.append(line)
+    for name, same in same_tokens.items():
+        lines.append(f"  {name}: greedy tokens identical to the in-memory drafter's on every prompt: {same}")
     return "\n".join(lines)
