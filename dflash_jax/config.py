@@ -52,9 +52,6 @@ class Qwen3Config:
     eos_token_id: int | None = None
     param_dtype: str = "float32"  # storage
     compute_dtype: str = "float32"  # activations and matmuls
-    # Execution, not architecture (never written to config.json): attention visits cached keys this many slots at a
-    # time, up to the longest live row, so its cost follows the context, not the cache capacity (None: one pass).
-    attention_chunk: int | None = 256
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -67,8 +64,6 @@ class Qwen3Config:
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ValueError(f"config: head_dim must be even for RoPE, got {self.head_dim}")
-        if self.attention_chunk is not None and int(self.attention_chunk) < 1:
-            raise ValueError(f"config: attention_chunk must be >= 1 or None, got {self.attention_chunk}")
         object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype))
         object.__setattr__(self, "compute_dtype", _dtype_name(self.compute_dtype))
 

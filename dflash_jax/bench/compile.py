@@ -138,7 +138,7 @@ def scan_section(*, layers: int = 36, hidden: int = 256, steps: int = 64, reps: 
         ks, vs = [], []
         for i, layer in enumerate(target.params.layers):
             x, k, v = decoder_layer(layer, x, pos, cfg, cache_k=cache.k[i], cache_v=cache.v[i],
-                                    cache_len=cache.lengths, causal=True, chunk=cfg.attention_chunk)
+                                    cache_len=cache.lengths, causal=True)
             ks.append(write_rows(cache.k[i], k, pos))
             vs.append(write_rows(cache.v[i], v, pos))
         logits = lm_logits(target, rms_norm(x, target.params.norm, cfg.rms_norm_eps))
@@ -151,7 +151,7 @@ def scan_section(*, layers: int = 36, hidden: int = 256, steps: int = 64, reps: 
         def layer_fn(x, xs):
             layer, ck, cv = xs
             x, k, v = decoder_layer(layer, x, pos, cfg, cache_k=ck, cache_v=cv, cache_len=cache.lengths,
-                                    causal=True, chunk=cfg.attention_chunk)
+                                    causal=True)
             return x, (write_rows(ck, k, pos), write_rows(cv, v, pos))
 
         x, (ks, vs) = jax.lax.scan(layer_fn, x, (stacked, cache.k, cache.v))
