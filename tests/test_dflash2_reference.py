@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from torch_reference import rel_err, rms, rope, tt
-from dflash_jax.models.attention import DEFAULT_CHUNK, attention_chunk
+from dflash_jax.models.attention import attention_chunk
 
 import dflash_jax as dj
 from random_models import random_params
@@ -362,7 +362,7 @@ def test_window_cuts_context_in_the_cached_path(chunk):
         c = append_context(drafter, f2, jnp.array([5, 2]), c)
         return block_logits(drafter, target, block, c)
 
-    with attention_chunk(chunk or DEFAULT_CHUNK):
+    with attention_chunk(chunk):
         got = np.asarray(cached(drafter, target, f1, f2, block))
     for b in range(2):
         one = np.asarray(dj.draft_logits(drafter, target, features[b:b + 1, :lens[b]], block[b:b + 1]))

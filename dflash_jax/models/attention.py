@@ -12,12 +12,15 @@ values `o`), and the parts are merged by log-sum-exp, so the result is exactly t
           block, the drafter's block), optionally restricted by `k_mask` [B, T, Tk] (training: each query sees only
           its own block).
 
-Blocking (flash-style, online softmax): either part longer than `chunk` keys is visited `chunk` keys at a time over
-its whole length (a cache's whole bucket: invalid slots are masked, not skipped, which is what makes the trip count
-static), and more than `chunk` queries are split into query blocks of `chunk`. So a prompt of T tokens needs
-O(T * chunk) scores, not T x T; the price is that a step reads the whole cache bucket, not only its live part.
-`chunk` is an execution setting, not part of the architecture: the `attention_chunk` context (a jit-cache key, so
-changing it retraces) or an explicit argument.
+Blocking (flash-style, online softmax): more than a query block of queries are split into query blocks, and either
+key part longer than a key block is visited a key block at a time over its whole length (a cache's whole bucket:
+invalid slots are masked, not skipped, which is what makes the trip count static). So a prompt of T tokens needs
+O(T * block) scores, not T x T; the price is that a step reads the whole cache bucket, not only its live part.
+Block sizes are an execution setting, not part of the architecture. By default queries go DEFAULT_CHUNK at a time
+and a key block holds as many keys as keep one block's scores under SCORE_BUDGET per head (at least DEFAULT_CHUNK):
+a decode or verify step at batch 1 reads a 16k-slot cache in one pass, not in 32 loop iterations (on a GPU each
+iteration is several kernel launches). `chunk` (an argument, or the `attention_chunk` context, a jit-cache key so
+that changing it retraces) sets both block sizes exactly.
 
 On top of validity, a key at position k is visible to a query at position q (z-lab's rule):
   causal: k <= q;   sliding window w (None = full): q - k < w, and when not causal also k - q < w.
@@ -31,18 +34,24 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-DEFAULT_CHUNK = 512
-# Keys (and queries) per block. A jit-cache-sensitive context: `with attention_chunk(64): ...` retraces programs
-# traced under another value. Results agree across values up to float rounding of the online softmax.
-attention_chunk = jax.make_user_context(default_value=DEFAULT_CHUNK)
+DEFAULT_CHUNK = 512  # queries per block, and the fewest keys per block, by default
+SCORE_BUDGET = 1 << 20  # by default, a key block holds up to this many scores per head: rows x queries x keys
+# Keys and queries per block, exactly (None: the defaults above). A jit-cache-sensitive context:
+# `with attention_chunk(64): ...` retraces programs traced under another value. Results agree across values up to
+# float rounding of the online softmax.
+attention_chunk = jax.make_user_context(default_value=None)
 
 
-def resolve_chunk(chunk: int | None = None) -> int:
-    """The block size attention uses: `chunk` if given, else the `attention_chunk` context's value."""
+def block_sizes(B: int, T: int, chunk: int | None = None) -> tuple[int, int]:
+    """(queries per block, keys per block) for B rows of T queries: `chunk` for both if given, else the
+    `attention_chunk` context's value, else the defaults (see the module doc)."""
     c = attention_chunk.value if chunk is None else chunk
+    if c is None:
+        rows = B * min(T, DEFAULT_CHUNK)
+        return DEFAULT_CHUNK, max(DEFAULT_CHUNK, SCORE_BUDGET // rows // DEFAULT_CHUNK * DEFAULT_CHUNK)
     if isinstance(c, bool) or not isinstance(c, int) or c < 1:
         raise ValueError(f"attention chunk must be an int >= 1, got {c!r}")
-    return c
+    return c, c
 
 
 def visible(q_pos: jax.Array, k_pos: jax.Array, *, causal: bool, window: int | None) -> jax.Array:
@@ -112,6 +121,7 @@ def _key_blocks(qg, q_pos, k, v, k_pos, valid: Callable, causal, window, chunk):
 
 
 def _attend(qg, q_pos, cache_k, cache_v, cache_len, k, v, k_pos, k_mask, causal, window, chunk):
+    # chunk: keys per block
     """(m, l, o) of one query block over both key parts (see `attention` for the arguments)."""
     B = qg.shape[0]
     acc = _empty(qg)
@@ -143,27 +153,28 @@ def attention(q: jax.Array, q_pos: jax.Array, *, cache_k: jax.Array | None = Non
 
     cache_k/cache_v [B, S, nKV, hd] (slot = position) valid below cache_len [B] or [B, T]; k/v [B, Tk, nKV, hd] at
     k_pos [B, Tk], restricted by k_mask [B, T, Tk] when given. causal / window: the visibility rule (module doc);
-    chunk: keys and queries per block (None: the `attention_chunk` context). Returns [B, T, nH * hd] in q.dtype.
+    chunk: keys and queries per block (None: the `attention_chunk` context, else the defaults; see `block_sizes`).
+    Returns [B, T, nH * hd] in q.dtype.
     """
-    chunk = resolve_chunk(chunk)
     B, T, nH, hd = q.shape
+    q_block, chunk = block_sizes(B, T, chunk)
     nKV = (cache_k if cache_k is not None else k).shape[2]
     qg = q.reshape(B, T, nKV, nH // nKV, hd)  # [B, T, nKV, G, hd]
     q_pos = q_pos.astype(jnp.int32)
     cache_len = None if cache_len is None else cache_len.astype(jnp.int32)
     k_pos = None if k_pos is None else k_pos.astype(jnp.int32)
     args = (cache_k, cache_v, cache_len, k, v, k_pos, k_mask)
-    if T <= chunk:
+    if T <= q_block:
         _, l, o = _attend(qg, q_pos, *args, causal, window, chunk)
     else:
-        # Query blocks of `chunk`, one at a time (a static-length lax.map): only one block's scores are live.
-        # Padded queries (past T) sit at position -1 with no keys (k_mask False, length 0); their rows are dropped.
-        nq = -(-T // chunk)
-        pad = nq * chunk - T
+        # Query blocks, one at a time (a static-length lax.map): only one block's scores are live. Padded queries
+        # (past T) sit at position -1 with no keys (k_mask False, length 0); their rows are dropped.
+        nq = -(-T // q_block)
+        pad = nq * q_block - T
 
-        def blocks(x, fill):  # [B, T, ...] -> [nq, B, chunk, ...]
+        def blocks(x, fill):  # [B, T, ...] -> [nq, B, q_block, ...]
             x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-            return jnp.moveaxis(x.reshape(B, nq, chunk, *x.shape[2:]), 1, 0)
+            return jnp.moveaxis(x.reshape(B, nq, q_block, *x.shape[2:]), 1, 0)
 
         per_query_len = cache_len is not None and cache_len.ndim == 2
         xs = (blocks(qg, 0), blocks(q_pos, -1), blocks(cache_len, 0) if per_query_len else None,
@@ -174,11 +185,11 @@ def attention(q: jax.Array, q_pos: jax.Array, *, cache_k: jax.Array | None = Non
             return _attend(qb, pb, cache_k, cache_v, lb if per_query_len else cache_len, k, v, k_pos, mb, causal,
                            window, chunk)[1:]
 
-        l, o = jax.lax.map(one, xs)  # [nq, B, nKV, G, chunk(, hd)]
-        l = jnp.moveaxis(l, 0, 3).reshape(B, nKV, nH // nKV, nq * chunk)[..., :T]
-        o = jnp.moveaxis(o, 0, 3).reshape(B, nKV, nH // nKV, nq * chunk, hd)[..., :T, :]
+        l, o = jax.lax.map(one, xs)  # [nq, B, nKV, G, q_block(, hd)]
+        l = jnp.moveaxis(l, 0, 3).reshape(B, nKV, nH // nKV, nq * q_block)[..., :T]
+        o = jnp.moveaxis(o, 0, 3).reshape(B, nKV, nH // nKV, nq * q_block, hd)[..., :T, :]
     out = o / jnp.where(l > 0, l, 1.0)[..., None]  # [B, nKV, G, T, hd]
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, nH * hd).astype(q.dtype)
 
 
-__all__ = ["attention", "attention_chunk", "resolve_chunk", "DEFAULT_CHUNK", "visible"]
+__all__ = ["attention", "attention_chunk", "block_sizes", "DEFAULT_CHUNK", "SCORE_BUDGET", "visible"]
