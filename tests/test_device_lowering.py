@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import export
-from jax._src.interpreters import mlir as jmlir  # the MLIR Python bindings JAX ships (to parse the module)
-from jax._src.lib.mlir import ir
 
 import dflash_jax as dj
+from dflash_jax.bench.lowering import loop_report, speculative_module
 from dflash_jax.config import DrafterConfig, Qwen3Config
-from dflash_jax.decode import programs as G
-from dflash_jax.models.attention import attention_chunk
 from dflash_jax.quant import pallas_nvfp4 as P
 from random_models import make_drafter, make_target, nontrivial_dflash2
 
@@ -33,68 +29,10 @@ DCFG2 = DCFG.replace(kind="dflash2", conv_group_size=8, selector_rank=4, selecto
 PROMPTS = [list(range(1, 21)), [5, 6, 7]]  # 20 tokens: the prompt bucket is split into query blocks of 8
 CHUNK = 8  # keys and queries per attention block: loops over the 8-slot blocks of every cache
 SAMPLED = dict(temperature=0.8, top_k=5, top_p=0.9, p_min=0.05)
-TRITON = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-
-
-def _walk(op):
-    for region in op.regions:
-        for block in region.blocks:
-            for o in block.operations:
-                yield o.operation
-                yield from _walk(o.operation)
-
-
-def _is_constant(value) -> bool:
-    return not isinstance(value.owner, ir.Block) and value.owner.name == "stablehlo.constant"
-
-
-def _arg_index(value, block) -> int | None:
-    """The index of `value` among block's arguments, or None if it is not one of them."""
-    if isinstance(value.owner, ir.Block) and value.owner == block:
-        return ir.BlockArgument(value).arg_number
-    return None
-
-
-def static_trip_count(while_op) -> bool:
-    """True when the loop's condition is `counter < constant` and its body steps that counter by a constant."""
-    cond, body = while_op.regions[0].blocks[0], while_op.regions[1].blocks[0]
-    ret = list(cond.operations)[-1]
-    pred = ret.operands[0].owner
-    if isinstance(pred, ir.Block) or pred.name != "stablehlo.compare":
-        return False
-    if "LT" not in str(pred.attributes["comparison_direction"]):
-        return False
-    counter, bound = pred.operands
-    i = _arg_index(counter, cond)
-    if i is None or not _is_constant(bound):
-        return False
-    step = list(body.operations)[-1].operands[i].owner  # the counter's next value
-    if isinstance(step, ir.Block) or step.name != "stablehlo.add":
-        return False
-    a, b = step.operands
-    return (_arg_index(a, body) == i and _is_constant(b)) or (_arg_index(b, body) == i and _is_constant(a))
-
-
-def loop_report(text: str) -> dict:
-    """Whiles in the module (top level of a function or nested in another while), split by static trip count, and
-    the conditionals (`stablehlo.case` / `stablehlo.if`)."""
-    with jmlir.make_ir_context():
-        module = ir.Module.parse(text)
-        ops = list(_walk(module.operation))
-        whiles = [o for o in ops if o.name == "stablehlo.while"]
-        dynamic = [o for o in whiles if not static_trip_count(o)]
-        nested_in_dynamic = sum(1 for d in dynamic for o in _walk(d) if o.name == "stablehlo.while")
-        return {"static": len(whiles) - len(dynamic), "dynamic": len(dynamic),
-                "dynamic_nested": nested_in_dynamic,
-                "dynamic_at_top": sum(1 for d in dynamic if d.parent.name == "func.func"),
-                "conditionals": sum(1 for o in ops if o.name in ("stablehlo.case", "stablehlo.if"))}
 
 
 def _export(target, drafter, **kw):
-    call = G.speculative_call(target, drafter, PROMPTS, max_new_tokens=16, prefill_timing="rerun", **kw)
-    with attention_chunk(CHUNK):
-        exp = export.export(call.program, platforms=["cuda"], disabled_checks=[TRITON])(*call.args, **call.static)
-    return exp.mlir_module()
+    return speculative_module(target, drafter, PROMPTS, chunk=CHUNK, max_new_tokens=16, **kw)
 
 
 @pytest.fixture(scope="module")
