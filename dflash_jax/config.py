@@ -72,9 +72,6 @@ class Qwen3Config:
     eos_token_id: int | None = None
     param_dtype: str = "float32"  # storage
     compute_dtype: str = "float32"  # activations and matmuls
-    # Execution, not architecture (never written to config.json): attention visits cached keys this many slots at a
-    # time, up to the longest live row, so its cost follows the context, not the cache capacity (None: one pass).
-    attention_chunk: int | None = 256
     # Family and feature switches (after the fields above, so configs saved before they existed still load).
     model_type: str = "qwen3"
     qk_norm: bool | None = None  # None: the family's value
@@ -95,8 +92,6 @@ class Qwen3Config:
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ValueError(f"config: head_dim must be even for RoPE, got {self.head_dim}")
-        if self.attention_chunk is not None and int(self.attention_chunk) < 1:
-            raise ValueError(f"config: attention_chunk must be >= 1 or None, got {self.attention_chunk}")
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"config: model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
         for name, value in _FEATURES[self.model_type].items():  # one canonical form: configs are static metadata

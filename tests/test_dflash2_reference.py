@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from torch_reference import rel_err, rms, rope, tt
+from dflash_jax.models.attention import attention_chunk
 
 import dflash_jax as dj
 from random_models import random_params
@@ -346,11 +347,9 @@ def test_layer_attention_follows_zlab_rule():
 def test_window_cuts_context_in_the_cached_path(chunk):
     """Cached path (context appended in two chunks, rows of different lengths) == the one-shot path on each row's
     own context, with a sliding window shorter than the context: the cache index is the absolute position. With
-    chunk=4 the attention visits the 16 cache slots 4 at a time, from the first chunk the window reaches."""
+    chunk=4 the attention visits the 16 cache slots 4 at a time (all four chunks, the window masking the early ones)."""
     case = CASES[0]
     target, drafter, features, block = _build(case)
-    cfg = drafter.config
-    drafter = drafter.replace(config=cfg.replace(model=cfg.model.replace(attention_chunk=chunk)))
     lens = np.array([9, 6])
     f1, f2 = features[:, :4], np.zeros((2, 5, features.shape[-1]), np.float32)
     f2[0] = features[0, 4:9]
@@ -363,7 +362,8 @@ def test_window_cuts_context_in_the_cached_path(chunk):
         c = append_context(drafter, f2, jnp.array([5, 2]), c)
         return block_logits(drafter, target, block, c)
 
-    got = np.asarray(cached(drafter, target, f1, f2, block))
+    with attention_chunk(chunk):
+        got = np.asarray(cached(drafter, target, f1, f2, block))
     for b in range(2):
         one = np.asarray(dj.draft_logits(drafter, target, features[b:b + 1, :lens[b]], block[b:b + 1]))
         np.testing.assert_allclose(got[b], one[0], rtol=2e-5, atol=2e-5)

@@ -11,6 +11,8 @@ Sections:
   sampling   ms per loop step of the greedy program vs the sampling program run near-greedy (why greedy keeps a
              program of its own), and their compile times.
   cli        wall time of `dflash-jax generate "def f(x):"` run twice with a fresh persistent compilation cache.
+  prefill_memory  compiled temp memory of prefill (compile only, `memory_analysis`): a small shape at 2k vs 8k
+             prompt tokens (blocked attention: linear, not quadratic) and one Qwen3-8B-shaped layer at 32k tokens.
   scan       prototype: a 36-layer Qwen3-shaped target (hidden 256), an autoregressive decode loop with the layers
              unrolled vs `lax.scan` over stacked layers: compile seconds and ms per decode step.
 The persistent compilation cache is on (as for every benchmark here) except where a section says otherwise.
@@ -38,9 +40,41 @@ from dflash_jax.decode.programs import generate
 from dflash_jax.io.compile_cache import enable_compilation_cache
 from dflash_jax.io.shipped import load_default
 from dflash_jax.models.layers import decoder_layer, rms_norm, write_rows
-from dflash_jax.models.target import KVCache, init_target, lm_logits
+from dflash_jax.models.target import KVCache, Target, init_target, lm_logits
+from dflash_jax.params import abstract_target, is_spec
 
-SECTIONS = ("attention", "programs", "sampling", "cli", "scan")
+SECTIONS = ("attention", "programs", "sampling", "cli", "scan", "prefill_memory")
+
+# One Qwen3-8B decoder layer (vocab cut: the embedding and LM head are not what prefill memory is about).
+QWEN3_8B_LAYER = Qwen3Config(vocab_size=1024, hidden_size=4096, intermediate_size=12288, num_hidden_layers=1,
+                             num_attention_heads=32, num_key_value_heads=8, head_dim=128, param_dtype="bfloat16",
+                             compute_dtype="bfloat16")
+SMALL_PREFILL = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
+
+
+def prefill_temp_bytes(cfg: Qwen3Config, tokens: int, batch: int = 1) -> int:
+    """Temp bytes XLA allocates for `prefill` of `batch` prompts of `tokens` tokens into a cache of as many slots
+    (compiled for this backend, never run: weights and prompts are abstract)."""
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, cfg.storage_dtype), abstract_target(cfg),
+                          is_leaf=is_spec)
+    target = Target(params=params, config=cfg)
+    prompt = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
+    lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    fn = jax.jit(lambda t, p, n: G.prefill(t, p, n, tokens)[:3])
+    return int(fn.lower(target, prompt, lens).compile().memory_analysis().temp_size_in_bytes)
+
+
+def prefill_memory_section(*, small=(2048, 8192), big_tokens: int = 32768) -> dict:
+    a, b = (prefill_temp_bytes(SMALL_PREFILL, n) for n in small)
+    print(f"prefill temp memory, hidden {SMALL_PREFILL.hidden_size} x {SMALL_PREFILL.num_hidden_layers} layers: "
+          f"{small[0]} tokens {a / 2**20:.1f} MiB, {small[1]} tokens {b / 2**20:.1f} MiB -> {b / a:.2f}x "
+          f"(quadratic would be {(small[1] / small[0]) ** 2:.0f}x)", flush=True)
+    big = prefill_temp_bytes(QWEN3_8B_LAYER, big_tokens)
+    print(f"prefill temp memory, one Qwen3-8B-shaped layer (bf16), {big_tokens} tokens, batch 1: "
+          f"{big / 2**30:.2f} GiB", flush=True)
+    return {"small_tokens": list(small), "small_bytes": [a, b], "ratio": b / a, "qwen3_8b_layer_tokens": big_tokens,
+            "qwen3_8b_layer_bytes": big}
 
 
 def attention_section(target, drafter, *, live: int = 64, cache_lens=(256, 16384), reps: int = 20) -> dict:
@@ -138,7 +172,7 @@ def scan_section(*, layers: int = 36, hidden: int = 256, steps: int = 64, reps: 
         ks, vs = [], []
         for i, layer in enumerate(target.params.layers):
             x, k, v = decoder_layer(layer, x, pos, cfg, cache_k=cache.k[i], cache_v=cache.v[i],
-                                    cache_len=cache.lengths, causal=True, chunk=cfg.attention_chunk)
+                                    cache_len=cache.lengths, causal=True)
             ks.append(write_rows(cache.k[i], k, pos))
             vs.append(write_rows(cache.v[i], v, pos))
         logits = lm_logits(target, rms_norm(x, target.params.norm, cfg.rms_norm_eps))
@@ -151,7 +185,7 @@ def scan_section(*, layers: int = 36, hidden: int = 256, steps: int = 64, reps: 
         def layer_fn(x, xs):
             layer, ck, cv = xs
             x, k, v = decoder_layer(layer, x, pos, cfg, cache_k=ck, cache_v=cv, cache_len=cache.lengths,
-                                    causal=True, chunk=cfg.attention_chunk)
+                                    causal=True)
             return x, (write_rows(ck, k, pos), write_rows(cv, v, pos))
 
         x, (ks, vs) = jax.lax.scan(layer_fn, x, (stacked, cache.k, cache.v))
@@ -207,7 +241,7 @@ def main(argv=None):
     enable_compilation_cache()
     print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}; one run, figures not asserted", flush=True)
-    target, drafter, _ = load_default()
+    target, drafter = (None, None) if set(sections) <= {"prefill_memory", "scan", "cli"} else load_default()[:2]
     figures = {}
     for name in sections:
         print(f"\n== {name}", flush=True)
@@ -221,6 +255,8 @@ def main(argv=None):
             figures[name] = cli_section()
         elif name == "scan":
             figures[name] = scan_section()
+        elif name == "prefill_memory":
+            figures[name] = prefill_memory_section()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1, default=float)

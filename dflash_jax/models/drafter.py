@@ -145,7 +145,7 @@ def block_hidden(drafter: Drafter, target: Target, block: jax.Array, cache: KVCa
     B, bs = block.shape
     positions = cache.lengths[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]  # [B, bs]
     return block_pass(drafter, embed_block(drafter, target, block), positions, cache.k, cache.v, cache.lengths,
-                      chunk=drafter.config.model.attention_chunk, block_len=bs)
+                      block_len=bs)
 
 
 def block_logits(drafter: Drafter, target: Target, block: jax.Array, cache: KVCache,
@@ -231,10 +231,6 @@ def cached_context(drafter: Drafter, features: jax.Array) -> KVCache:
 
 @jax.jit(static_argnums=(4,))
 def _draft_jit(drafter, target, features, block, backend):
-    # The whole context is live here: one dense attention pass (no chunk loop, whose traced trip count would also
-    # make the call impossible to differentiate in reverse mode, e.g. by audit_scales).
-    cfg = drafter.config
-    drafter = drafter.replace(config=cfg.replace(model=cfg.model.replace(attention_chunk=None)))
     with backend_scope(backend):
         cache = cached_context(drafter, features)
         h = block_hidden(drafter, target, block, cache)[:, 1:]

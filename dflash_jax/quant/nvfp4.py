@@ -174,6 +174,19 @@ def unpack_e2m1(packed: jax.Array) -> jax.Array:
     return e.reshape(packed.shape[:-1] + (packed.shape[-1] * 2,))
 
 
+def dequantize_unscaled(q: NVFP4Array, dtype: Any = jnp.float32) -> jax.Array:
+    """e2m1(code) * f32(block_scale), without the tensor scale, shape `q.shape`, in `dtype`.
+
+    Exact in bfloat16, float16 and float32: an E2M1 value has 2 significant bits and an E4M3 scale 4, so their
+    product has at most 6 (the smallest, 0.5 * 2^-9, is a normal bf16/f32 number and an f16 subnormal). A matmul
+    with this weight and the tensor scale applied to its f32 result rounds only x and the accumulation, the same in
+    every dtype (what the Pallas kernel computes, and the portable backend since issue 26).
+    """
+    values = unpack_e2m1(q.packed).astype(jnp.float32)  # [..., K]
+    blocks = values.reshape(q.shape[:-1] + (q.shape[-1] // BLOCK_SIZE, BLOCK_SIZE))
+    return (blocks * q.block_scale.astype(jnp.float32)[..., None]).reshape(q.shape).astype(dtype)
+
+
 def dequantize(q: NVFP4Array, dtype: Any = jnp.float32) -> jax.Array:
     """e2m1(code) * f32(block_scale) * global_scale, shape `q.shape`, cast to `dtype`.
 
