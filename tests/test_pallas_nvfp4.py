@@ -388,7 +388,7 @@ def _compiled_text(target, drafter, backend: str) -> str:
     """The optimized HLO of the speculative program `generate` runs for this backend (the backend is a static
     argument of the program, so each backend has its own)."""
     call = G.speculative_call(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, nvfp4_backend=backend)
-    return call.program.lower(*call.args, **call.static).compile().as_text()
+    return call.compiled_text()
 
 
 @pytest.fixture(scope="module")

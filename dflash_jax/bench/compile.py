@@ -69,7 +69,7 @@ def programs_section(target, drafter, *, n_prompts: int = 100, max_len: int = 10
     lens = np.linspace(1, max_len, n_prompts).astype(int)
     t0, c0 = G.TRACE_COUNTS["speculative"], time.perf_counter()
     for n in lens:
-        generate(target, drafter, [rng.integers(2, V, int(n)).tolist()], max_new_tokens=new_tokens,
+        generate(target, drafter, [rng.integers(2, V, int(n)).tolist()], max_new_tokens=new_tokens, eos_ids=(),
                  prefill_timing="rerun")
     n_len = G.TRACE_COUNTS["speculative"] - t0
     print(f"{n_prompts} prompts, lengths {lens.min()}..{lens.max()}: {n_len} compiled programs "
