@@ -544,7 +544,8 @@ def test_compiled_program_runs_under_transfer_guard(copy_runs):
         out = call(*args)  # compiled by copy_runs
         jax.block_until_ready(out)
     assert G.TRACE_COUNTS == traces
-    np.testing.assert_array_equal(np.asarray(out[0])[:, :COPY_MAX_NEW], r["sp"].tokens)
+    # the programs run a batch bucket (inert padding rows after the caller's rows)
+    np.testing.assert_array_equal(np.asarray(out[0])[:len(COPY_PROMPTS), :COPY_MAX_NEW], r["sp"].tokens)
 
 
 # -- 4. GenerationResult fields --------------------------------------------------------------------------------------

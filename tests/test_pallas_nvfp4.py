@@ -477,6 +477,9 @@ def test_device_report_smoke(tmp_path):
     assert set(saved["step_costs"]["drafters"]) == {"dense", "nvfp4 pallas", "nvfp4 portable"}
     assert all(v["c"] > 0 for v in saved["step_costs"]["drafters"].values())
     assert saved["embedded"]["dflash"]["tau"] >= 1 and saved["embedded"]["nvfp4"]["tau"] >= 1
+    prog = saved["programs"]  # bf16 exactness of the embedded pair and prefill / loop compile counts
+    assert prog["bf16_exactness"]["rows"] == 2 and 0 <= prog["bf16_exactness"]["mismatch_rate"] <= 1
+    assert prog["compiles"]["loop_programs"] <= 1 and "bf16 exactness" in md
     sweep = saved["tile_sweep"]
     assert sweep and all("us" in r for row in sweep for r in row["results"]) and sweep[0]["best"]
     if jax.default_backend() == "cpu":
