@@ -60,6 +60,7 @@ from dflash_jax.quant.linear import linear, native_supported, pallas_supported, 
 from dflash_jax.quant.nvfp4 import NVFP4Array, dequantize, quantize
 from dflash_jax.bench import speculative as bench
 from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.decode import programs as G
 from dflash_jax.io.checkpoint import load_drafter, load_target
 from dflash_jax.io.shipped import checkpoints_dir
 from dflash_jax.io.tokenizer import Tokenizer
@@ -414,8 +415,6 @@ def programs_section(report: Report, smoke: bool) -> dict:
     """The embedded pair in bfloat16 compute: greedy speculative vs autoregressive over 32 prompts x 256 tokens
     (mismatch rate, first divergence), and the programs compiled for prompt lengths spread over 1..1000 (prefill and
     loop counted apart: a new prompt bucket should compile prefill only)."""
-    from dflash_jax.decode import programs as G
-
     root = checkpoints_dir()
     target = load_target(root / "target", param_dtype="bfloat16", compute_dtype="bfloat16")
     drafter = load_drafter(root / "drafter", param_dtype="bfloat16", compute_dtype="bfloat16")
