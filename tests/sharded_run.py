@@ -164,7 +164,7 @@ def main():
     # Collectives of the compiled speculative program (dense and NVFP4 drafter): none gathers a weight in the loop.
     for name, d in (("dense", ds), ("nvfp4", qs)):
         call = G.speculative_call(ts, d, P8, max_new_tokens=N)
-        hlo = call.program.lower(*call.args, **call.static).compile().as_text()
+        hlo = call.compiled_text()
         out[f"hlo_{name}"] = S.hlo_collectives(hlo, S.weight_shapes(ts, d))
 
     # Bad input, refused before anything compiles.

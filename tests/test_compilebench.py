@@ -22,8 +22,9 @@ def _sections(capsys):
     att = compilebench.attention_section(target, drafter, live=8, cache_lens=(32, 96), reps=2)
     assert set(att["ratios"]) == {"verify_ms", "decode_ms", "draft_ms"}
     progs = compilebench.programs_section(target, drafter, n_prompts=3, max_len=20, new_tokens=2)
-    assert 1 <= progs["length_programs"] <= 2 and progs["grid_programs"] <= 2
+    assert progs["length_programs"] <= 1 and progs["length_prefill_programs"] <= progs["prompt_buckets"] == 2
+    assert progs["grid_programs"] <= 2 and progs["batch_programs"] <= progs["batch_buckets"] == 4
     scan = compilebench.scan_section(layers=2, hidden=32, steps=2, reps=1)
     assert set(scan) == {"unrolled", "scan"}
     out = capsys.readouterr().out
-    assert "ratio 96 vs 32 slots" in out and "compiled programs" in out and "scan / unrolled" in out
+    assert "ratio 96 vs 32 slots" in out and "loop program(s)" in out and "scan / unrolled" in out

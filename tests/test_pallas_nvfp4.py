@@ -388,7 +388,7 @@ def _compiled_text(target, drafter, backend: str) -> str:
     """The optimized HLO of the speculative program `generate` runs for this backend (the backend is a static
     argument of the program, so each backend has its own)."""
     call = G.speculative_call(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, nvfp4_backend=backend)
-    return call.program.lower(*call.args, **call.static).compile().as_text()
+    return call.compiled_text()
 
 
 @pytest.fixture(scope="module")
@@ -481,6 +481,9 @@ def test_device_report_smoke(tmp_path):
     assert all(r["conditionals"] == 0 and r["dynamic"] == 1 for r in dc["lowering"].values()), dc["lowering"]
     assert dc["prefill_memory"]["ratio"] <= 4.5 and dc["nvfp4_bf16_agreement"]["max_rel_diff"] < 2 ** -7
     assert set(dc["long_cache_attention"]["ratios"]) == {"verify_ms", "decode_ms", "draft_ms"}
+    prog = saved["programs"]  # bf16 exactness of the embedded pair and prefill / loop compile counts
+    assert prog["bf16_exactness"]["rows"] == 2 and 0 <= prog["bf16_exactness"]["mismatch_rate"] <= 1
+    assert prog["compiles"]["loop_programs"] <= 1 and "bf16 exactness" in md
     sweep = saved["tile_sweep"]
     assert sweep and all("us" in r for row in sweep for r in row["results"]) and sweep[0]["best"]
     if jax.default_backend() == "cpu":

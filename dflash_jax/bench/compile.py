@@ -6,8 +6,9 @@
 Sections:
   attention  verify step (D+1 tokens) at 64 live tokens in caches of 256 and 16,384 slots: ms each and the ratio
              (attention visits only the live chunks, so the ratio should be ~1), and decode / draft for reference.
-  programs   distinct compiled programs for 100 prompts with lengths spread over 1..1000 tokens (length buckets),
-             and for 4 temperatures x 3 EOS sets x 3 budgets on one prompt shape (traced sampling and budgets).
+  programs   compiled loop programs and prefill programs, counted apart, for 100 prompts with lengths spread over
+             1..1000 tokens (a new prompt bucket compiles prefill only), for 4 temperatures x 3 EOS sets x 3 budgets
+             on one prompt shape (traced sampling and budgets), and for batches of 1..8 rows (batch buckets).
   sampling   ms per loop step of the greedy program vs the sampling program run near-greedy (why greedy keeps a
              program of its own), and their compile times.
   cli        wall time of `dflash-jax generate "def f(x):"` run twice with a fresh persistent compilation cache.
@@ -98,26 +99,44 @@ def attention_section(target, drafter, *, live: int = 64, cache_lens=(256, 16384
 
 
 def programs_section(target, drafter, *, n_prompts: int = 100, max_len: int = 1000, new_tokens: int = 8) -> dict:
+    """Programs compiled (traced) for n_prompts lengths over 1..max_len and for a grid of settings, counted apart:
+    prefill programs (one per prompt bucket) and loop programs (keyed on cache / batch / budget buckets and flags)."""
     rng = np.random.default_rng(0)
     V = target.config.vocab_size
     lens = np.linspace(1, max_len, n_prompts).astype(int)
-    t0, c0 = G.TRACE_COUNTS["speculative"], time.perf_counter()
+
+    def counts():
+        return G.TRACE_COUNTS["prefill"], G.TRACE_COUNTS["speculative"]
+
+    (p0, l0), c0 = counts(), time.perf_counter()
     for n in lens:
-        generate(target, drafter, [rng.integers(2, V, int(n)).tolist()], max_new_tokens=new_tokens,
+        generate(target, drafter, [rng.integers(2, V, int(n)).tolist()], max_new_tokens=new_tokens, eos_ids=(),
                  prefill_timing="rerun")
-    n_len = G.TRACE_COUNTS["speculative"] - t0
-    print(f"{n_prompts} prompts, lengths {lens.min()}..{lens.max()}: {n_len} compiled programs "
+    p1, l1 = counts()
+    buckets = sorted({G.prompt_bucket(int(n)) for n in lens})
+    print(f"{n_prompts} prompts, lengths {lens.min()}..{lens.max()}: {l1 - l0} loop program(s), {p1 - p0} prefill "
+          f"programs ({len(buckets)} prompt buckets {buckets[0]}..{buckets[-1]}; cache bucket rule: powers of two >= "
+          f"{G.CACHE_BUCKET_MIN} up to {G.FINE_ABOVE} slots, then multiples of {G.FINE_STEP}) "
           f"({time.perf_counter() - c0:.1f} s in all)", flush=True)
     prompt = [rng.integers(2, V, 20).tolist()]
-    t1 = G.TRACE_COUNTS["speculative"]
     for temperature in (0.0, 0.5, 0.8, 1.0):
         for eos in ((), (0,), (0, 5, 9)):
             for budget in (40, 50, 60):
                 generate(target, drafter, prompt, max_new_tokens=budget, temperature=temperature, eos_ids=eos,
                          prefill_timing="rerun")
-    n_grid = G.TRACE_COUNTS["speculative"] - t1
-    print(f"4 temperatures x 3 EOS sets x 3 budgets, one prompt shape: {n_grid} compiled programs")
-    return {"length_programs": n_len, "grid_programs": n_grid}
+    p2, l2 = counts()
+    print(f"4 temperatures x 3 EOS sets x 3 budgets, one prompt shape: {l2 - l1} loop program(s), {p2 - p1} prefill "
+          "program(s)")
+    batches = (1, 2, 3, 4, 5, 7, 8)
+    for b in batches:
+        generate(target, drafter, [prompt[0]] * b, max_new_tokens=8, eos_ids=(), prefill_timing="rerun")
+    p3, l3 = counts()
+    rows = sorted({G.batch_bucket(b) for b in batches})
+    print(f"batches of {', '.join(map(str, batches))} rows: {l3 - l2} loop program(s), {p3 - p2} prefill program(s) "
+          f"(batch buckets {rows}; inert padding rows)")
+    return {"length_programs": l1 - l0, "length_prefill_programs": p1 - p0, "prompt_buckets": len(buckets),
+            "grid_programs": l2 - l1, "grid_prefill_programs": p2 - p1, "batch_programs": l3 - l2,
+            "batch_prefill_programs": p3 - p2, "batch_buckets": len(rows)}
 
 
 def sampling_section(target, drafter, *, new_tokens: int = 300, prompt_len: int = 40, reps: int = 3) -> dict:

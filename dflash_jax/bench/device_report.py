@@ -33,6 +33,9 @@ is spent):
      the goal), compiled prefill temp memory (2k vs 8k tokens on a small shape; one Qwen3-8B layer at 32k), a verify
      step at 64 live tokens in 256- vs 16,384-slot caches (attention reads the whole bucket), and portable vs
      pallas NVFP4 in bf16 (both apply the tensor scale after the dot, so they should agree to bf16 rounding);
+  4c. the embedded pair in bfloat16 compute: greedy speculative vs autoregressive over 32 prompts x 256 tokens
+     (mismatch rate, first divergence) and the programs compiled for 20 prompt lengths over 1..1000 (prefill and
+     loop apart);
   5. last, a sweep of pallas tiles (M = 1 on every shape, M = 16 on 4096x4096; the best per shape, so that
      choose_tiles can be tuned).
 Timings are medians of one run; nothing here asserts a speed.
@@ -64,6 +67,7 @@ from dflash_jax.bench import compile as compilebench
 from dflash_jax.bench import speculative as bench
 from dflash_jax.bench.lowering import loop_report, speculative_module
 from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.decode import programs as G
 from dflash_jax.io.checkpoint import load_drafter, load_target
 from dflash_jax.io.shipped import checkpoints_dir
 from dflash_jax.io.tokenizer import Tokenizer
@@ -478,6 +482,37 @@ def embedded_section(report: Report, smoke: bool) -> dict:
     return out
 
 
+# -- 4c. programs and bf16 exactness (issue 26, items 4 and 6) ------------------------------------------------------
+
+def programs_section(report: Report, smoke: bool) -> dict:
+    """The embedded pair in bfloat16 compute: greedy speculative vs autoregressive over 32 prompts x 256 tokens
+    (mismatch rate, first divergence), and the programs compiled for prompt lengths spread over 1..1000 (prefill and
+    loop counted apart: a new prompt bucket should compile prefill only)."""
+    root = checkpoints_dir()
+    target = load_target(root / "target", param_dtype="bfloat16", compute_dtype="bfloat16")
+    drafter = load_drafter(root / "drafter", param_dtype="bfloat16", compute_dtype="bfloat16")
+    tok = Tokenizer.from_file(root / "tokenizer.json")
+    _set_backend(None)
+    n_prompts, new = (2, 8) if smoke else (32, 256)
+    prompts = [tok.encode(t) for t in corpus.held_out_prompts(n_prompts, seed=0)]
+    ex = bench.bf16_exactness(target, drafter, prompts, max_new_tokens=new)
+    print("  " + bench.format_bf16_exactness(ex), flush=True)
+    n_lens, max_len = (3, 40) if smoke else (20, 1000)
+    p0, l0 = G.TRACE_COUNTS["prefill"], G.TRACE_COUNTS["speculative"]
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    for n in np.linspace(1, max_len, n_lens).astype(int):
+        bench.generate(target, drafter, [rng.integers(2, tok.vocab_size, int(n)).tolist()], max_new_tokens=8,
+                       eos_ids=(), prefill_timing=bench.PREFILL_TIMING)
+    counts = {"prompt_lengths": n_lens, "max_len": max_len, "prefill_programs": G.TRACE_COUNTS["prefill"] - p0,
+              "loop_programs": G.TRACE_COUNTS["speculative"] - l0, "seconds": round(time.perf_counter() - t0, 1)}
+    print(f"  {n_lens} prompt lengths over 1..{max_len}: {counts['loop_programs']} loop program(s), "
+          f"{counts['prefill_programs']} prefill programs ({counts['seconds']} s)", flush=True)
+    out = {"bf16_exactness": ex, "compiles": counts}
+    report.section("programs", out)
+    return out
+
+
 # -- markdown ---------------------------------------------------------------------------------------------------
 
 def markdown(d: dict) -> str:
@@ -559,6 +594,13 @@ def markdown(d: dict) -> str:
         for name, v in dc.items():
             lines.append(f"- {name}: " + json.dumps(v, default=_json_default))
         lines.append("")
+    pr = d.get("programs")
+    if pr:
+        ex, c = pr["bf16_exactness"], pr["compiles"]
+        lines += ["## Programs and bf16 exactness (embedded pair, bfloat16 compute)", "",
+                  f"- {bench.format_bf16_exactness(ex)}",
+                  f"- {c['prompt_lengths']} prompt lengths over 1..{c['max_len']}: {c['loop_programs']} loop "
+                  f"program(s), {c['prefill_programs']} prefill programs", ""]
     if d.get("skipped"):
         lines += ["## Skipped", ""] + [f"- {s['what']}: {s['why']}" for s in d["skipped"]] + [""]
     return "\n".join(lines)
@@ -594,6 +636,8 @@ def main(argv: list[str] | None = None) -> dict:
         ("decode_core", lambda: decode_core_section(report, smoke)),
         ("embedded", lambda: embedded_section(report, smoke) if not args.no_embedded
          else report.skip("embedded pair", "--no-embedded")),
+        ("programs", lambda: programs_section(report, smoke) if not args.no_embedded
+         else report.skip("programs", "--no-embedded")),
         ("tile_sweep", lambda: tile_sweep(shapes, report, smoke) if not args.no_sweep
          else report.skip("tile sweep", "--no-sweep")),  # last: it only tunes, the rest answers the question
     ]

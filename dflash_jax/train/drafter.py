@@ -200,7 +200,8 @@ def make_batch_fn(data: dict[str, np.ndarray], target_params, *, batch: int, num
 
 def measure_tau(target: Target, drafter: Drafter, prompts: list[list[int]], *, max_new_tokens: int = 128,
                 draft_length: int | None = None) -> dict:
-    res = generate(target, drafter, prompts, max_new_tokens=max_new_tokens, draft_length=draft_length)
+    res = generate(target, drafter, prompts, max_new_tokens=max_new_tokens, draft_length=draft_length,
+                   eos_ids=())  # tau over whole budgets, as measured before EOS became the default
     return {"tau": res.tau, "acceptance_rate": res.acceptance_rate,
             "position_acceptance": [round(float(x), 4) for x in res.position_acceptance]}
 
