@@ -752,7 +752,7 @@ ZL_LAYER_IDS = [1, 3, 5]
 
 
 def _zlab_config() -> dict:
-    """Written by hand after the Qwen3-8B-DFlash-b16 config.json (dflash.md §2), not by our own to_hf_dict."""
+    """Written by hand after the Qwen3-8B-DFlash-b16 config.json on the Hugging Face hub, not by our own to_hf_dict."""
     return {
         "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "model_type": "qwen3", "block_size": 16, "num_target_layers": 8,

@@ -1,7 +1,7 @@
 """DFlash2 drafters (and sliding-window / causal layers for both kinds) against an independent torch reference.
 
-The reference below restates z-lab's `DFlash2DraftModel` semantics (dflash/model.py at 07ebd93db9f4; dflash.md
-section 7) in float64 with explicit loops, written from that description and not from dflash_jax:
+The reference below restates z-lab's `DFlash2DraftModel` semantics (dflash/model.py at 07ebd93db9f4, with its
+fixture tests/fixtures/dflash2-config.json) in float64 with explicit loops, written from that description and not from dflash_jax:
   * block embeddings = target embedding * input_embedding_scale;
   * per layer, around attention and around the MLP: dyn = kernel_projection(x) viewed [T, 2, Kc, groups];
     prepare u_t = sum_o (base[0, o, c] + dyn_t[0, o, c // G]) * x_{t-o} (nothing before the block start), the

@@ -1,10 +1,11 @@
-"""The DFlash drafter forward against an independent torch reference (dflash.md sections 1-2).
+"""The DFlash drafter forward against an independent torch reference (z-lab dflash/model.py semantics).
 
-The reference below is written from the prose of dflash.md section 1.2, not from dflash_jax: fc over the concatenated
-target features -> hidden_norm -> per layer (queries from input_layernorm(x) with q_norm + RoPE at the block
-positions; K/V from the layer's own k_proj/v_proj over [context ; normed block], k_norm, RoPE at absolute positions;
-no mask inside the block) -> final norm -> the target's lm_head (tied or untied), block embedded with the target's
-embedding. It runs in float64, so the measured error is the JAX float32 rounding.
+The reference below is written from the KV-injection semantics of z-lab's `DFlashDraftModel` (dflash/model.py; arXiv
+2602.06036 section 3), not from dflash_jax: fc over the concatenated target features -> hidden_norm -> per layer
+(queries from input_layernorm(x) with q_norm + RoPE at the block positions; K/V from the layer's own k_proj/v_proj
+over [context ; normed block], k_norm, RoPE at absolute positions; no mask inside the block) -> final norm -> the
+target's lm_head (tied or untied), block embedded with the target's embedding. It runs in float64, so the measured
+error is the JAX float32 rounding.
 
 Also here: the target-layer tap semantics against HF transformers (feature id L == hidden_states[L + 1]), the cached
 drafter path (context appended in chunks) against the one-shot path, and DrafterConfig.from_hf_dict / check_pair.
@@ -283,7 +284,7 @@ def test_draft_logits_input_validation():
 # -- 4. DrafterConfig.from_hf_dict (z-lab config variants) -------------------------------------------------------
 
 def zlab_8b_config() -> dict:
-    """config.json of z-lab/Qwen3-8B-DFlash-b16 as described in dflash.md section 2."""
+    """config.json of z-lab/Qwen3-8B-DFlash-b16 as published on the Hugging Face hub."""
     return {
         "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "model_type": "qwen3", "block_size": 16, "num_target_layers": 36,

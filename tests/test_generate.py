@@ -1,4 +1,4 @@
-"""End-to-end speculative generation (testing-and-benchmarks.md section 2, dflash.md section 3).
+"""End-to-end speculative generation (z-lab dflash/model.py `dflash_generate`'s decode loop).
 
 Greedy `generate` must equal `generate_autoregressive` token for token (float32 on CPU). Three kinds of drafter:
   * random drafters on random targets (acceptance ~0: every step is the bonus token only);

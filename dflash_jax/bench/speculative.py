@@ -242,7 +242,7 @@ def format_draft_costs(c: dict) -> str:
 
 
 def format_dflash2_goals(results: list[dict], draft_costs: dict | None = None) -> str:
-    """Issue 10's goal figures from one bench run: tau ratios per table row (NVFP4 both / NVFP4 vs dense DFlash2),
+    """The DFlash2 goal figures from one bench run: tau ratios per table row (NVFP4 both / NVFP4 vs dense DFlash2),
     the draft cost ratio (same run, interleaved) and greedy exactness over every row of both kinds."""
     lines = ["DFlash2 goals (this run; tau ratios per row, D = draft length):"]
     for r in results:
@@ -324,7 +324,8 @@ def format_pair_table(rows: list[dict], names: Sequence[str]) -> str:
 
 
 def format_pair_goals(rows: list[dict], name: str = "nvfp4") -> str:
-    """Issue 9's figures from one pair-table run (same run, medians over prompts)."""
+    """The shipped pair's goal figures from one pair-table run (tau at the longest / shortest output, greedy speedups,
+    the T 0.7 speedup and greedy exactness; same run, medians over prompts)."""
     def cell(T, D, n):
         return next((r for r in rows if r["temperature"] == T and r["draft_length"] == D
                      and r["max_new_tokens"] == n), None)

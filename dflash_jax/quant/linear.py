@@ -6,7 +6,8 @@ Every scale of an NVFP4 weight is applied in here, so no model code can forget o
 Backends for NVFP4 weights:
   portable  W4A16: dequantize the weight to x.dtype inside the traced function, then
             the same f32-accumulating dot as a dense weight. Runs everywhere, but on a GPU
-            XLA writes the dequantized weight to memory and reads it back (docs/nvfp4.md §8.1).
+            XLA writes the dequantized weight to memory and reads it back (its Triton GEMM fusion
+            takes no uint8 nibble unpacking and, by default, no per-16-element scales).
   pallas    W4A16: one Pallas/Triton kernel (pallas_nvfp4.py) reads the packed codes and
             block scales tile by tile and dequantizes in registers; no dequantized weight
             exists outside it. CUDA GPUs; on CPU the same kernel runs interpreted (slow,

@@ -1,4 +1,5 @@
-"""Train a DFlash drafter for a frozen target, by the DFlash recipe (dflash.md section 6).
+"""Train a DFlash drafter for a frozen target, by the DFlash recipe (arXiv 2602.06036 section 3; SpecForge
+`specforge/core/dflash.py` after its fix PR #473, since z-lab has released no training code).
 
 Data: the target's own continuations of corpus prompts (mostly greedy, some sampled), so the drafter learns what
 *this* target says. Per sequence, random anchors a in the continuation; each anchor's block is [x_a, M x (bs-1)] at

@@ -13,7 +13,7 @@ Objective: loss = base + selector_weight * selector, with
             x_a for t = 1); cross-entropy of softmax(S_t) against the index of the true token x_{a+t} among the
             candidates, with the same weights w_k; slots whose true token is not among the candidates are left out
             (nothing to pick), normalised by the weight of the slots kept.
-Why this objective (the official one is unpublished; NeMo describes the same shape, dflash.md section 7):
+Why this objective (the official one is unpublished; NeMo's `nemo_automodel.components.speculative.dflash.dflash2_core` has the same shape):
   * teacher forcing with the true predecessor is not an approximation for speculative decoding: slot t can only be
     accepted when every earlier slot was, i.e. when the walk's predecessor IS the true token, so the conditioning
     the loss trains is exactly the one under which the selector's choice matters;
