@@ -107,8 +107,8 @@ def test_selector_is_active_in_random_runs(random_runs):
     feats = dj.target_forward(target, _pad_to(prompts[1], 16), drafter.config.target_layer_ids)[1]
     block = np.full((1, 8), 63, np.int32)
     block[0, 0] = prompts[1][-1]
-    tok = np.asarray(draft_tokens(drafter, target, feats[:, :15], block))
-    arg = np.asarray(dj.draft_logits(drafter, target, feats[:, :15], block)).argmax(-1)
+    tok = np.asarray(draft_tokens(target, drafter, feats[:, :15], block))
+    arg = np.asarray(dj.draft_logits(target, drafter, feats[:, :15], block)).argmax(-1)
     assert (tok != arg).any()
 
 

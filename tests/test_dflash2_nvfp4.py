@@ -40,7 +40,7 @@ def pair():
 
 def _proposal_forward(target, model):
     def fwd(params, feats, block):  # logits and selector scores (the integer tokens carry no gradient)
-        return draft_proposal(model.replace(params=params), target, feats, block)
+        return draft_proposal(target, model.replace(params=params), feats, block)
     return fwd
 
 
@@ -73,7 +73,7 @@ def test_audit_covers_every_new_scale(pair):
             "candidate_selector.hidden_projection"} <= set(audit.checked)
     # The selector's projection only reaches the selector scores: a forward returning draft logits alone cannot
     # vouch for it, and the audit says so.
-    logits_only = dj.audit_scales(lambda p, f, b: dj.draft_logits(q.replace(params=p), target, f, b), q.params,
+    logits_only = dj.audit_scales(lambda p, f, b: dj.draft_logits(target, q.replace(params=p), f, b), q.params,
                                   feats, block)
     assert set(logits_only.missing) == {"candidate_selector.hidden_projection: block_scale",
                                         "candidate_selector.hidden_projection: global_scale"}
@@ -88,9 +88,9 @@ def test_conv_and_selector_ablation_is_named_exactly(pair):
                 for c in ("attention_conv", "mlp_conv")} | {"candidate_selector.hidden_projection: global_scale"}
     assert set(audit.missing) == expected, str(audit)
     # The falsified value wrecks the drafter's proposals; the real NVFP4 one barely moves them.
-    ref = draft_proposal(drafter, target, feats, block)
-    good = draft_proposal(q, target, feats, block)
-    bad = draft_proposal(drop_global_scales(q, DFLASH2_PROJECTIONS), target, feats, block)
+    ref = draft_proposal(target, drafter, feats, block)
+    good = draft_proposal(target, q, feats, block)
+    bad = draft_proposal(target, drop_global_scales(q, DFLASH2_PROJECTIONS), feats, block)
     err = lambda p: float(jnp.abs(p.logits - ref.logits).mean())
     assert err(bad) > 5 * err(good)
     same = lambda p: float((np.asarray(p.tokens) == np.asarray(ref.tokens)).mean())

@@ -34,7 +34,7 @@ import dflash_jax as dj
 from random_models import random_params
 from dflash_jax.models import selector as sel_mod
 from dflash_jax.config import DrafterConfig, Qwen3Config
-from dflash_jax.models.drafter import DraftCache, append_context, block_logits, draft_proposal, draft_tokens
+from dflash_jax.models.drafter import empty_draft_cache, append_context, block_logits, draft_proposal, draft_tokens
 from dflash_jax.params import abstract_drafter, map_named, named_leaves
 from dflash_jax.models.attention import visible
 
@@ -225,7 +225,7 @@ def reference(drafter, target, features, block, *, dyn_order="side,tap,group", w
 def built(request):
     case = request.param
     target, drafter, features, block = _build(case)
-    prop = draft_proposal(drafter, target, features, block)
+    prop = draft_proposal(target, drafter, features, block)
     return case, target, drafter, features, block, prop, reference(drafter, target, features, block)
 
 
@@ -236,10 +236,10 @@ def test_logits_tokens_and_scores_match_reference(built):
     err = rel_err(prop.logits, ref_logits)
     print(f"\n[dflash2 reference] {case.name}: logits rel err {err:.2e}")
     assert err <= REL_TOL, err
-    np.testing.assert_array_equal(np.asarray(dj.draft_logits(drafter, target, features, block)),
+    np.testing.assert_array_equal(np.asarray(dj.draft_logits(target, drafter, features, block)),
                                   np.asarray(prop.logits))
     np.testing.assert_array_equal(np.asarray(prop.tokens), ref_tokens)
-    np.testing.assert_array_equal(np.asarray(draft_tokens(drafter, target, features, block)), ref_tokens)
+    np.testing.assert_array_equal(np.asarray(draft_tokens(target, drafter, features, block)), ref_tokens)
     if case.drafter.is_dflash2:
         assert prop.scores.shape == (case.batch, D, case.drafter.selector_top_k)
         assert rel_err(prop.scores, ref_scores) <= REL_TOL
@@ -262,7 +262,7 @@ def test_logits_tokens_and_scores_match_reference(built):
 def test_comparison_is_sensitive_to_known_mistakes(mistake):
     case = CASES[0]
     target, drafter, features, block = _build(case)
-    prop = draft_proposal(drafter, target, features, block)
+    prop = draft_proposal(target, drafter, features, block)
     logits, tokens, scores = reference(drafter, target, features, block, **mistake)
     if "walk_from" in mistake:  # the logits are right, the walk is not
         assert rel_err(prop.logits, logits) <= REL_TOL
@@ -288,17 +288,17 @@ def test_identity_conv_and_zero_selector_equal_dflash():
     d1 = dj.Drafter(params=from_named(abstract_drafter(plain_cfg), {n: base[n] for n in
                                                                    named_leaves(abstract_drafter(plain_cfg))}),
                     config=plain_cfg)
-    np.testing.assert_allclose(np.asarray(dj.draft_logits(d2, target, features, block)),
-                               np.asarray(dj.draft_logits(d1, target, features, block)), rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(draft_tokens(d2, target, features, block)),
-                                  np.asarray(draft_tokens(d1, target, features, block)))
+    np.testing.assert_allclose(np.asarray(dj.draft_logits(target, d2, features, block)),
+                               np.asarray(dj.draft_logits(target, d1, features, block)), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(draft_tokens(target, d2, features, block)),
+                                  np.asarray(draft_tokens(target, d1, features, block)))
 
 
 def test_sampled_walk_is_gumbel_max_over_path_scores():
     """At T > 0 each slot's index is argmax(scores / T + Gumbel(u)) with the scores of the *sampled* predecessor."""
     case = CASES[0]
     target, drafter, features, block = _build(case)
-    prop = draft_proposal(drafter, target, features, block)
+    prop = draft_proposal(target, drafter, features, block)
     cand, unary = np.asarray(prop.candidates), np.asarray(jax.lax.top_k(prop.logits, 5)[0])
     sel = drafter.params.candidate_selector
     from dflash_jax.models.drafter import block_hidden, cached_context
@@ -358,12 +358,12 @@ def test_window_cuts_context_in_the_cached_path(chunk):
 
     @jax.jit
     def cached(drafter, target, f1, f2, block):
-        c = DraftCache.empty(drafter.config, 2, 16)
+        c = empty_draft_cache(drafter.config, 2, 16)
         c = append_context(drafter, f1, jnp.array([4, 4]), c)
         c = append_context(drafter, f2, jnp.array([5, 2]), c)
         return block_logits(drafter, target, block, c)
 
     got = np.asarray(cached(drafter, target, f1, f2, block))
     for b in range(2):
-        one = np.asarray(dj.draft_logits(drafter, target, features[b:b + 1, :lens[b]], block[b:b + 1]))
+        one = np.asarray(dj.draft_logits(target, drafter, features[b:b + 1, :lens[b]], block[b:b + 1]))
         np.testing.assert_allclose(got[b], one[0], rtol=2e-5, atol=2e-5)

@@ -28,7 +28,7 @@ from torch_reference import rel_err, rms, rope, tt
 import dflash_jax as dj
 from random_models import make_drafter, make_target
 from dflash_jax.config import DrafterConfig, Qwen3Config, check_pair
-from dflash_jax.models.drafter import DraftCache, append_context, block_logits
+from dflash_jax.models.drafter import empty_draft_cache, append_context, block_logits
 from dflash_jax.models.layers import rms_norm
 from dflash_jax.params import named_leaves
 
@@ -141,7 +141,7 @@ def reference_draft_logits(drafter, target, features, block, *, causal_block=Fal
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_draft_logits_matches_torch_reference(case):
     target, drafter, features, block = _build(case)
-    got = np.asarray(dj.draft_logits(drafter, target, features, block))
+    got = np.asarray(dj.draft_logits(target, drafter, features, block))
     ref = reference_draft_logits(drafter, target, features, block)
     assert got.shape == (case.batch, case.block_size - 1, case.target.vocab_size)
     err = rel_err(got, ref)
@@ -157,7 +157,7 @@ def test_reference_comparison_is_sensitive_to_known_mistakes():
     above would catch it (and the reference is not vacuously close to anything)."""
     case = CASES[0]
     target, drafter, features, block = _build(case)
-    got = np.asarray(dj.draft_logits(drafter, target, features, block))
+    got = np.asarray(dj.draft_logits(target, drafter, features, block))
     for mistake in ("causal_block", "renorm_context", "shift_output"):
         err = rel_err(got, reference_draft_logits(drafter, target, features, block, **{mistake: True}))
         assert err > 100 * REL_TOL, f"the comparison cannot see mistake {mistake!r} (err {err:.2e})"
@@ -169,11 +169,11 @@ def test_block_slot0_token_matters_and_context_matters():
     """The drafter must condition on both the last verified token (slot 0) and the context features."""
     case = CASES[2]
     target, drafter, features, block = _build(case)
-    base = np.asarray(dj.draft_logits(drafter, target, features, block))
+    base = np.asarray(dj.draft_logits(target, drafter, features, block))
     other_first = block.copy()
     other_first[:, 0] = (other_first[:, 0] + 1) % (case.target.vocab_size - 1)
-    assert rel_err(dj.draft_logits(drafter, target, features, other_first), base) > 1e-2
-    assert rel_err(dj.draft_logits(drafter, target, features[:, ::-1].copy(), block), base) > 1e-2
+    assert rel_err(dj.draft_logits(target, drafter, features, other_first), base) > 1e-2
+    assert rel_err(dj.draft_logits(target, drafter, features[:, ::-1].copy(), block), base) > 1e-2
 
 
 # -- 2. target tap semantics vs HF ---------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ def test_target_layer_tap_is_hf_hidden_states_plus_one(tmp_path):
 
 @functools.partial(jax.jit, static_argnames=("max_len",))
 def _cached_logits(drafter, target, f1, n1, f2, n2, block, *, max_len):
-    cache = DraftCache.empty(drafter.config, block.shape[0], max_len)
+    cache = empty_draft_cache(drafter.config, block.shape[0], max_len)
     cache = append_context(drafter, f1, n1, cache)
     cache = append_context(drafter, f2, n2, cache)
     return cache, block_logits(drafter, target, block, cache)
@@ -251,7 +251,7 @@ def test_chunked_context_equals_draft_logits_and_cache_holds_no_block_kv():
     errs = []
     for n in sorted(set(lens.tolist())):
         rows = np.flatnonzero(lens == n)  # rows with the same context length go through draft_logits together
-        want = np.asarray(dj.draft_logits(drafter, target, full[rows, :n], block[rows]))
+        want = np.asarray(dj.draft_logits(target, drafter, full[rows, :n], block[rows]))
         ref = reference_draft_logits(drafter, target, full[rows, :n], block[rows])
         errs.append(rel_err(got[rows], want))
         assert errs[-1] <= REL_TOL, f"rows {rows}: chunked cached path differs from draft_logits ({errs[-1]:.2e})"
@@ -276,9 +276,24 @@ def test_draft_logits_input_validation():
     case = CASES[0]
     target, drafter, features, block = _build(case)
     with pytest.raises(ValueError, match=r"features must be \[B, C, 96\]"):
-        dj.draft_logits(drafter, target, features[..., :-1], block)
+        dj.draft_logits(target, drafter, features[..., :-1], block)
     with pytest.raises(ValueError, match="block must be"):
-        dj.draft_logits(drafter, target, features, block[:1])
+        dj.draft_logits(target, drafter, features, block[:1])
+
+
+def test_draft_calls_take_the_target_first_and_the_old_order_warns():
+    """Target first, like `generate`; the old (drafter, target) order gives the same result with a DeprecationWarning;
+    two models of the wrong kinds are refused by name."""
+    target, drafter, features, block = _build(CASES[0])
+    want = np.asarray(dj.draft_logits(target, drafter, features, block))
+    with pytest.warns(DeprecationWarning, match=r"draft_logits\(target, drafter"):
+        old = np.asarray(dj.draft_logits(drafter, target, features, block))
+    np.testing.assert_array_equal(old, want)
+    with pytest.warns(DeprecationWarning, match="draft_tokens"):
+        np.testing.assert_array_equal(np.asarray(dj.draft_tokens(drafter, target, features, block)),
+                                      want.argmax(-1))
+    with pytest.raises(TypeError, match="takes a Target and a Drafter, got Target and Target"):
+        dj.draft_logits(target, target, features, block)
 
 
 # -- 4. DrafterConfig.from_hf_dict (z-lab config variants) -------------------------------------------------------
@@ -425,7 +440,7 @@ def test_check_pair_lists_every_problem_and_draft_logits_uses_it():
     target = make_target(bad, 0)
     drafter = make_drafter(dcfg, 1)
     with pytest.raises(ValueError, match="drafter does not match target"):
-        dj.draft_logits(drafter, target, np.zeros((1, 2, 64), np.float32), np.zeros((1, 4), np.int32))
+        dj.draft_logits(target, drafter, np.zeros((1, 2, 64), np.float32), np.zeros((1, 4), np.int32))
 
 
 def test_report_errors():

@@ -363,7 +363,7 @@ def _pad_to(seq, n):
 
 def argmax_drafts(drafter, target, features, block):
     """DFlash greedy proposals straight from `draft_logits` (not through `draft_tokens`, which is under test)."""
-    return np.asarray(dj.draft_logits(drafter, target, features, block)).argmax(-1)
+    return np.asarray(dj.draft_logits(target, drafter, features, block)).argmax(-1)
 
 
 def reference_acceptance(target, drafter, prompt, *, max_new, max_steps, propose=argmax_drafts):

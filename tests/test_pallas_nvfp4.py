@@ -31,7 +31,7 @@ from jax import export
 import dflash_jax as dj
 from dflash_jax.quant import pallas_nvfp4 as P
 from dflash_jax.config import DrafterConfig, Qwen3Config
-from dflash_jax.models.drafter import DraftCache, append_context, block_logits
+from dflash_jax.models.drafter import empty_draft_cache, append_context, block_logits
 from dflash_jax.quant.linear import linear, resolve_backend, set_default_backend
 from dflash_jax.quant.nvfp4 import E2M1_GRID, NVFP4Array, dequantize, quantize
 from random_models import make_drafter, make_target
@@ -434,7 +434,7 @@ def test_no_dequantized_weight_in_exported_cuda_forward(triton_lowering):
     block = jnp.zeros((1, DCFG.block_size), jnp.int32)
     set_default_backend("pallas")
     def forward(d, t, f, b):  # draft_logits' body, traced here (its own jit would cache across backends)
-        cache = append_context(d, f, jnp.full((1,), f.shape[1], jnp.int32), DraftCache.empty(d.config, 1, 5))
+        cache = append_context(d, f, jnp.full((1,), f.shape[1], jnp.int32), empty_draft_cache(d.config, 1, 5))
         return block_logits(d, t, b, cache)
 
     exp = _export_cuda(forward, drafter, target, feats, block)

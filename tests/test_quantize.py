@@ -33,7 +33,7 @@ def pair():
 
 def _drafter_forward(target):
     def fwd(drafter, feats, block):
-        return dj.draft_logits(drafter, target, feats, block)
+        return dj.draft_logits(target, drafter, feats, block)
     return fwd
 
 
@@ -92,9 +92,9 @@ def test_calibrated_lowers_layer_output_error(pair):
         c_err += float(np.sum((x @ np.asarray(nvfp4.dequantize(named_leaves(calq.params)[name])).T - ref) ** 2))
     assert c_err < 0.95 * r_err, (c_err, r_err)
     # ... and the drafter's logits move less
-    ref = dj.draft_logits(drafter, target, feats, block)
-    e_rtn = float(jnp.abs(dj.draft_logits(rtn, target, feats, block) - ref).mean())
-    e_cal = float(jnp.abs(dj.draft_logits(calq, target, feats, block) - ref).mean())
+    ref = dj.draft_logits(target, drafter, feats, block)
+    e_rtn = float(jnp.abs(dj.draft_logits(target, rtn, feats, block) - ref).mean())
+    e_cal = float(jnp.abs(dj.draft_logits(target, calq, feats, block) - ref).mean())
     assert e_cal < e_rtn
 
 
@@ -138,8 +138,8 @@ def test_modelopt_folder_round_trip(pair, tmp_path):
             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
                 np.testing.assert_array_equal(np.atleast_1d(np.asarray(x)).view(np.uint8),
                                               np.atleast_1d(np.asarray(y)).view(np.uint8))
-        np.testing.assert_array_equal(np.asarray(dj.draft_logits(q, target, feats, block)),
-                                      np.asarray(dj.draft_logits(back, target, feats, block)))
+        np.testing.assert_array_equal(np.asarray(dj.draft_logits(target, q, feats, block)),
+                                      np.asarray(dj.draft_logits(target, back, feats, block)))
 
 
 def test_audit_on_nvfp4_drafter_and_target(pair):
@@ -147,7 +147,7 @@ def test_audit_on_nvfp4_drafter_and_target(pair):
     q = quantize_nvfp4(drafter)
 
     def fwd(params, feats, block):
-        return dj.draft_logits(q.replace(params=params), target, feats, block)
+        return dj.draft_logits(target, q.replace(params=params), feats, block)
 
     audit = dj.audit_scales(fwd, q.params, feats, block)
     assert audit.ok and len(audit.checked) == 15, str(audit)
@@ -165,7 +165,7 @@ def test_ablation_is_named_exactly(pair):
     q = quantize_nvfp4(drafter)
 
     def fwd(params, feats, block):
-        return dj.draft_logits(q.replace(params=params), target, feats, block)
+        return dj.draft_logits(target, q.replace(params=params), feats, block)
 
     audit = dj.audit_scales(ablated_forward(fwd), q.params, feats, block)
     expected = {f"layers[{i}].self_attn.{p}: global_scale" for i in range(2)
@@ -174,9 +174,9 @@ def test_ablation_is_named_exactly(pair):
     with pytest.raises(AssertionError, match="v_proj"):
         audit.raise_if_missing()
     # The falsified value changes the drafter's output drastically; the real one does not.
-    ref = dj.draft_logits(drafter, target, feats, block)
-    good = dj.draft_logits(q, target, feats, block)
-    bad = dj.draft_logits(drop_global_scales(q, ATTENTION_PROJECTIONS), target, feats, block)
+    ref = dj.draft_logits(target, drafter, feats, block)
+    good = dj.draft_logits(target, q, feats, block)
+    bad = dj.draft_logits(target, drop_global_scales(q, ATTENTION_PROJECTIONS), feats, block)
     assert float(jnp.abs(bad - ref).mean()) > 5 * float(jnp.abs(good - ref).mean())
 
 
@@ -233,5 +233,5 @@ def test_orbax_round_trip_keeps_w4a4_input_scales(pair, tmp_path):
     dj.save(tmp_path / "d", q4)
     back = dj.load_drafter(tmp_path / "d")
     assert back.params.layers[1].mlp.up_proj.input_scale is not None
-    np.testing.assert_array_equal(np.asarray(dj.draft_logits(q4, target, feats, block)),
-                                  np.asarray(dj.draft_logits(back, target, feats, block)))
+    np.testing.assert_array_equal(np.asarray(dj.draft_logits(target, q4, feats, block)),
+                                  np.asarray(dj.draft_logits(target, back, feats, block)))

@@ -117,7 +117,7 @@ def test_training_forward_equals_inference_forward(tiny_pair):
         for n, a in enumerate(anchors[b]):
             block = np.full((1, cfg.block_size), cfg.mask_token_id)
             block[0, 0] = tokens[b, a]
-            ref = dj.draft_logits(drafter, target, feats[b:b + 1, :a], block)
+            ref = dj.draft_logits(target, drafter, feats[b:b + 1, :a], block)
             np.testing.assert_allclose(np.asarray(logits[b, n]), np.asarray(ref[0]), atol=2e-5, rtol=2e-5)
     labels, valid = td.training_labels(batch, cfg.block_size)
     assert int(labels[0, 0, 0]) == tokens[0, 4] and int(labels[0, 0, 4]) == tokens[0, 8]  # slot k -> x_{a+k}

@@ -54,7 +54,7 @@ def test_training_forward_equals_inference_forward_dflash2():
         for n, a in enumerate(anchors[b]):
             block = np.full((1, cfg.block_size), cfg.mask_token_id)
             block[0, 0] = tokens[b, a]
-            ref = draft_proposal(drafter, target, feats[b:b + 1, :a], block)
+            ref = draft_proposal(target, drafter, feats[b:b + 1, :a], block)
             np.testing.assert_allclose(np.asarray(logits[b, n]), np.asarray(ref.logits[0]), atol=3e-5, rtol=3e-5)
             np.testing.assert_allclose(np.asarray(scores[b, n, 0]), np.asarray(ref.scores[0, 0]), atol=3e-5,
                                        rtol=3e-5)  # slot 1: both walk from the anchor

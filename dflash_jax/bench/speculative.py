@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.models.drafter import Drafter, DraftCache, append_context, block_hidden, propose_from_hidden
+from dflash_jax.decode.draft_step import draft_step
+from dflash_jax.decode.sampling import SamplingParams
+from dflash_jax.models.drafter import Drafter, append_context, empty_draft_cache
 from dflash_jax.decode.programs import generate, generate_autoregressive, prefill
 from dflash_jax.models.target import KVCache, Target, forward_with_cache
 
@@ -73,11 +75,8 @@ def step_functions(target: Target, drafter: Drafter, *, context_len: int = 64, d
 
     @functools.partial(jax.jit, donate_argnums=(2,))
     def draft(drafter, target, dcache, pending, block):
-        # as the loop drafts: append the pending context, one block pass, the proposals (DFlash: argmax of the
-        # logits; DFlash2: the selector walk)
-        dc = append_context(drafter, pending, jnp.full((batch,), D + 1, jnp.int32), dcache)
-        h = block_hidden(drafter, target, block, dc)[:, 1:1 + D]
-        return propose_from_hidden(drafter, target, h, block[:, 0]).tokens, dc.replace(lengths=dcache.lengths)
+        tokens, dc = greedy_draft(drafter, target, dcache, pending, block, D)
+        return tokens, dc.replace(lengths=dcache.lengths)
 
     tok = prompt[:, -1:]
     toks = prompt[:, -(D + 1):]
@@ -102,15 +101,22 @@ def step_costs(target: Target, drafter: Drafter, *, context_len: int = 64, draft
     return out
 
 
-def _draft_fn(batch: int, D: int):
-    """One greedy draft call as the loop makes it: append the pending context, one block pass, the proposals
-    (DFlash: argmax of the logits; DFlash2: the selector walk)."""
-    @jax.jit
-    def draft(drafter, target, dcache, pending, block):
-        dc = append_context(drafter, pending, jnp.full((batch,), D + 1, jnp.int32), dcache)
-        h = block_hidden(drafter, target, block, dc)[:, 1:1 + D]
-        return propose_from_hidden(drafter, target, h, block[:, 0]).tokens
-    return draft
+def greedy_draft(drafter: Drafter, target: Target, dcache: KVCache, pending: jax.Array, block: jax.Array, D: int):
+    """One greedy draft call as generate's loop makes it: append the D+1 pending context features [B, D+1, K*H],
+    then the loop's own `draft_step` (one block pass; DFlash: argmax of the logits, DFlash2: the selector walk).
+    -> (drafts [B, D] int32, the draft cache after the append). Callers return only the drafts, so XLA drops what
+    the loop would also build for verification (the DFlash2 selector's q on the vocabulary)."""
+    B = block.shape[0]
+    dc = append_context(drafter, pending, jnp.full((B,), D + 1, jnp.int32), dcache)
+    keys = jnp.zeros((B, 2), jnp.uint32)  # greedy: no draw is made
+    drafts, _, _, _ = draft_step(drafter, target, block, dc, D, keys, SamplingParams())
+    return drafts, dc
+
+
+def _draft_fn(D: int):
+    """`greedy_draft` compiled on its own, returning only the drafts."""
+    return jax.jit(lambda drafter, target, dcache, pending, block:
+                   greedy_draft(drafter, target, dcache, pending, block, D)[0])
 
 
 def draft_costs(target: Target, drafters: dict, *, context_len: int = 64, draft_length: int = 7, batch: int = 1,
@@ -136,10 +142,10 @@ def draft_costs(target: Target, drafters: dict, *, context_len: int = 64, draft_
         return jnp.argmax(logits, -1), c.lengths
 
     calls = {"decode": (decode, (target, tcache, prompt[:, -1:]))}
-    draft = _draft_fn(batch, D)
+    draft = _draft_fn(D)
     for name, d in drafters.items():
         dcache = jax.jit(lambda d, f: append_context(d, f, jnp.full((batch,), context_len, jnp.int32),
-                                                     DraftCache.empty(d.config, batch, cache_len)))(d, feats)
+                                                     empty_draft_cache(d.config, batch, cache_len)))(d, feats)
         block = jnp.full((batch, d.config.block_size), d.config.mask_token_id, jnp.int32).at[:, 0].set(prompt[:, -1])
         calls[name] = (draft, (d, target, dcache, feats[:, :D + 1], block))
     for fn, args in calls.values():  # compile + warm up
