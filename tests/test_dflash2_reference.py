@@ -28,9 +28,10 @@ import numpy as np
 import pytest
 import torch
 
-from torch_reference import rel_err, rms, rope, tt
+from torch_reference import rel_err, rms, rope, torch_inputs
 
 import dflash_jax as dj
+from helpers import tiny_qwen3
 from random_models import random_params
 from dflash_jax.models import selector as sel_mod
 from dflash_jax.config import DrafterConfig, Qwen3Config
@@ -42,10 +43,7 @@ REL_TOL = 1e-4
 
 
 def _t(**kw):
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, rope_theta=10000.0, tie_word_embeddings=False)
-    base.update(kw)
-    return Qwen3Config(**base)
+    return tiny_qwen3(**{**dict(intermediate_size=48, num_hidden_layers=3), **kw})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,10 +139,7 @@ def reference(drafter, target, features, block, *, dyn_order="side,tap,group", w
     The keyword flags inject known mistakes for the negative controls; the defaults are the reference."""
     dc = drafter.config
     m = dc.model
-    w = {k: tt(v) for k, v in named_leaves(drafter.params).items()}
-    tw = {k: tt(v) for k, v in named_leaves(target.params).items() if v is not None}
-    head = tw["embed_tokens"] if target.config.tie_word_embeddings else tw["lm_head"]
-    feats, blk = tt(features), torch.from_numpy(np.asarray(block, np.int64))
+    w, tw, head, feats, blk = torch_inputs(drafter, target, features, block)
     B, C, _ = feats.shape
     bs = blk.shape[1]
     nH, nKV, hd, eps = m.num_attention_heads, m.num_key_value_heads, m.head_dim, m.rms_norm_eps

@@ -23,17 +23,19 @@ import numpy as np
 import pytest
 import torch
 
-from torch_reference import rel_err, rms, rope, tt
+from torch_reference import rel_err, rms, rope, torch_inputs
 
 import dflash_jax as dj
+from helpers import tiny_qwen3
 from random_models import make_drafter, make_target
 from dflash_jax.config import DrafterConfig, Qwen3Config, check_pair
 from dflash_jax.models.drafter import empty_draft_cache, append_context, block_logits
 from dflash_jax.models.layers import rms_norm
-from dflash_jax.params import named_leaves
+import report  # tests/report.py
 
 REL_TOL = 1e-4
-_ERRORS: dict[str, float] = {}  # test name -> measured max error relative to the logit scale (printed at the end)
+# test name -> measured max error relative to the logit scale, printed at the end of the run (tests/report.py)
+_ERRORS: dict[str, float] = report.section("drafter reference max relative error", lambda k, v: f"{k}={v:.2e}")
 
 
 # -- cases (random tiny models with O(1) activations: see random_models.py) ----------------------------------
@@ -50,10 +52,7 @@ class Case:
 
 
 def _t(**kw):
-    base = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, rope_theta=10000.0, tie_word_embeddings=False)
-    base.update(kw)
-    return Qwen3Config(**base)
+    return tiny_qwen3(**{**dict(vocab_size=96, intermediate_size=48), **kw})
 
 
 CASES = [
@@ -96,10 +95,7 @@ def reference_draft_logits(drafter, target, features, block, *, causal_block=Fal
     """Logits [B, bs-1, V] of block slots 1..bs-1 (float64). The keyword flags inject known mistakes so the test can
     show that the comparison is sensitive to them; all False is the reference."""
     m = drafter.config.model
-    w = {k: tt(v) for k, v in named_leaves(drafter.params).items()}
-    tw = {k: tt(v) for k, v in named_leaves(target.params).items() if v is not None}
-    lm_head = tw["embed_tokens"] if target.config.tie_word_embeddings else tw["lm_head"]
-    feats, blk = tt(features), torch.from_numpy(np.asarray(block, np.int64))
+    w, tw, lm_head, feats, blk = torch_inputs(drafter, target, features, block)
     B, C, _ = feats.shape
     bs = blk.shape[1]
     nH, nKV, hd, eps = m.num_attention_heads, m.num_key_value_heads, m.head_dim, m.rms_norm_eps
@@ -441,10 +437,3 @@ def test_check_pair_lists_every_problem_and_draft_logits_uses_it():
     drafter = make_drafter(dcfg, 1)
     with pytest.raises(ValueError, match="drafter does not match target"):
         dj.draft_logits(target, drafter, np.zeros((1, 2, 64), np.float32), np.zeros((1, 4), np.int32))
-
-
-def test_report_errors():
-    """Prints the measured parity errors (run with -s); the assertions are in the tests above."""
-    if _ERRORS:
-        print("\n[drafter reference] max relative errors: " +
-              ", ".join(f"{k}={v:.2e}" for k, v in sorted(_ERRORS.items())))
