@@ -120,7 +120,8 @@ def _bench(args):
         if dflash2 is not None:
             q2 = quantize_nvfp4(dflash2)
             # "no-scale": the report's bug (attention scales dropped); "no conv/sel scale": only DFlash2's own
-            # projections without their tensor scales (what llama.cpp still runs that way, nvfp4.md section 5)
+            # projections without their tensor scales (llama.cpp still runs those unscaled: its PR #28000 scaled
+            # only the attention projections)
             rows2 = {"dflash2": dflash2, "dflash2 nvfp4": q2,
                      "dflash2 nvfp4 no-scale": drop_global_scales(q2, ATTENTION_PROJECTIONS),
                      "dflash2 nvfp4 no conv/sel scale": drop_global_scales(q2, DFLASH2_PROJECTIONS)}

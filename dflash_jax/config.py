@@ -330,9 +330,10 @@ class DrafterConfig:
 
     The drafter has no embedding and no LM head of its own: it borrows the target's at run time.
 
-    `kind="dflash2"` (z-lab `DFlash2DraftModel`, dflash.md section 7) adds a grouped dynamic causal convolution around
-    every attention and MLP sublayer (`conv_kernel_size` taps, one dynamic tap per `conv_group_size` channels) and
-    a pairwise candidate selector over the `selector_top_k` best draft logits (`selector_rank`-dim codebooks).
+    `kind="dflash2"` (z-lab `DFlash2DraftModel` in dflash/model.py at 07ebd93db9f4) adds a grouped dynamic causal
+    convolution around every attention and MLP sublayer (`conv_kernel_size` taps, one dynamic tap per
+    `conv_group_size` channels) and a pairwise candidate selector over the `selector_top_k` best draft logits
+    (`selector_rank`-dim codebooks).
 
     Attention per layer follows z-lab: a layer whose `layer_types` entry is "sliding_attention" attends within
     `sliding_window` positions and is causal inside the block unless `is_causal` says otherwise; "full_attention"

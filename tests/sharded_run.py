@@ -138,10 +138,10 @@ def main():
     # audit_scales on the sharded NVFP4 drafter: every scale still reaches the output through `linear`.
     feats = np.random.default_rng(0).standard_normal((2, 6, 2 * CFG.hidden_size)).astype(np.float32)
     block = np.array([[3, 95, 95, 95], [7, 95, 95, 95]], np.int32)
-    audit = dj.audit_scales(lambda p: dj.draft_logits(qs.replace(params=p), ts, feats, block), qs.params)
+    audit = dj.audit_scales(lambda p: dj.draft_logits(ts, qs.replace(params=p), feats, block), qs.params)
     out["audit_checked"], out["audit_missing"] = len(audit.checked), list(audit.missing)
-    out["sharded_draft_logits_close"] = bool(np.allclose(np.asarray(dj.draft_logits(qs, ts, feats, block)),
-                                                         np.asarray(dj.draft_logits(qdrafter, target, feats, block)),
+    out["sharded_draft_logits_close"] = bool(np.allclose(np.asarray(dj.draft_logits(ts, qs, feats, block)),
+                                                         np.asarray(dj.draft_logits(target, qdrafter, feats, block)),
                                                          atol=1e-4, rtol=1e-4))
 
     # A DFlash2 drafter (conv + selector non-trivial), dense and NVFP4: greedy tokens equal to one device, and the
@@ -157,7 +157,7 @@ def main():
     out["dflash2_fractions"] = {name: S.shard_fraction(x) for name, x in named_leaves(d2s.params).items()
                                 if "conv" in name or "selector" in name}
     # draft_proposal (logits and selector scores): the selector's hidden_projection never reaches draft_logits.
-    audit2 = dj.audit_scales(lambda p: draft_proposal(q2s.replace(params=p), ts, feats, block), q2s.params)
+    audit2 = dj.audit_scales(lambda p: draft_proposal(ts, q2s.replace(params=p), feats, block), q2s.params)
     out["dflash2_audit_checked"] = [n for n in audit2.checked if "conv" in n or "selector" in n]
     out["dflash2_audit_missing"] = list(audit2.missing)
 

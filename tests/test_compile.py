@@ -141,9 +141,9 @@ def test_backend_change_between_calls_takes_effect(pair, monkeypatch):
     # The public one-shot calls are keyed on the backend too.
     feats = np.random.default_rng(0).standard_normal((1, 5, 2 * CFG.hidden_size)).astype(np.float32)
     block = np.array([[3, 71, 71, 71]], np.int32)
-    a = dj.draft_logits(q, target, feats, block)
+    a = dj.draft_logits(target, q, feats, block)
     n_calls = len(calls)
-    b = dj.draft_logits(q, target, feats, block, nvfp4_backend="native")
+    b = dj.draft_logits(target, q, feats, block, nvfp4_backend="native")
     assert len(calls) > n_calls and not np.allclose(np.asarray(a), np.asarray(b))
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.quant.linear import linear, resolve_backend, set_default_backend
+from helpers import clean_backend  # noqa: F401  (autouse: the default backend around every test)
 from dflash_jax.quant.nvfp4 import dequantize, dequantize_unscaled, quantize
 
 # The package re-exports the *function* as `dflash_jax.quant.linear`, shadowing the submodule.
@@ -24,14 +25,6 @@ def _is_blackwell() -> bool:
         return d.platform == "gpu" and float(d.compute_capability) >= 10.0
     except Exception:
         return False
-
-
-@pytest.fixture(autouse=True)
-def _clean_backend(monkeypatch):
-    monkeypatch.delenv(linear_mod.ENV_VAR, raising=False)
-    set_default_backend(None)
-    yield
-    set_default_backend(None)
 
 
 def test_dense_matches_matmul():

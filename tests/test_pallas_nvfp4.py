@@ -31,25 +31,19 @@ from jax import export
 import dflash_jax as dj
 from dflash_jax.quant import pallas_nvfp4 as P
 from dflash_jax.config import DrafterConfig, Qwen3Config
-from dflash_jax.models.drafter import DraftCache, append_context, block_logits
+from dflash_jax.models.drafter import empty_draft_cache, append_context, block_logits
 from dflash_jax.quant.linear import linear, resolve_backend, set_default_backend
+from helpers import clean_backend  # noqa: F401  (autouse: the default backend around every test)
 from dflash_jax.quant.nvfp4 import E2M1_GRID, NVFP4Array, dequantize, quantize
 from random_models import make_drafter, make_target
+import report  # tests/report.py
 
 linear_mod = importlib.import_module("dflash_jax.quant.linear")
 G = importlib.import_module("dflash_jax.decode.programs")
-TIMES: dict[str, float] = {}
+TIMES: dict[str, float] = report.section("pallas_nvfp4 timings", lambda k, v: f"{k}: {v:.2f} s")
 
 # Qwen3-8B linear weights, [out, in]: q/o_proj, gate/up_proj, down_proj, k/v_proj.
 QWEN3_8B = [(4096, 4096), (12288, 4096), (4096, 12288), (1024, 4096)]
-
-
-@pytest.fixture(autouse=True)
-def _clean_backend(monkeypatch):
-    monkeypatch.delenv(linear_mod.ENV_VAR, raising=False)
-    set_default_backend(None)
-    yield
-    set_default_backend(None)
 
 
 def _rand(shape, seed, scale=1.0):
@@ -434,7 +428,7 @@ def test_no_dequantized_weight_in_exported_cuda_forward(triton_lowering):
     block = jnp.zeros((1, DCFG.block_size), jnp.int32)
     set_default_backend("pallas")
     def forward(d, t, f, b):  # draft_logits' body, traced here (its own jit would cache across backends)
-        cache = append_context(d, f, jnp.full((1,), f.shape[1], jnp.int32), DraftCache.empty(d.config, 1, 5))
+        cache = append_context(d, f, jnp.full((1,), f.shape[1], jnp.int32), empty_draft_cache(d.config, 1, 5))
         return block_logits(d, t, b, cache)
 
     exp = _export_cuda(forward, drafter, target, feats, block)
@@ -447,10 +441,6 @@ def test_no_dequantized_weight_in_exported_cuda_forward(triton_lowering):
     assert not [s for s in shapes if re.search(rf"tensor<{s[0]}x{s[1]}x(f32|bf16|f16)>", text)]
 
 
-def test_zz_report():
-    """Prints the timings gathered above (run with -s)."""
-    for k, v in TIMES.items():
-        print(f"  {k}: {v:.2f} s")
 
 
 # -- the prepared device script ------------------------------------------------------------------------------------

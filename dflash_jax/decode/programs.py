@@ -41,7 +41,7 @@ from jax.experimental import io_callback
 from dflash_jax.parallel import sharding as shd
 from dflash_jax.config import check_pair
 from dflash_jax.decode.draft_step import draft_step
-from dflash_jax.models.drafter import Drafter, DraftCache, append_context
+from dflash_jax.models.drafter import Drafter, empty_draft_cache, append_context
 from dflash_jax.quant.linear import backend_scope, program_backend
 from dflash_jax.decode.sampling import SamplingParams, accept_block, sample_tokens
 from dflash_jax.models.target import KVCache, Target, forward_with_cache
@@ -200,7 +200,7 @@ def prefill(target: Target, prompt: jax.Array, lens: jax.Array, cache_len: int, 
     cache = shd.constrain_cache(cache.replace(lengths=lens), target.config, mesh)
     dcache = None
     if drafter is not None:
-        dcache = shd.constrain_cache(DraftCache.empty(drafter.config, B, cache_len), drafter.config.model, mesh)
+        dcache = shd.constrain_cache(empty_draft_cache(drafter.config, B, cache_len), drafter.config.model, mesh)
         dcache = shd.constrain_cache(append_context(drafter, feats, lens, dcache), drafter.config.model, mesh)
     return logits[:, 0], feats, cache, dcache
 

@@ -7,8 +7,8 @@ Backends for NVFP4 weights:
   portable  W4A16: dequantize the weight to x.dtype without its tensor scale (exact), the same
             f32-accumulating dot as a dense weight, then the tensor scale on the f32 result, as the
             Pallas kernel does: the backends agree in bf16 too, not only in f32. Runs everywhere,
-            but on a GPU XLA writes the dequantized weight to memory and reads it back
-            (docs/nvfp4.md §8.1).
+            but on a GPU XLA writes the dequantized weight to memory and reads it back (its Triton GEMM
+            fusion takes no uint8 nibble unpacking and, by default, no per-16-element scales).
   pallas    W4A16: one Pallas/Triton kernel (pallas_nvfp4.py) reads the packed codes and
             block scales tile by tile and dequantizes in registers; no dequantized weight
             exists outside it. CUDA GPUs of any compute capability; on CPU the same kernel runs

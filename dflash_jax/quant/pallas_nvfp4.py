@@ -1,7 +1,8 @@
 """W4A16 NVFP4 matmul as one Pallas kernel (Triton lowering): y = x @ dequant(w).T without a dequantized weight.
 
 Why: on GPUs without FP4 tensor cores (Hopper and older) the portable path dequantizes the whole weight to
-bf16 in HBM and reads it back, so an NVFP4 drafter is slower than a bf16 one (docs/nvfp4.md §8). Here each
+bf16 in HBM and reads it back, so an NVFP4 drafter is slower than a bf16 one (XLA's Triton GEMM fusion
+takes neither uint8 nibble unpacking nor per-16-element scales by default). Here each
 program reads packed codes and E4M3 block scales of one [block_n, block_k] weight tile, decodes them in
 registers and feeds the tensor cores; HBM sees 4.5 bits per weight.
 
