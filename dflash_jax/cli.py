@@ -9,6 +9,7 @@
     dflash-jax bench --device-report --out DIR   the prepared GPU run: NVFP4 backends, step costs (--smoke: CPU)
     dflash-jax train-target / train-drafter      reproduce the shipped checkpoints (resumable)
     dflash-jax train-drafter --kind dflash2      train the DFlash2 drafter (checkpoints/drafter2, resumable)
+    dflash-jax audit PATH                        NVFP4 scale audit of a GGUF drafter, HF/ModelOpt or saved folder
 
 Compiled programs are kept in JAX's persistent compilation cache (`dflash_jax.io.compile_cache`: under
 $XDG_CACHE_HOME/dflash-jax, or ~/.cache/dflash-jax), so a second run skips compiling; DFLASH_JAX_NO_COMPILE_CACHE=1
@@ -59,6 +60,10 @@ def _generate(args):
 
 
 def _bench(args):
+    if args.bf16_exactness:
+        return _bf16_exactness(args)
+    args.prompts = 8 if args.prompts is None else args.prompts
+    args.new_tokens = [128, 512, 1024] if args.new_tokens is None else args.new_tokens
     if args.device_report:
         from dflash_jax.bench import device_report
         return device_report.main((["--smoke"] if args.smoke else []) + (["--out", args.out] if args.out else []))
@@ -101,6 +106,9 @@ def _bench(args):
     if args.pair_table:
         _pair_table(args, target, drafter, prompts)
         return
+    if args.gguf_roundtrip:
+        _gguf_roundtrip(args, target, drafter, prompts)
+        return
     extra, names, names2 = {}, ["dflash"], []
     dflash2 = None
     if args.nvfp4:
@@ -112,7 +120,8 @@ def _bench(args):
         if dflash2 is not None:
             q2 = quantize_nvfp4(dflash2)
             # "no-scale": the report's bug (attention scales dropped); "no conv/sel scale": only DFlash2's own
-            # projections without their tensor scales (what llama.cpp still runs that way, nvfp4.md section 5)
+            # projections without their tensor scales (llama.cpp still runs those unscaled: its PR #28000 scaled
+            # only the attention projections)
             rows2 = {"dflash2": dflash2, "dflash2 nvfp4": q2,
                      "dflash2 nvfp4 no-scale": drop_global_scales(q2, ATTENTION_PROJECTIONS),
                      "dflash2 nvfp4 no conv/sel scale": drop_global_scales(q2, DFLASH2_PROJECTIONS)}
@@ -148,6 +157,20 @@ def _bench(args):
         print(bench.format_dflash2_goals(results, dc))
 
 
+def _bf16_exactness(args):
+    from dflash_jax.bench import speculative as bench
+    from dflash_jax.io.shipped import load_default
+    from dflash_jax.train import corpus
+
+    target, drafter, tok = load_default(compute_dtype="bfloat16")
+    n = 32 if args.prompts is None else args.prompts
+    new = 256 if args.new_tokens is None else args.new_tokens[0]
+    prompts = [tok.encode(t) for t in corpus.held_out_prompts(n, seed=args.seed)]
+    d = bench.bf16_exactness(target, drafter, prompts, max_new_tokens=new, draft_length=args.draft_length)
+    print(bench.format_bf16_exactness(d) + f" ({d['wall_s']:.0f} s)")
+    return d
+
+
 def _pair_table(args, target, drafter, prompts):
     from dflash_jax.bench import speculative as bench
     from dflash_jax.quant.quantize import quantize_nvfp4
@@ -165,7 +188,7 @@ def _pair_table(args, target, drafter, prompts):
 
 def _dflash2_drafter(args):
     """The DFlash2 drafter for the bench: --dflash2 PATH, else the shipped one, else None (with a note)."""
-    from dflash_jax.io.checkpoint import load_drafter
+    from dflash_jax.io.gguf_drafter import load_drafter  # folders and GGUF drafters
     from dflash_jax.io.shipped import checkpoints_dir
 
     path = args.dflash2 or checkpoints_dir() / "drafter2"
@@ -234,6 +257,68 @@ def _tau_table(args, target, drafter, tok, prompts):
     print(bench.format_tau_table(rows))
 
 
+def _gguf_roundtrip(args, target, drafter, prompts):
+    import tempfile
+
+    import numpy as np
+
+    from dflash_jax.bench import speculative as bench
+    from dflash_jax.decode.programs import generate
+    from dflash_jax.quant.quantize import quantize_nvfp4
+
+    from dflash_jax.io.audit_file import audit_file
+
+    drafters, pairs, audits = {}, [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind, model in (("", drafter), ("dflash2 ", _dflash2_drafter(args))):
+            if model is None:
+                continue
+            q = quantize_nvfp4(model)
+            loaded, bug = bench.gguf_roundtrip(q, tmp, name=kind.strip() or "dflash")
+            drafters.update({f"{kind}nvfp4": q, f"{kind}nvfp4 gguf": loaded, f"{kind}nvfp4 gguf attn scale=1": bug})
+            pairs.append((f"{kind}nvfp4", q, loaded))
+            for label, f in (("intact", "gguf"), ("attention .scale = 1", "attn_scale_1.gguf")):
+                name = kind.strip() or "dflash"
+                path = f"{tmp}/{name}.gguf" if f == "gguf" else f"{tmp}/{name}_{f}"
+                report = audit_file(path, graph=False)
+                audits.append(f"  {name} nvfp4 GGUF, {label}: {len(report.rows)} per-tensor scales, flagged "
+                              f"{len(report.flagged)}: {', '.join(report.flagged_names) or '-'}")
+    D = args.draft_length or drafter.config.block_size - 1
+    print(f"embedded models, {len(prompts)} held-out prompts, batch 1, greedy, draft length {D}: NVFP4 drafters in "
+          "memory, written with save_gguf and read back, and the same file with every attention .scale set to 1.0")
+    (first, d0), *rest = drafters.items()
+    results = [bench.compare(target, d0, prompts, max_new_tokens=n, draft_length=D, drafters=dict(rest),
+                             temperature=0.0, seed=args.seed) for n in args.new_tokens]
+    for r in results:  # compare() names its first drafter "dflash"
+        r[first] = r.pop("dflash")
+    print(bench.format_compare_table(results, list(drafters)))
+    same = {}
+    for name, q, loaded in pairs:  # the output itself, token for token (one batched greedy run each)
+        kw = dict(max_new_tokens=args.new_tokens[0], draft_length=D)
+        a, b = generate(target, q, [list(p) for p in prompts], **kw), generate(target, loaded, [list(p) for p in prompts], **kw)
+        same[f"{name} -> GGUF -> {name}"] = bool(np.array_equal(a.tokens, b.tokens))
+    print(bench.format_gguf_goals(results, same))
+    print("dflash-jax audit on the written files (scale table):")
+    print("\n".join(audits))
+
+
+def _audit(args):
+    from dflash_jax.io.audit_file import audit_file
+
+    target = None
+    if args.target:
+        from dflash_jax.io.checkpoint import load_target
+        target = load_target(args.target, param_dtype="float32", compute_dtype="float32")
+    kw = {k: v for k, v in (("vocab_size", args.vocab_size), ("num_target_layers", args.num_target_layers)) if v}
+    try:
+        report = audit_file(args.path, target=target, graph=not args.no_graph, **kw)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report.format())
+    return 0 if report.ok else 1
+
+
 def main(argv=None):
     from dflash_jax.io.compile_cache import enable_compilation_cache
 
@@ -254,9 +339,10 @@ def main(argv=None):
                    help="print the text and tau only: skip the autoregressive run and the tokens/s comparison")
     g.add_argument("--kind", choices=("dflash", "dflash2"), default="dflash", help="which shipped drafter")
     b = sub.add_parser("bench", help="speculative vs autoregressive, one run, medians")
-    b.add_argument("--new-tokens", type=int, nargs="+", default=[128, 512, 1024],
-                   help="output lengths to measure, one table row each (default 128 512 1024)")
-    b.add_argument("--prompts", type=int, default=8, help="held-out stdlib prompts, run one at a time (default 8)")
+    b.add_argument("--new-tokens", type=int, nargs="+", default=None,
+                   help="output lengths to measure, one table row each (default 128 512 1024; --bf16-exactness: 256)")
+    b.add_argument("--prompts", type=int, default=None,
+                   help="held-out stdlib prompts, run one at a time (default 8; --bf16-exactness: 32, batched)")
     b.add_argument("--draft-length", type=int, default=None,
                    help="tokens drafted per step (default: block_size-1; 7 with --nvfp4; with --tau-table: only this length "
                         "instead of 3, 7 and 15)")
@@ -270,11 +356,17 @@ def main(argv=None):
     b.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy (default); > 0 = rejection sampling (then 'exact' is not expected to hold); "
                         "--pair-table runs 0 and 0.7 unless given")
+    b.add_argument("--bf16-exactness", action="store_true",
+                   help="greedy speculative vs autoregressive with the shipped pair in bfloat16 compute: mismatch rate "
+                        "(rows differing) and first-divergence position (default 32 prompts x 256 tokens, batched)")
     b.add_argument("--device-report", action="store_true",
                    help="the prepared GPU run (dflash_jax/bench/device_report.py): linear timings per backend, step costs, "
                         "embedded pair; writes device_report.json/.md into --out")
     b.add_argument("--smoke", action="store_true", help="with --device-report: tiny shapes, runs on CPU")
     b.add_argument("--out", default=None, help="with --device-report: output folder")
+    b.add_argument("--gguf-roundtrip", action="store_true",
+                   help="NVFP4 drafters (DFlash, and DFlash2 when one exists) vs the same written with save_gguf and "
+                        "read back, and vs that file with its attention .scale tensors set to 1.0 (the llama.cpp bug)")
     b.add_argument("--dflash2", default=None,
                    help="with --nvfp4 / --tau-table: a DFlash2 drafter folder (default: the shipped one)")
     q = sub.add_parser("quality", help="the target as a language model: held-out loss and repetition (seq-rep-4)")
@@ -285,6 +377,19 @@ def main(argv=None):
     q.add_argument("--seed", type=int, default=0, help="seed of the held-out prompt sample")
     q.add_argument("--windows", type=int, default=64,
                    help="held-out loss windows of 256 tokens (a quarter as many of 1024; default 64)")
+    au = sub.add_parser("audit", help="NVFP4 scale audit of a model file; exits 1 when a scale is flagged",
+                        description="Audit the NVFP4 scales of a llama.cpp dflash GGUF drafter, an HF / ModelOpt "
+                        "folder or a folder written by dflash_jax.save: a table of every per-tensor scale, flagging "
+                        "missing, zero, negative, NaN/inf, exactly-1.0 and outlier values, and the graph check that "
+                        "every scale reaches the output (audit_scales). Exit status: 0 all clear, 1 something "
+                        "flagged, 2 the file could not be read.")
+    au.add_argument("path", help="a .gguf file or a model folder")
+    au.add_argument("--target", default=None,
+                    help="target folder the drafter runs with for the graph check (default: a random stand-in)")
+    au.add_argument("--no-graph", action="store_true", help="only the scale table (no forward pass)")
+    au.add_argument("--vocab-size", type=int, default=None, help="for a GGUF that does not record its vocabulary")
+    au.add_argument("--num-target-layers", type=int, default=None,
+                    help="for a GGUF that does not record its target's depth")
     sub.add_parser("train-target", help="reproduce checkpoints/target", add_help=False)
     sub.add_parser("train-drafter", help="reproduce checkpoints/drafter (--kind dflash2: checkpoints/drafter2)",
                    add_help=False)
@@ -303,6 +408,8 @@ def main(argv=None):
                 from dflash_jax.train.drafter import main as train_main
         return train_main(rest)
     args = ap.parse_args(argv)
+    if args.cmd == "audit":
+        return _audit(args)
     if args.cmd == "generate":
         _generate(args)
     elif args.cmd == "quality":
@@ -316,4 +423,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
