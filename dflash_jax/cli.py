@@ -60,6 +60,10 @@ def _generate(args):
 
 
 def _bench(args):
+    if args.bf16_exactness:
+        return _bf16_exactness(args)
+    args.prompts = 8 if args.prompts is None else args.prompts
+    args.new_tokens = [128, 512, 1024] if args.new_tokens is None else args.new_tokens
     if args.device_report:
         from dflash_jax.bench import device_report
         return device_report.main((["--smoke"] if args.smoke else []) + (["--out", args.out] if args.out else []))
@@ -116,7 +120,8 @@ def _bench(args):
         if dflash2 is not None:
             q2 = quantize_nvfp4(dflash2)
             # "no-scale": the report's bug (attention scales dropped); "no conv/sel scale": only DFlash2's own
-            # projections without their tensor scales (what llama.cpp still runs that way, nvfp4.md section 5)
+            # projections without their tensor scales (llama.cpp still runs those unscaled: its PR #28000 scaled
+            # only the attention projections)
             rows2 = {"dflash2": dflash2, "dflash2 nvfp4": q2,
                      "dflash2 nvfp4 no-scale": drop_global_scales(q2, ATTENTION_PROJECTIONS),
                      "dflash2 nvfp4 no conv/sel scale": drop_global_scales(q2, DFLASH2_PROJECTIONS)}
@@ -150,6 +155,20 @@ def _bench(args):
                                clock="cpu")
         print(bench.format_draft_costs(dc))
         print(bench.format_dflash2_goals(results, dc))
+
+
+def _bf16_exactness(args):
+    from dflash_jax.bench import speculative as bench
+    from dflash_jax.io.shipped import load_default
+    from dflash_jax.train import corpus
+
+    target, drafter, tok = load_default(compute_dtype="bfloat16")
+    n = 32 if args.prompts is None else args.prompts
+    new = 256 if args.new_tokens is None else args.new_tokens[0]
+    prompts = [tok.encode(t) for t in corpus.held_out_prompts(n, seed=args.seed)]
+    d = bench.bf16_exactness(target, drafter, prompts, max_new_tokens=new, draft_length=args.draft_length)
+    print(bench.format_bf16_exactness(d) + f" ({d['wall_s']:.0f} s)")
+    return d
 
 
 def _pair_table(args, target, drafter, prompts):
@@ -320,9 +339,10 @@ def main(argv=None):
                    help="print the text and tau only: skip the autoregressive run and the tokens/s comparison")
     g.add_argument("--kind", choices=("dflash", "dflash2"), default="dflash", help="which shipped drafter")
     b = sub.add_parser("bench", help="speculative vs autoregressive, one run, medians")
-    b.add_argument("--new-tokens", type=int, nargs="+", default=[128, 512, 1024],
-                   help="output lengths to measure, one table row each (default 128 512 1024)")
-    b.add_argument("--prompts", type=int, default=8, help="held-out stdlib prompts, run one at a time (default 8)")
+    b.add_argument("--new-tokens", type=int, nargs="+", default=None,
+                   help="output lengths to measure, one table row each (default 128 512 1024; --bf16-exactness: 256)")
+    b.add_argument("--prompts", type=int, default=None,
+                   help="held-out stdlib prompts, run one at a time (default 8; --bf16-exactness: 32, batched)")
     b.add_argument("--draft-length", type=int, default=None,
                    help="tokens drafted per step (default: block_size-1; 7 with --nvfp4; with --tau-table: only this length "
                         "instead of 3, 7 and 15)")
@@ -336,6 +356,9 @@ def main(argv=None):
     b.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy (default); > 0 = rejection sampling (then 'exact' is not expected to hold); "
                         "--pair-table runs 0 and 0.7 unless given")
+    b.add_argument("--bf16-exactness", action="store_true",
+                   help="greedy speculative vs autoregressive with the shipped pair in bfloat16 compute: mismatch rate "
+                        "(rows differing) and first-divergence position (default 32 prompts x 256 tokens, batched)")
     b.add_argument("--device-report", action="store_true",
                    help="the prepared GPU run (dflash_jax/bench/device_report.py): linear timings per backend, step costs, "
                         "embedded pair; writes device_report.json/.md into --out")

@@ -33,11 +33,13 @@ def _dtype_name(value: Any) -> str:
 
 
 # The decoder families one target config describes. They differ only by feature switches (see TargetConfig):
-#   qwen3: per-head q/k RMSNorm, no biases;  qwen2: q/k/v biases, no q/k norm;  llama: neither.
-MODEL_TYPES = ("qwen3", "qwen2", "llama")
-HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+#   qwen3: per-head q/k RMSNorm, no biases;  qwen2: q/k/v biases, no q/k norm;  llama: neither;
+#   mistral: Llama's layers (its sliding window must be off: `sliding_window: null`).
+MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                    "mistral": "MistralForCausalLM"}
 _FEATURES = {"qwen3": dict(qk_norm=True, attention_bias=False), "qwen2": dict(qk_norm=False, attention_bias=True),
-             "llama": dict(qk_norm=False, attention_bias=False)}
+             "llama": dict(qk_norm=False, attention_bias=False), "mistral": dict(qk_norm=False, attention_bias=False)}
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -45,7 +47,7 @@ ROPE_TYPES = ("default", "linear", "llama3")
 class Qwen3Config:
     """One decoder-only target: GQA, NeoX RoPE, SwiGLU MLP, RMSNorm, with the family's features as switches.
 
-    `model_type` names the HF family ("qwen3" | "qwen2" | "llama"); `qk_norm` (per-head q/k RMSNorm before RoPE)
+    `model_type` names the HF family ("qwen3" | "qwen2" | "llama" | "mistral"); `qk_norm` (per-head q/k RMSNorm before RoPE)
     and `attention_bias` (biases on q/k/v, never on o_proj) default to that family's values and may be set apart
     from it (`to_hf_dict` then refuses what HF cannot express). `TargetConfig` is the same class.
 
@@ -70,9 +72,6 @@ class Qwen3Config:
     eos_token_id: int | None = None
     param_dtype: str = "float32"  # storage
     compute_dtype: str = "float32"  # activations and matmuls
-    # Execution, not architecture (never written to config.json): attention visits cached keys this many slots at a
-    # time, up to the longest live row, so its cost follows the context, not the cache capacity (None: one pass).
-    attention_chunk: int | None = 256
     # Family and feature switches (after the fields above, so configs saved before they existed still load).
     model_type: str = "qwen3"
     qk_norm: bool | None = None  # None: the family's value
@@ -93,8 +92,6 @@ class Qwen3Config:
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ValueError(f"config: head_dim must be even for RoPE, got {self.head_dim}")
-        if self.attention_chunk is not None and int(self.attention_chunk) < 1:
-            raise ValueError(f"config: attention_chunk must be >= 1 or None, got {self.attention_chunk}")
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"config: model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
         for name, value in _FEATURES[self.model_type].items():  # one canonical form: configs are static metadata
@@ -155,8 +152,8 @@ class Qwen3Config:
     @classmethod
     def from_hf_dict(cls, d: dict, *, param_dtype: str | None = None, compute_dtype: str | None = None,
                      **overrides) -> "Qwen3Config":
-        """A config from an HF `config.json` of a Qwen3, Qwen2 or Llama causal LM; what this decoder cannot run is
-        refused with an error naming the key."""
+        """A config from an HF `config.json` of a Qwen3, Qwen2, Llama or Mistral causal LM; what this decoder cannot
+        run is refused with an error naming the key."""
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in d]
         if missing:
@@ -193,6 +190,9 @@ class Qwen3Config:
         if layer_types and any(t != "full_attention" for t in layer_types):
             raise NotImplementedError(f"config.json: layer_types {sorted(set(layer_types))} not supported "
                                       "(full_attention only)")
+        if model_type == "mistral" and d.get("sliding_window", 4096) is not None:  # HF Mistral's default is 4096
+            raise NotImplementedError(f"config.json: sliding_window={d.get('sliding_window', 4096)} is not supported "
+                                      "for mistral (full attention only: sliding_window must be null)")
         if model_type == "qwen2" and not layer_types and d.get("use_sliding_window", False) \
                 and int(d.get("max_window_layers", 28)) < int(d["num_hidden_layers"]):
             raise NotImplementedError("config.json: use_sliding_window=true is not supported (the layers from "
@@ -250,6 +250,8 @@ class Qwen3Config:
         }
         if self.model_type == "llama":
             d.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+        elif self.model_type == "mistral":
+            d["sliding_window"] = None
         else:  # qwen2 / qwen3: full attention in every layer
             d.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers,
                      layer_types=["full_attention"] * self.num_hidden_layers)
@@ -328,9 +330,10 @@ class DrafterConfig:
 
     The drafter has no embedding and no LM head of its own: it borrows the target's at run time.
 
-    `kind="dflash2"` (z-lab `DFlash2DraftModel`, dflash.md section 7) adds a grouped dynamic causal convolution around
-    every attention and MLP sublayer (`conv_kernel_size` taps, one dynamic tap per `conv_group_size` channels) and
-    a pairwise candidate selector over the `selector_top_k` best draft logits (`selector_rank`-dim codebooks).
+    `kind="dflash2"` (z-lab `DFlash2DraftModel` in dflash/model.py at 07ebd93db9f4) adds a grouped dynamic causal
+    convolution around every attention and MLP sublayer (`conv_kernel_size` taps, one dynamic tap per
+    `conv_group_size` channels) and a pairwise candidate selector over the `selector_top_k` best draft logits
+    (`selector_rank`-dim codebooks).
 
     Attention per layer follows z-lab: a layer whose `layer_types` entry is "sliding_attention" attends within
     `sliding_window` positions and is causal inside the block unless `is_causal` says otherwise; "full_attention"

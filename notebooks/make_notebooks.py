@@ -183,7 +183,7 @@ block = np.full((1, qd.config.block_size), qd.config.mask_token_id); block[0, 0]
 
 
 def forward(params, features, block):
-    return dj.draft_logits(qd.replace(params=params), target, features, block)
+    return dj.draft_logits(target, qd.replace(params=params), features, block)
 
 
 def forward_like_the_buggy_engine(params, features, block):
@@ -242,7 +242,7 @@ else:
                           config=cfg2)
     print("no shipped DFlash2 drafter yet: a DFlash2 drafter lifted from the DFlash one (identity conv, zero selector)")
 q2 = dj.quantize_nvfp4(drafter2)
-audit2 = dj.audit_scales(lambda p, f, b: dj.draft_logits(q2.replace(params=p), target, f, b), q2.params, features,
+audit2 = dj.audit_scales(lambda p, f, b: dj.draft_logits(target, q2.replace(params=p), f, b), q2.params, features,
                          block)
 print(f"NVFP4 DFlash2: {len(audit2.checked)} NVFP4 projections, DFlash2's own:",
       [n for n in audit2.checked if "conv" in n or "selector" in n])

@@ -52,7 +52,7 @@ from random_models import make_drafter, make_target, nontrivial_dflash2  # noqa:
 # Tiny, but every rule is exercised: 4 query heads over model=4 (1 each), 2 KV heads (< 4: replicated), intermediate
 # and vocabulary split in 4, head_dim 16 so that NVFP4 o_proj / down_proj shards hold whole 16-blocks.
 CFG = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, rope_theta=10000.0, attention_chunk=None)
+                  num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
 DCFG = DrafterConfig(model=CFG.replace(num_hidden_layers=1), block_size=4, mask_token_id=95, target_layer_ids=(0, 1),
                      num_target_layers=2)
 # DFlash2: the conv's dynamic taps and the selector's codebooks (vocabulary axis: split in 4) under the same rules.
@@ -138,10 +138,10 @@ def main():
     # audit_scales on the sharded NVFP4 drafter: every scale still reaches the output through `linear`.
     feats = np.random.default_rng(0).standard_normal((2, 6, 2 * CFG.hidden_size)).astype(np.float32)
     block = np.array([[3, 95, 95, 95], [7, 95, 95, 95]], np.int32)
-    audit = dj.audit_scales(lambda p: dj.draft_logits(qs.replace(params=p), ts, feats, block), qs.params)
+    audit = dj.audit_scales(lambda p: dj.draft_logits(ts, qs.replace(params=p), feats, block), qs.params)
     out["audit_checked"], out["audit_missing"] = len(audit.checked), list(audit.missing)
-    out["sharded_draft_logits_close"] = bool(np.allclose(np.asarray(dj.draft_logits(qs, ts, feats, block)),
-                                                         np.asarray(dj.draft_logits(qdrafter, target, feats, block)),
+    out["sharded_draft_logits_close"] = bool(np.allclose(np.asarray(dj.draft_logits(ts, qs, feats, block)),
+                                                         np.asarray(dj.draft_logits(target, qdrafter, feats, block)),
                                                          atol=1e-4, rtol=1e-4))
 
     # A DFlash2 drafter (conv + selector non-trivial), dense and NVFP4: greedy tokens equal to one device, and the
@@ -157,14 +157,14 @@ def main():
     out["dflash2_fractions"] = {name: S.shard_fraction(x) for name, x in named_leaves(d2s.params).items()
                                 if "conv" in name or "selector" in name}
     # draft_proposal (logits and selector scores): the selector's hidden_projection never reaches draft_logits.
-    audit2 = dj.audit_scales(lambda p: draft_proposal(q2s.replace(params=p), ts, feats, block), q2s.params)
+    audit2 = dj.audit_scales(lambda p: draft_proposal(ts, q2s.replace(params=p), feats, block), q2s.params)
     out["dflash2_audit_checked"] = [n for n in audit2.checked if "conv" in n or "selector" in n]
     out["dflash2_audit_missing"] = list(audit2.missing)
 
     # Collectives of the compiled speculative program (dense and NVFP4 drafter): none gathers a weight in the loop.
     for name, d in (("dense", ds), ("nvfp4", qs)):
         call = G.speculative_call(ts, d, P8, max_new_tokens=N)
-        hlo = call.program.lower(*call.args, **call.static).compile().as_text()
+        hlo = call.compiled_text()
         out[f"hlo_{name}"] = S.hlo_collectives(hlo, S.weight_shapes(ts, d))
 
     # Bad input, refused before anything compiles.

@@ -13,7 +13,7 @@ import pytest
 
 import dflash_jax as dj
 from random_models import make_drafter, make_target
-from dflash_jax.models.attention import attention, visible
+from dflash_jax.models.attention import attention, attention_chunk, visible
 from dflash_jax.config import DrafterConfig, Qwen3Config
 from dflash_jax.models.target import KVCache, forward_with_cache
 
@@ -88,7 +88,9 @@ def test_chunked_equals_dense_and_reference(causal, window):
     q, q_pos, ck, cv, clen, k, v, k_pos, k_mask = _case(0)
     want = reference(q, q_pos, ck, cv, clen, k, v, k_pos, k_mask, causal, window)
     outs = {}
-    for chunk in (None, 8, 5, 64):  # dense; chunks crossing every boundary; one chunk bigger than the cache
+    # default (one block: dense); key blocks crossing every boundary; one block bigger than the cache; query blocks
+    # too (T = 4 > 3: the last query block padded)
+    for chunk in (None, 8, 5, 64, 3):
         got = _attn(q, q_pos, ck, cv, clen, k, v, k_pos, k_mask, causal=causal, window=window, chunk=chunk,
                     fresh=True)
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5, err_msg=f"chunk {chunk}")
@@ -104,7 +106,7 @@ def test_per_query_cache_lengths_and_cached_part_alone():
     clen = rng.integers(0, 38, (3, 4)).astype(np.int32)
     clen[0, 1] = 0
     q_pos = (clen + 3).astype(np.int32)
-    for chunk in (None, 6):
+    for chunk in (None, 6, 3):
         got = np.asarray(_attn(q, q_pos, ck, cv, clen, k, v, k_pos, None, causal=True, window=None, chunk=chunk,
                                fresh=False))
         np.testing.assert_allclose(got, reference(q, q_pos, ck, cv, clen, None, None, None, None, True, None),
@@ -140,16 +142,17 @@ def _fwd(target, tokens, cache, *, windows):
 
 def test_target_windows_per_layer_through_cache_chunks():
     """Per-layer windows reach attention: a cache-free forward with windows (3, None, 5) equals a prefill of 13
-    tokens + an extension of 6 through a 19-slot cache visited in chunks of 4 (the window's lower bound skips
-    chunks; the last chunk is clamped to end at slot 19), and a window covering the whole sequence changes nothing."""
+    tokens (4 query x 4 key blocks) + an extension of 6 through a 19-slot cache visited in chunks of 4 (the window
+    masks whole chunks; the last chunk is clamped to end at slot 19), and a window covering the whole sequence changes
+    nothing."""
     target = make_target(CFG, 0)
-    chunked = target.replace(config=CFG.replace(attention_chunk=4))
     tok = np.random.default_rng(0).integers(0, 64, (2, 19)).astype(np.int32)
     windows = (3, None, 5)
     ref_logits, ref_feats, _ = _fwd(target, tok, None, windows=windows)
     cache = KVCache.empty(CFG, 2, 19)
-    l1, f1, cache = _fwd(chunked, tok[:, :13], cache, windows=windows)
-    l2, f2, cache = _fwd(chunked, tok[:, 13:], cache, windows=windows)
+    with attention_chunk(4):
+        l1, f1, cache = _fwd(target, tok[:, :13], cache, windows=windows)
+        l2, f2, cache = _fwd(target, tok[:, 13:], cache, windows=windows)
     np.testing.assert_allclose(np.concatenate([l1, l2], 1), ref_logits, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.concatenate([f1, f2], 1), ref_feats, rtol=2e-5, atol=2e-5)
     full, _, _ = _fwd(target, tok, None, windows=(None,) * 3)
@@ -166,10 +169,16 @@ def test_generation_with_chunked_attention_is_exact():
     target, drafter = make_target(CFG, 3), make_drafter(dcfg, 4)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 63, n).tolist() for n in (30, 5, 17)]
-    ar = dj.generate_autoregressive(target.replace(config=CFG.replace(attention_chunk=None)), prompts,
-                                    max_new_tokens=24)
-    small = CFG.replace(attention_chunk=8)
-    sp = dj.generate(target.replace(config=small), drafter.replace(config=dcfg.replace(model=dcfg.model.replace(
-        attention_chunk=8))), prompts, max_new_tokens=24)
+    ar = dj.generate_autoregressive(target, prompts, max_new_tokens=24)
+    with attention_chunk(8):  # 16 blocks over the 128-slot caches, query blocks in the 32-token prefill
+        sp = dj.generate(target, drafter, prompts, max_new_tokens=24)
     np.testing.assert_array_equal(sp.tokens, ar.tokens)
     assert (sp.num_tokens == 24).all()
+
+
+def test_prefill_memory_is_linear_in_the_prompt():
+    """Blocked attention over the prompt: the compiled temp memory of prefill grows ~linearly from 2k to 8k prompt
+    tokens (before blocking it was T x T scores: 15.9x here), compiled only, never run."""
+    from dflash_jax.bench.compile import SMALL_PREFILL, prefill_temp_bytes
+    small, large = prefill_temp_bytes(SMALL_PREFILL, 2048), prefill_temp_bytes(SMALL_PREFILL, 8192)
+    assert large / small <= 4.5, (small, large)

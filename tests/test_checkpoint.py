@@ -24,6 +24,7 @@ from dflash_jax.config import DrafterConfig, Qwen3Config
 from dflash_jax.quant.nvfp4 import E2M1_GRID, NVFP4Array, dequantize, quantize
 from dflash_jax.params import is_linear_name, map_named, named_leaves
 from dflash_jax.io.safetensors_io import SafetensorsError, read_header, read_safetensors, write_safetensors
+from helpers import assert_bit_exact, edit_config, write_hf_folder
 
 F8 = np.dtype(ml_dtypes.float8_e4m3fn)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -58,31 +59,12 @@ def _mixed_target(**kw) -> dj.Target:
     return _quantize_where(_target(**kw), lambda n: n.startswith("layers.0.") or n == "lm_head")
 
 
-def _bits(x) -> tuple:
-    a = np.asarray(jax.device_get(x))
-    return a.dtype, a.shape, a.tobytes()
-
-
-def assert_bit_exact(a, b):
-    """Same pytree structure (incl. static configs and NVFP4 shapes) and the same bytes in every leaf."""
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
-        assert _bits(x) == _bits(y), jax.tree_util.keystr(path)
-
-
 def _read(folder) -> dict[str, np.ndarray]:
     return {k: np.array(v) for k, v in read_safetensors(Path(folder) / "model.safetensors").items()}
 
 
 def _write(folder, tensors):
     write_safetensors(Path(folder) / "model.safetensors", tensors)
-
-
-def _edit_config(folder, fn, name="config.json"):
-    p = Path(folder) / name
-    d = json.loads(p.read_text())
-    fn(d)
-    p.write_text(json.dumps(d))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -222,7 +204,7 @@ def test_tied_lm_head_must_equal_the_embedding(tmp_path):
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gemma2", "mixtral"])
 def test_unsupported_model_type(tmp_path, model_type):
     dj.save_hf(tmp_path, _target())
-    _edit_config(tmp_path, lambda c: c.update(model_type=model_type))
+    edit_config(tmp_path, lambda c: c.update(model_type=model_type))
     with pytest.raises(NotImplementedError, match=f"model_type '{model_type}' is not supported"):
         dj.load_target(tmp_path)
 
@@ -472,7 +454,7 @@ def test_target_and_drafter_folders_not_interchangeable(tmp_path):
     with pytest.raises(CheckpointError, match="holds a target, not a drafter"):
         dj.load_drafter(tmp_path / "ob_t")
     # A drafter folder whose config lost its architectures: the tensor check still refuses it as a target.
-    _edit_config(tmp_path / "hf_d", lambda c: c.pop("architectures"))
+    edit_config(tmp_path / "hf_d", lambda c: c.pop("architectures"))
     with pytest.raises(CheckpointError, match="model.embed_tokens.weight"):
         dj.load_target(tmp_path / "hf_d")
     # And both still load as what they are.
@@ -733,23 +715,23 @@ def test_nvfp4_missing_weight_scale_names_the_module(nvfp4_folder):
 def test_nvfp4_config_errors(nvfp4_folder):
     _, folder = nvfp4_folder
     # Dense modules missing from exclude_modules are "quantized without scales" -> error naming the first one.
-    _edit_config(folder, lambda c: c["quantization"].update(exclude_modules=["lm_head"]), "hf_quant_config.json")
+    edit_config(folder, lambda c: c["quantization"].update(exclude_modules=["lm_head"]), "hf_quant_config.json")
     with pytest.raises(CheckpointError, match="model.layers.1.self_attn.q_proj.*listed as NVFP4"):
         dj.load_target(folder)
     # Prefix wildcards as ModelOpt writes them.
-    _edit_config(folder, lambda c: c["quantization"].update(exclude_modules=["lm_head", "model.layers.1.*"]),
+    edit_config(folder, lambda c: c["quantization"].update(exclude_modules=["lm_head", "model.layers.1.*"]),
                  "hf_quant_config.json")
     dj.load_target(folder)
-    _edit_config(folder, lambda c: c["quantization"].update(group_size=32), "hf_quant_config.json")
+    edit_config(folder, lambda c: c["quantization"].update(group_size=32), "hf_quant_config.json")
     with pytest.raises(CheckpointError, match="group_size must be 16"):
         dj.load_target(folder)
-    _edit_config(folder, lambda c: c["quantization"].update(group_size=16, quant_algo="FP8"), "hf_quant_config.json")
+    edit_config(folder, lambda c: c["quantization"].update(group_size=16, quant_algo="FP8"), "hf_quant_config.json")
     with pytest.raises(NotImplementedError, match="FP8"):
         dj.load_target(folder)
     # Without hf_quant_config.json the config.json quantization_config is used instead.
     (folder / "hf_quant_config.json").unlink()
     assert isinstance(named_leaves(dj.load_target(folder).params)["lm_head"], NVFP4Array)
-    _edit_config(folder, lambda c: c["quantization_config"].update(ignore=[], exclude_modules=[]))
+    edit_config(folder, lambda c: c["quantization_config"].update(ignore=[], exclude_modules=[]))
     with pytest.raises(CheckpointError, match="listed as NVFP4"):
         dj.load_target(folder)
 
@@ -763,7 +745,7 @@ ZL_LAYER_IDS = [1, 3, 5]
 
 
 def _zlab_config() -> dict:
-    """Written by hand after the Qwen3-8B-DFlash-b16 config.json (dflash.md §2), not by our own to_hf_dict."""
+    """Written by hand after the Qwen3-8B-DFlash-b16 config.json on the Hugging Face hub, not by our own to_hf_dict."""
     return {
         "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "model_type": "qwen3", "block_size": 16, "num_target_layers": 8,
@@ -802,10 +784,7 @@ def _zlab_tensors(seed=0) -> dict[str, np.ndarray]:
 
 @pytest.fixture
 def zlab_folder(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(_zlab_config()))
-    tensors = _zlab_tensors()
-    write_safetensors(tmp_path / "model.safetensors", tensors, {"format": "pt"})
-    return tmp_path, tensors
+    return write_hf_folder(tmp_path, _zlab_config(), _zlab_tensors())
 
 
 def test_zlab_drafter_folder_loads(zlab_folder):
@@ -833,7 +812,7 @@ def test_zlab_top_level_keys_variant(zlab_folder):
     def edit(c):
         c["target_layer_ids"] = c["dflash_config"].pop("target_layer_ids")
         c["dflash_config"]["block_size"] = 8  # dflash_config wins over the top-level 16
-    _edit_config(folder, edit)
+    edit_config(folder, edit)
     c = dj.load_drafter(folder).config
     assert c.target_layer_ids == (1, 3, 5) and c.block_size == 8
 

@@ -25,7 +25,7 @@ from dflash_jax.quant.nvfp4 import NVFP4Array
 from dflash_jax.params import named_leaves
 from dflash_jax.quant.quantize import quantize_nvfp4
 from dflash_jax.io.safetensors_io import read_header, read_safetensors, write_safetensors
-from test_checkpoint import assert_bit_exact, _edit_config
+from helpers import assert_bit_exact, edit_config, write_hf_folder
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 H, I, NH, NKV, HD, LAYERS, V, KC, G, R, TOPK = 32, 64, 4, 2, 8, 2, 96, 2, 16, 8, 4
@@ -77,10 +77,7 @@ def _tensors(seed=0) -> dict[str, np.ndarray]:
 
 @pytest.fixture
 def folder(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(_config()))
-    tensors = _tensors()
-    write_safetensors(tmp_path / "model.safetensors", tensors, {"format": "pt"})
-    return tmp_path, tensors
+    return write_hf_folder(tmp_path, _config(), _tensors())
 
 
 def _hf_name(param_name: str) -> str:
@@ -174,14 +171,14 @@ def test_misshaped_dflash2_tensor_is_named(folder, name, shape):
 ])
 def test_bad_dflash2_config_is_refused(folder, edit, match):
     path, _ = folder
-    _edit_config(path, edit)
+    edit_config(path, edit)
     with pytest.raises(CheckpointError, match=match):
         dj.load_drafter(path)
 
 
 def test_dflash2_tensors_in_a_dflash_folder_are_unexpected(folder):
     path, _ = folder
-    _edit_config(path, lambda c: c.update(architectures=["DFlashDraftModel"]))
+    edit_config(path, lambda c: c.update(architectures=["DFlashDraftModel"]))
     with pytest.raises(CheckpointError, match=r"unexpected tensors \['candidate_selector"):
         dj.load_drafter(path)
 
@@ -195,11 +192,11 @@ def test_dflash2_folder_is_not_a_target(folder):
 def test_sliding_window_follows_use_sliding_window(folder):
     """HF Qwen3Config keeps sliding_window only with use_sliding_window true; z-lab's attention reads it after."""
     path, _ = folder
-    _edit_config(path, lambda c: c.update(use_sliding_window=False))
+    edit_config(path, lambda c: c.update(use_sliding_window=False))
     with pytest.warns(UserWarning, match="sliding_window 16 is ignored"):
         c = dj.load_drafter(path).config
     assert c.sliding_window is None and c.layer_attention(0) == (False, None)
-    _edit_config(path, lambda c: (c.update(use_sliding_window=True, is_causal=None), c.pop("is_causal")))
+    edit_config(path, lambda c: (c.update(use_sliding_window=True, is_causal=None), c.pop("is_causal")))
     c = dj.load_drafter(path).config
     assert c.is_causal is None and c.layer_attention(0) == (True, 16)  # sliding => causal unless is_causal says
 

@@ -33,7 +33,7 @@ def test_bench_nvfp4_prints_dflash2_rows_and_the_draft_cost_ratio(tmp_path, caps
                 "dflash2 nvfp4 no conv/sel scale tok/s"):
         assert row in out, row
     assert "dflash2 / dflash draft cost c ratio:" in out
-    # issue 10's goal figures, computed from the same run (greedy: every row of both kinds is exact)
+    # the DFlash2 goal figures, computed from the same run (greedy: every row of both kinds is exact)
     assert "DFlash2/DFlash tau, NVFP4 both" in out and "NVFP4/dense DFlash2 tau" in out
     assert "draft cost c DFlash2/DFlash" in out
     assert "greedy output identical to autoregressive: 7/7 runs over 7 drafters" in out

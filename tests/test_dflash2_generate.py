@@ -21,27 +21,21 @@ import pytest
 
 import dflash_jax as dj
 from random_models import make_target, nontrivial_dflash2, random_params
-from test_generate import (COPY_MAX_NEW, COPY_PROMPTS, FLAW, PBS, _host_ops, _primitives, _prompt_batches, _pad_to,
-                           assert_same, build_copy_pair, cycle_next, reference_acceptance)
-from dflash_jax.config import DrafterConfig, Qwen3Config
+from helpers import (COPY_MAX_NEW, COPY_PROMPTS, FLAW, PBS, assert_same, build_copy_pair, host_ops, pad_to,
+                     primitives, prompt_batches, reference_acceptance, tiny_qwen3)
+from dflash_jax.config import DrafterConfig
 from dflash_jax.models.drafter import draft_tokens
-from dflash_jax.params import abstract_drafter, from_named, map_named, named_leaves
+from dflash_jax.params import abstract_drafter, from_named, named_leaves
+import report  # tests/report.py
 
 G = importlib.import_module("dflash_jax.decode.programs")
 MAX_NEW = 20
-STATS: dict = {}
+STATS: dict = report.section("dflash2 generation")  # printed at the end of the run (tests/report.py)
 
 
-def _cfg(**kw) -> Qwen3Config:
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, rope_theta=10000.0, tie_word_embeddings=False)
-    base.update(kw)
-    return Qwen3Config(**base)
-
-
-C1 = _cfg(tie_word_embeddings=True)
-C2 = _cfg(vocab_size=96, intermediate_size=48, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
-          head_dim=16)
+C1 = tiny_qwen3(tie_word_embeddings=True)
+C2 = tiny_qwen3(vocab_size=96, intermediate_size=48, num_hidden_layers=3, num_attention_heads=2,
+                num_key_value_heads=2, head_dim=16)
 SETUPS = {
     # non-causal sliding layers with a 6-token window (prompts up to 16 tokens + 20 new: the window really cuts)
     "bs8-D7-window6": (C1, DrafterConfig(C1.replace(num_hidden_layers=2), 8, 63, (1, 2), 4, kind="dflash2",
@@ -82,7 +76,7 @@ def random_runs():
         for seed in range(2):
             target = make_target(tcfg, seed)
             drafter = make_dflash2(dcfg, 100 + seed)
-            for prompts in _prompt_batches(tcfg.vocab_size, seed, n_batches=2):
+            for prompts in prompt_batches(tcfg.vocab_size, seed, n_batches=2):
                 ar = dj.generate_autoregressive(target, prompts, max_new_tokens=MAX_NEW)
                 sp = dj.generate(target, drafter, prompts, max_new_tokens=MAX_NEW, draft_length=D)
                 runs.append((target, drafter, prompts, ar, sp))
@@ -104,11 +98,11 @@ def test_greedy_equals_autoregressive_random_dflash2(random_runs, setup):
 def test_selector_is_active_in_random_runs(random_runs):
     """The random drafters' selector really reranks: the greedy walk differs from the argmax of the logits."""
     target, drafter, prompts, _, _ = random_runs["bs8-D7-window6"][0]
-    feats = dj.target_forward(target, _pad_to(prompts[1], 16), drafter.config.target_layer_ids)[1]
+    feats = dj.target_forward(target, pad_to(prompts[1], 16), drafter.config.target_layer_ids)[1]
     block = np.full((1, 8), 63, np.int32)
     block[0, 0] = prompts[1][-1]
-    tok = np.asarray(draft_tokens(drafter, target, feats[:, :15], block))
-    arg = np.asarray(dj.draft_logits(drafter, target, feats[:, :15], block)).argmax(-1)
+    tok = np.asarray(draft_tokens(target, drafter, feats[:, :15], block))
+    arg = np.asarray(dj.draft_logits(target, drafter, feats[:, :15], block)).argmax(-1)
     assert (tok != arg).any()
 
 
@@ -154,10 +148,10 @@ def test_dflash2_program_is_one_while_loop_with_the_walk_inside(copy_runs):
     top = [e.primitive.name for e in closed.jaxpr.eqns]
     assert top.count("while") == 1
     loop = closed.jaxpr.eqns[top.index("while")]
-    inside = _primitives(loop.params["body_jaxpr"].jaxpr) + _primitives(loop.params["cond_jaxpr"].jaxpr)
+    inside = primitives(loop.params["body_jaxpr"].jaxpr) + primitives(loop.params["cond_jaxpr"].jaxpr)
     assert "scan" in inside  # the selector walk (the attention chunk loop is a while, so that would not tell)
     assert "top_k" in inside
-    assert not _host_ops(inside), _host_ops(inside)
+    assert not host_ops(inside), host_ops(inside)
 
 
 def test_sampled_dflash2_runs_and_is_reproducible(copy_runs):
@@ -177,7 +171,3 @@ def test_dflash_and_dflash2_copy_drafters_give_the_same_text(copy_runs):
     target, flawed = build_copy_pair(FLAW)
     res = dj.generate(target, flawed, COPY_PROMPTS, max_new_tokens=COPY_MAX_NEW)
     np.testing.assert_array_equal(res.tokens, r["flawed_sp"].tokens)
-
-
-def test_zz_report():
-    print("\n[dflash2 generation]", STATS)

@@ -3,7 +3,6 @@ included), every new scale covered by `audit_scales`, and the ablation that drop
 tensor scales (the DFlash2 matmuls llama.cpp still runs without their scales) named exactly by the audit.
 Acceptance under that ablation is measured on a trained drafter in test_train_dflash2.py."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from dflash_jax.quant.nvfp4 import NVFP4Array
 from dflash_jax.params import abstract_drafter, named_leaves
 from dflash_jax.quant.quantize import DFLASH2_PROJECTIONS, ablated_forward, drop_global_scales, quantize_nvfp4
 from random_models import make_target, nontrivial_dflash2, random_params
+from helpers import context_and_block, logits_of_params, proposal_of_params
 
 CFG = dj.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
@@ -31,17 +31,7 @@ def pair():
     # and selector made non-trivial
     drafter = dj.Drafter(params=nontrivial_dflash2(random_params(abstract_drafter(DCFG), 1, std=0.02), 2),
                          config=DCFG)
-    toks = np.random.RandomState(0).randint(0, 127, (4, 40))
-    _, feats = dj.target_forward(target, toks, DCFG.target_layer_ids)
-    block = np.full((4, 8), 127)
-    block[:, 0] = toks[:, -1]
-    return target, drafter, feats, jnp.asarray(block)
-
-
-def _proposal_forward(target, model):
-    def fwd(params, feats, block):  # logits and selector scores (the integer tokens carry no gradient)
-        return draft_proposal(model.replace(params=params), target, feats, block)
-    return fwd
+    return (target, drafter, *context_and_block(target, DCFG))
 
 
 def test_rtn_quantizes_every_projection_including_conv_and_selector(pair):
@@ -67,13 +57,13 @@ def test_rtn_quantizes_every_projection_including_conv_and_selector(pair):
 def test_audit_covers_every_new_scale(pair):
     target, drafter, feats, block = pair
     q = quantize_nvfp4(drafter)
-    audit = dj.audit_scales(_proposal_forward(target, q), q.params, feats, block)
+    audit = dj.audit_scales(proposal_of_params(target, q), q.params, feats, block)
     assert audit.ok and len(audit.checked) == 1 + LINEARS_PER_LAYER * 2 + 1, str(audit)
     assert {"layers[0].attention_conv.kernel_projection", "layers[1].mlp_conv.kernel_projection",
             "candidate_selector.hidden_projection"} <= set(audit.checked)
     # The selector's projection only reaches the selector scores: a forward returning draft logits alone cannot
     # vouch for it, and the audit says so.
-    logits_only = dj.audit_scales(lambda p, f, b: dj.draft_logits(q.replace(params=p), target, f, b), q.params,
+    logits_only = dj.audit_scales(logits_of_params(target, q), q.params,
                                   feats, block)
     assert set(logits_only.missing) == {"candidate_selector.hidden_projection: block_scale",
                                         "candidate_selector.hidden_projection: global_scale"}
@@ -82,15 +72,15 @@ def test_audit_covers_every_new_scale(pair):
 def test_conv_and_selector_ablation_is_named_exactly(pair):
     target, drafter, feats, block = pair
     q = quantize_nvfp4(drafter)
-    audit = dj.audit_scales(ablated_forward(_proposal_forward(target, q), DFLASH2_PROJECTIONS), q.params, feats,
+    audit = dj.audit_scales(ablated_forward(proposal_of_params(target, q), DFLASH2_PROJECTIONS), q.params, feats,
                             block)
     expected = {f"layers[{i}].{c}.kernel_projection: global_scale" for i in range(2)
                 for c in ("attention_conv", "mlp_conv")} | {"candidate_selector.hidden_projection: global_scale"}
     assert set(audit.missing) == expected, str(audit)
     # The falsified value wrecks the drafter's proposals; the real NVFP4 one barely moves them.
-    ref = draft_proposal(drafter, target, feats, block)
-    good = draft_proposal(q, target, feats, block)
-    bad = draft_proposal(drop_global_scales(q, DFLASH2_PROJECTIONS), target, feats, block)
+    ref = draft_proposal(target, drafter, feats, block)
+    good = draft_proposal(target, q, feats, block)
+    bad = draft_proposal(target, drop_global_scales(q, DFLASH2_PROJECTIONS), feats, block)
     err = lambda p: float(jnp.abs(p.logits - ref.logits).mean())
     assert err(bad) > 5 * err(good)
     same = lambda p: float((np.asarray(p.tokens) == np.asarray(ref.tokens)).mean())

@@ -1,7 +1,7 @@
 """DFlash2 drafters (and sliding-window / causal layers for both kinds) against an independent torch reference.
 
-The reference below restates z-lab's `DFlash2DraftModel` semantics (dflash/model.py at 07ebd93db9f4; dflash.md
-section 7) in float64 with explicit loops, written from that description and not from dflash_jax:
+The reference below restates z-lab's `DFlash2DraftModel` semantics (dflash/model.py at 07ebd93db9f4, with its
+fixture tests/fixtures/dflash2-config.json) in float64 with explicit loops, written from that description and not from dflash_jax:
   * block embeddings = target embedding * input_embedding_scale;
   * per layer, around attention and around the MLP: dyn = kernel_projection(x) viewed [T, 2, Kc, groups];
     prepare u_t = sum_o (base[0, o, c] + dyn_t[0, o, c // G]) * x_{t-o} (nothing before the block start), the
@@ -28,13 +28,15 @@ import numpy as np
 import pytest
 import torch
 
-from torch_reference import rel_err, rms, rope, tt
+from torch_reference import rel_err, rms, rope, torch_inputs
+from dflash_jax.models.attention import attention_chunk
 
 import dflash_jax as dj
+from helpers import tiny_qwen3
 from random_models import random_params
 from dflash_jax.models import selector as sel_mod
 from dflash_jax.config import DrafterConfig, Qwen3Config
-from dflash_jax.models.drafter import DraftCache, append_context, block_logits, draft_proposal, draft_tokens
+from dflash_jax.models.drafter import empty_draft_cache, append_context, block_logits, draft_proposal, draft_tokens
 from dflash_jax.params import abstract_drafter, map_named, named_leaves
 from dflash_jax.models.attention import visible
 
@@ -42,10 +44,7 @@ REL_TOL = 1e-4
 
 
 def _t(**kw):
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, rope_theta=10000.0, tie_word_embeddings=False)
-    base.update(kw)
-    return Qwen3Config(**base)
+    return tiny_qwen3(**{**dict(intermediate_size=48, num_hidden_layers=3), **kw})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,10 +140,7 @@ def reference(drafter, target, features, block, *, dyn_order="side,tap,group", w
     The keyword flags inject known mistakes for the negative controls; the defaults are the reference."""
     dc = drafter.config
     m = dc.model
-    w = {k: tt(v) for k, v in named_leaves(drafter.params).items()}
-    tw = {k: tt(v) for k, v in named_leaves(target.params).items() if v is not None}
-    head = tw["embed_tokens"] if target.config.tie_word_embeddings else tw["lm_head"]
-    feats, blk = tt(features), torch.from_numpy(np.asarray(block, np.int64))
+    w, tw, head, feats, blk = torch_inputs(drafter, target, features, block)
     B, C, _ = feats.shape
     bs = blk.shape[1]
     nH, nKV, hd, eps = m.num_attention_heads, m.num_key_value_heads, m.head_dim, m.rms_norm_eps
@@ -225,7 +221,7 @@ def reference(drafter, target, features, block, *, dyn_order="side,tap,group", w
 def built(request):
     case = request.param
     target, drafter, features, block = _build(case)
-    prop = draft_proposal(drafter, target, features, block)
+    prop = draft_proposal(target, drafter, features, block)
     return case, target, drafter, features, block, prop, reference(drafter, target, features, block)
 
 
@@ -236,10 +232,10 @@ def test_logits_tokens_and_scores_match_reference(built):
     err = rel_err(prop.logits, ref_logits)
     print(f"\n[dflash2 reference] {case.name}: logits rel err {err:.2e}")
     assert err <= REL_TOL, err
-    np.testing.assert_array_equal(np.asarray(dj.draft_logits(drafter, target, features, block)),
+    np.testing.assert_array_equal(np.asarray(dj.draft_logits(target, drafter, features, block)),
                                   np.asarray(prop.logits))
     np.testing.assert_array_equal(np.asarray(prop.tokens), ref_tokens)
-    np.testing.assert_array_equal(np.asarray(draft_tokens(drafter, target, features, block)), ref_tokens)
+    np.testing.assert_array_equal(np.asarray(draft_tokens(target, drafter, features, block)), ref_tokens)
     if case.drafter.is_dflash2:
         assert prop.scores.shape == (case.batch, D, case.drafter.selector_top_k)
         assert rel_err(prop.scores, ref_scores) <= REL_TOL
@@ -262,7 +258,7 @@ def test_logits_tokens_and_scores_match_reference(built):
 def test_comparison_is_sensitive_to_known_mistakes(mistake):
     case = CASES[0]
     target, drafter, features, block = _build(case)
-    prop = draft_proposal(drafter, target, features, block)
+    prop = draft_proposal(target, drafter, features, block)
     logits, tokens, scores = reference(drafter, target, features, block, **mistake)
     if "walk_from" in mistake:  # the logits are right, the walk is not
         assert rel_err(prop.logits, logits) <= REL_TOL
@@ -288,17 +284,17 @@ def test_identity_conv_and_zero_selector_equal_dflash():
     d1 = dj.Drafter(params=from_named(abstract_drafter(plain_cfg), {n: base[n] for n in
                                                                    named_leaves(abstract_drafter(plain_cfg))}),
                     config=plain_cfg)
-    np.testing.assert_allclose(np.asarray(dj.draft_logits(d2, target, features, block)),
-                               np.asarray(dj.draft_logits(d1, target, features, block)), rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(draft_tokens(d2, target, features, block)),
-                                  np.asarray(draft_tokens(d1, target, features, block)))
+    np.testing.assert_allclose(np.asarray(dj.draft_logits(target, d2, features, block)),
+                               np.asarray(dj.draft_logits(target, d1, features, block)), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(draft_tokens(target, d2, features, block)),
+                                  np.asarray(draft_tokens(target, d1, features, block)))
 
 
 def test_sampled_walk_is_gumbel_max_over_path_scores():
     """At T > 0 each slot's index is argmax(scores / T + Gumbel(u)) with the scores of the *sampled* predecessor."""
     case = CASES[0]
     target, drafter, features, block = _build(case)
-    prop = draft_proposal(drafter, target, features, block)
+    prop = draft_proposal(target, drafter, features, block)
     cand, unary = np.asarray(prop.candidates), np.asarray(jax.lax.top_k(prop.logits, 5)[0])
     sel = drafter.params.candidate_selector
     from dflash_jax.models.drafter import block_hidden, cached_context
@@ -346,11 +342,9 @@ def test_layer_attention_follows_zlab_rule():
 def test_window_cuts_context_in_the_cached_path(chunk):
     """Cached path (context appended in two chunks, rows of different lengths) == the one-shot path on each row's
     own context, with a sliding window shorter than the context: the cache index is the absolute position. With
-    chunk=4 the attention visits the 16 cache slots 4 at a time, from the first chunk the window reaches."""
+    chunk=4 the attention visits the 16 cache slots 4 at a time (all four chunks, the window masking the early ones)."""
     case = CASES[0]
     target, drafter, features, block = _build(case)
-    cfg = drafter.config
-    drafter = drafter.replace(config=cfg.replace(model=cfg.model.replace(attention_chunk=chunk)))
     lens = np.array([9, 6])
     f1, f2 = features[:, :4], np.zeros((2, 5, features.shape[-1]), np.float32)
     f2[0] = features[0, 4:9]
@@ -358,12 +352,13 @@ def test_window_cuts_context_in_the_cached_path(chunk):
 
     @jax.jit
     def cached(drafter, target, f1, f2, block):
-        c = DraftCache.empty(drafter.config, 2, 16)
+        c = empty_draft_cache(drafter.config, 2, 16)
         c = append_context(drafter, f1, jnp.array([4, 4]), c)
         c = append_context(drafter, f2, jnp.array([5, 2]), c)
         return block_logits(drafter, target, block, c)
 
-    got = np.asarray(cached(drafter, target, f1, f2, block))
+    with attention_chunk(chunk):
+        got = np.asarray(cached(drafter, target, f1, f2, block))
     for b in range(2):
-        one = np.asarray(dj.draft_logits(drafter, target, features[b:b + 1, :lens[b]], block[b:b + 1]))
+        one = np.asarray(dj.draft_logits(target, drafter, features[b:b + 1, :lens[b]], block[b:b + 1]))
         np.testing.assert_allclose(got[b], one[0], rtol=2e-5, atol=2e-5)

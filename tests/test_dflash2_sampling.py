@@ -112,8 +112,7 @@ def test_dflash2_negative_control_q_from_logits_fails(models, enumeration, monke
 
     # A fresh jitted program (its own, empty compile cache) traced with the wrong q; monkeypatch puts the real
     # program, and its compiled executables, back afterwards.
-    monkeypatch.setattr(gen, "_SPECULATIVE", gen._jit_program("speculative", gen._speculative_program,
-                                                              gen.SPECULATIVE_STATIC))
+    monkeypatch.setattr(gen, "_COMPILED", {})
     monkeypatch.setattr(gen, "draft_step", q_from_logits)  # the name the compiled program calls
     target, drafter = models["rejecting"]
     res = gen.generate(target, drafter, [PROMPT] * N, max_new_tokens=NEW, draft_length=3, temperature=1.0, seed=0)

@@ -1,10 +1,11 @@
-"""The DFlash drafter forward against an independent torch reference (dflash.md sections 1-2).
+"""The DFlash drafter forward against an independent torch reference (z-lab dflash/model.py semantics).
 
-The reference below is written from the prose of dflash.md section 1.2, not from dflash_jax: fc over the concatenated
-target features -> hidden_norm -> per layer (queries from input_layernorm(x) with q_norm + RoPE at the block
-positions; K/V from the layer's own k_proj/v_proj over [context ; normed block], k_norm, RoPE at absolute positions;
-no mask inside the block) -> final norm -> the target's lm_head (tied or untied), block embedded with the target's
-embedding. It runs in float64, so the measured error is the JAX float32 rounding.
+The reference below is written from the KV-injection semantics of z-lab's `DFlashDraftModel` (dflash/model.py; arXiv
+2602.06036 section 3), not from dflash_jax: fc over the concatenated target features -> hidden_norm -> per layer
+(queries from input_layernorm(x) with q_norm + RoPE at the block positions; K/V from the layer's own k_proj/v_proj
+over [context ; normed block], k_norm, RoPE at absolute positions; no mask inside the block) -> final norm -> the
+target's lm_head (tied or untied), block embedded with the target's embedding. It runs in float64, so the measured
+error is the JAX float32 rounding.
 
 Also here: the target-layer tap semantics against HF transformers (feature id L == hidden_states[L + 1]), the cached
 drafter path (context appended in chunks) against the one-shot path, and DrafterConfig.from_hf_dict / check_pair.
@@ -22,17 +23,19 @@ import numpy as np
 import pytest
 import torch
 
-from torch_reference import rel_err, rms, rope, tt
+from torch_reference import rel_err, rms, rope, torch_inputs
 
 import dflash_jax as dj
+from helpers import tiny_qwen3
 from random_models import make_drafter, make_target
 from dflash_jax.config import DrafterConfig, Qwen3Config, check_pair
-from dflash_jax.models.drafter import DraftCache, append_context, block_logits
+from dflash_jax.models.drafter import empty_draft_cache, append_context, block_logits
 from dflash_jax.models.layers import rms_norm
-from dflash_jax.params import named_leaves
+import report  # tests/report.py
 
 REL_TOL = 1e-4
-_ERRORS: dict[str, float] = {}  # test name -> measured max error relative to the logit scale (printed at the end)
+# test name -> measured max error relative to the logit scale, printed at the end of the run (tests/report.py)
+_ERRORS: dict[str, float] = report.section("drafter reference max relative error", lambda k, v: f"{k}={v:.2e}")
 
 
 # -- cases (random tiny models with O(1) activations: see random_models.py) ----------------------------------
@@ -49,10 +52,7 @@ class Case:
 
 
 def _t(**kw):
-    base = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, rope_theta=10000.0, tie_word_embeddings=False)
-    base.update(kw)
-    return Qwen3Config(**base)
+    return tiny_qwen3(**{**dict(vocab_size=96, intermediate_size=48), **kw})
 
 
 CASES = [
@@ -95,10 +95,7 @@ def reference_draft_logits(drafter, target, features, block, *, causal_block=Fal
     """Logits [B, bs-1, V] of block slots 1..bs-1 (float64). The keyword flags inject known mistakes so the test can
     show that the comparison is sensitive to them; all False is the reference."""
     m = drafter.config.model
-    w = {k: tt(v) for k, v in named_leaves(drafter.params).items()}
-    tw = {k: tt(v) for k, v in named_leaves(target.params).items() if v is not None}
-    lm_head = tw["embed_tokens"] if target.config.tie_word_embeddings else tw["lm_head"]
-    feats, blk = tt(features), torch.from_numpy(np.asarray(block, np.int64))
+    w, tw, lm_head, feats, blk = torch_inputs(drafter, target, features, block)
     B, C, _ = feats.shape
     bs = blk.shape[1]
     nH, nKV, hd, eps = m.num_attention_heads, m.num_key_value_heads, m.head_dim, m.rms_norm_eps
@@ -140,7 +137,7 @@ def reference_draft_logits(drafter, target, features, block, *, causal_block=Fal
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_draft_logits_matches_torch_reference(case):
     target, drafter, features, block = _build(case)
-    got = np.asarray(dj.draft_logits(drafter, target, features, block))
+    got = np.asarray(dj.draft_logits(target, drafter, features, block))
     ref = reference_draft_logits(drafter, target, features, block)
     assert got.shape == (case.batch, case.block_size - 1, case.target.vocab_size)
     err = rel_err(got, ref)
@@ -156,7 +153,7 @@ def test_reference_comparison_is_sensitive_to_known_mistakes():
     above would catch it (and the reference is not vacuously close to anything)."""
     case = CASES[0]
     target, drafter, features, block = _build(case)
-    got = np.asarray(dj.draft_logits(drafter, target, features, block))
+    got = np.asarray(dj.draft_logits(target, drafter, features, block))
     for mistake in ("causal_block", "renorm_context", "shift_output"):
         err = rel_err(got, reference_draft_logits(drafter, target, features, block, **{mistake: True}))
         assert err > 100 * REL_TOL, f"the comparison cannot see mistake {mistake!r} (err {err:.2e})"
@@ -168,11 +165,11 @@ def test_block_slot0_token_matters_and_context_matters():
     """The drafter must condition on both the last verified token (slot 0) and the context features."""
     case = CASES[2]
     target, drafter, features, block = _build(case)
-    base = np.asarray(dj.draft_logits(drafter, target, features, block))
+    base = np.asarray(dj.draft_logits(target, drafter, features, block))
     other_first = block.copy()
     other_first[:, 0] = (other_first[:, 0] + 1) % (case.target.vocab_size - 1)
-    assert rel_err(dj.draft_logits(drafter, target, features, other_first), base) > 1e-2
-    assert rel_err(dj.draft_logits(drafter, target, features[:, ::-1].copy(), block), base) > 1e-2
+    assert rel_err(dj.draft_logits(target, drafter, features, other_first), base) > 1e-2
+    assert rel_err(dj.draft_logits(target, drafter, features[:, ::-1].copy(), block), base) > 1e-2
 
 
 # -- 2. target tap semantics vs HF ---------------------------------------------------------------------------------
@@ -219,7 +216,7 @@ def test_target_layer_tap_is_hf_hidden_states_plus_one(tmp_path):
 
 @functools.partial(jax.jit, static_argnames=("max_len",))
 def _cached_logits(drafter, target, f1, n1, f2, n2, block, *, max_len):
-    cache = DraftCache.empty(drafter.config, block.shape[0], max_len)
+    cache = empty_draft_cache(drafter.config, block.shape[0], max_len)
     cache = append_context(drafter, f1, n1, cache)
     cache = append_context(drafter, f2, n2, cache)
     return cache, block_logits(drafter, target, block, cache)
@@ -250,7 +247,7 @@ def test_chunked_context_equals_draft_logits_and_cache_holds_no_block_kv():
     errs = []
     for n in sorted(set(lens.tolist())):
         rows = np.flatnonzero(lens == n)  # rows with the same context length go through draft_logits together
-        want = np.asarray(dj.draft_logits(drafter, target, full[rows, :n], block[rows]))
+        want = np.asarray(dj.draft_logits(target, drafter, full[rows, :n], block[rows]))
         ref = reference_draft_logits(drafter, target, full[rows, :n], block[rows])
         errs.append(rel_err(got[rows], want))
         assert errs[-1] <= REL_TOL, f"rows {rows}: chunked cached path differs from draft_logits ({errs[-1]:.2e})"
@@ -275,15 +272,30 @@ def test_draft_logits_input_validation():
     case = CASES[0]
     target, drafter, features, block = _build(case)
     with pytest.raises(ValueError, match=r"features must be \[B, C, 96\]"):
-        dj.draft_logits(drafter, target, features[..., :-1], block)
+        dj.draft_logits(target, drafter, features[..., :-1], block)
     with pytest.raises(ValueError, match="block must be"):
-        dj.draft_logits(drafter, target, features, block[:1])
+        dj.draft_logits(target, drafter, features, block[:1])
+
+
+def test_draft_calls_take_the_target_first_and_the_old_order_warns():
+    """Target first, like `generate`; the old (drafter, target) order gives the same result with a DeprecationWarning;
+    two models of the wrong kinds are refused by name."""
+    target, drafter, features, block = _build(CASES[0])
+    want = np.asarray(dj.draft_logits(target, drafter, features, block))
+    with pytest.warns(DeprecationWarning, match=r"draft_logits\(target, drafter"):
+        old = np.asarray(dj.draft_logits(drafter, target, features, block))
+    np.testing.assert_array_equal(old, want)
+    with pytest.warns(DeprecationWarning, match="draft_tokens"):
+        np.testing.assert_array_equal(np.asarray(dj.draft_tokens(drafter, target, features, block)),
+                                      want.argmax(-1))
+    with pytest.raises(TypeError, match="takes a Target and a Drafter, got Target and Target"):
+        dj.draft_logits(target, target, features, block)
 
 
 # -- 4. DrafterConfig.from_hf_dict (z-lab config variants) -------------------------------------------------------
 
 def zlab_8b_config() -> dict:
-    """config.json of z-lab/Qwen3-8B-DFlash-b16 as described in dflash.md section 2."""
+    """config.json of z-lab/Qwen3-8B-DFlash-b16 as published on the Hugging Face hub."""
     return {
         "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "model_type": "qwen3", "block_size": 16, "num_target_layers": 36,
@@ -424,11 +436,4 @@ def test_check_pair_lists_every_problem_and_draft_logits_uses_it():
     target = make_target(bad, 0)
     drafter = make_drafter(dcfg, 1)
     with pytest.raises(ValueError, match="drafter does not match target"):
-        dj.draft_logits(drafter, target, np.zeros((1, 2, 64), np.float32), np.zeros((1, 4), np.int32))
-
-
-def test_report_errors():
-    """Prints the measured parity errors (run with -s); the assertions are in the tests above."""
-    if _ERRORS:
-        print("\n[drafter reference] max relative errors: " +
-              ", ".join(f"{k}={v:.2e}" for k, v in sorted(_ERRORS.items())))
+        dj.draft_logits(target, drafter, np.zeros((1, 2, 64), np.float32), np.zeros((1, 4), np.int32))

@@ -24,7 +24,7 @@ import pytest
 
 import dflash_jax as dj
 from random_models import make_drafter, make_target
-from test_generate import COPY_MAX_NEW, COPY_PROMPTS, FLAW, PBS, SETUPS, build_copy_pair, cycle_next
+from helpers import COPY_MAX_NEW, COPY_PROMPTS, FLAW, PBS, SETUPS, build_copy_pair, cycle_next
 
 gen = importlib.import_module("dflash_jax.decode.programs")
 PAD = -1

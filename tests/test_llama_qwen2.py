@@ -1,8 +1,9 @@
-"""Llama and Qwen2 targets: the one target with the family's switches (no q/k norm; Qwen2's q/k/v biases; tied or
-untied head; Llama 3's RoPE scaling), against transformers 4.57.
+"""Llama, Qwen2 (and Mistral) targets: the one target with the family's switches (no q/k norm; Qwen2's q/k/v
+biases; tied or untied head; Llama 3's RoPE scaling), against transformers 4.57.
 
-HF oracle: tiny random `LlamaForCausalLM` / `Qwen2ForCausalLM` (torch CPU float32, eager attention) written with
-`save_pretrained` and read by `dj.load_target`, so the HF loading path is what every case exercises.
+HF oracle: tiny random `LlamaForCausalLM` / `Qwen2ForCausalLM` / `MistralForCausalLM` (torch CPU float32, eager
+attention) written with `save_pretrained` and read by `dj.load_target`, so the HF loading path is what every case
+exercises.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ CASES = {
                       "original_max_position_embeddings": 64})),
     "qwen2_tied_gqa4-2": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen2_untied_gqa4-1": ("qwen2", dict(num_key_value_heads=1)),
+    "mistral_untied_gqa4-2": ("mistral", dict(sliding_window=None)),  # Llama's layers; the window must be off
 }
 
 
@@ -55,7 +57,8 @@ def hf_model(family: str, seed: int = 0, **overrides):
               attn_implementation="eager")
     kw.update(overrides)
     cls, cfg_cls = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
-                    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config)}[family]
+                    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+                    "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig)}[family]
     torch.manual_seed(seed)
     model = cls(cfg_cls(**kw)).eval()
     with torch.no_grad():
@@ -212,7 +215,11 @@ BAD_CONFIGS = {
     "rope_parameters": (dict(rope_scaling=None, rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
                         NotImplementedError, "rope_parameters.rope_type 'dynamic'"),
     "partial_rotary_factor": (dict(partial_rotary_factor=0.5), NotImplementedError, "partial_rotary_factor"),
-    "model_type": (dict(model_type="mistral"), NotImplementedError, "model_type 'mistral' is not supported"),
+    "model_type": (dict(model_type="gemma"), NotImplementedError, "model_type 'gemma' is not supported"),
+    "mistral_window": (dict(model_type="mistral", sliding_window=4096), NotImplementedError,
+                       "sliding_window=4096 is not supported for mistral"),
+    "mistral_default_window": (dict(model_type="mistral"), NotImplementedError,  # absent = HF's default, 4096
+                               "sliding_window=4096"),
     "layer_types": (dict(layer_types=["full_attention", "sliding_attention"]), NotImplementedError,
                     "layer_types"),
     "qwen2_sliding": (dict(model_type="qwen2", use_sliding_window=True, max_window_layers=1), NotImplementedError,
@@ -240,6 +247,17 @@ def test_qwen2_attention_bias_key_and_family_switches():
     odd = cfg.replace(qk_norm=True)
     with pytest.raises(ValueError, match="'llama' with qk_norm=True.*no HF config.json form"):
         odd.to_hf_dict()
+    # Params of one family under another family's config: a clear error, not a None in the arithmetic.
+    small = cfg.replace(vocab_size=V, num_hidden_layers=1, param_dtype="float32", compute_dtype="float32")
+    llama = dj.init_target(small, jax.random.key(0))
+    qwen2 = dj.init_target(small.replace(model_type="qwen2", attention_bias=None), jax.random.key(0))
+    tokens = np.zeros((1, 3), np.int32)
+    with pytest.raises(ValueError, match="attention_bias=True but the layer's params have no q/k/v biases"):
+        dj.target_forward(llama.replace(config=qwen2.config), tokens)
+    with pytest.raises(ValueError, match="attention_bias=False but the layer's params have q/k/v biases"):
+        dj.target_forward(qwen2.replace(config=llama.config), tokens)
+    with pytest.raises(ValueError, match="qk_norm=True but the layer's params have no q_norm"):
+        dj.target_forward(llama.replace(config=odd.replace(vocab_size=V, num_hidden_layers=1)), tokens)
     with pytest.raises(ValueError, match="drafter's layers are Qwen3 layers"):
         DrafterConfig(model=cfg.replace(num_hidden_layers=1), block_size=4, mask_token_id=1, target_layer_ids=(0,),
                       num_target_layers=2)

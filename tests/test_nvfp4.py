@@ -18,7 +18,7 @@ F32 = np.float32
 
 
 # ---------------------------------------------------------------------------
-# Independent numpy reference of the ModelOpt recipe (nvfp4.md §2). Rounding goes
+# Independent numpy reference of the ModelOpt recipe (Model-Optimizer nvfp4_tensor.py). Rounding goes
 # through ml_dtypes casts (RNE), unlike the JAX code's explicit thresholds.
 # ---------------------------------------------------------------------------
 def ref_quantize(w, global_scale=None):
@@ -153,7 +153,7 @@ def test_all_zero_tensor():
 
 
 def test_worked_example_from_docs():
-    """nvfp4.md §2: amax 1.2 -> s2 = 1.2/2688; block amax 0.3 -> scale 112, step 0.05."""
+    """ModelOpt recipe by hand: amax 1.2 -> s2 = 1.2/2688; block amax 0.3 -> scale 112, step 0.05."""
     w = np.zeros((1, 32), F32)
     w[0, 0] = 1.2
     w[0, 16:20] = [0.3, 0.1, -0.13, 0.0625]

@@ -31,25 +31,19 @@ from jax import export
 import dflash_jax as dj
 from dflash_jax.quant import pallas_nvfp4 as P
 from dflash_jax.config import DrafterConfig, Qwen3Config
-from dflash_jax.models.drafter import DraftCache, append_context, block_logits
+from dflash_jax.models.drafter import empty_draft_cache, append_context, block_logits
 from dflash_jax.quant.linear import linear, resolve_backend, set_default_backend
+from helpers import clean_backend  # noqa: F401  (autouse: the default backend around every test)
 from dflash_jax.quant.nvfp4 import E2M1_GRID, NVFP4Array, dequantize, quantize
 from random_models import make_drafter, make_target
+import report  # tests/report.py
 
 linear_mod = importlib.import_module("dflash_jax.quant.linear")
 G = importlib.import_module("dflash_jax.decode.programs")
-TIMES: dict[str, float] = {}
+TIMES: dict[str, float] = report.section("pallas_nvfp4 timings", lambda k, v: f"{k}: {v:.2f} s")
 
 # Qwen3-8B linear weights, [out, in]: q/o_proj, gate/up_proj, down_proj, k/v_proj.
 QWEN3_8B = [(4096, 4096), (12288, 4096), (4096, 12288), (1024, 4096)]
-
-
-@pytest.fixture(autouse=True)
-def _clean_backend(monkeypatch):
-    monkeypatch.delenv(linear_mod.ENV_VAR, raising=False)
-    set_default_backend(None)
-    yield
-    set_default_backend(None)
 
 
 def _rand(shape, seed, scale=1.0):
@@ -243,7 +237,7 @@ def test_pallas_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(linear_mod, "_compute_capability", lambda: 9.0)
     assert resolve_backend() == "pallas"  # Hopper
     monkeypatch.setattr(linear_mod, "_compute_capability", lambda: 10.0)
-    assert resolve_backend() == "native"  # Blackwell
+    assert resolve_backend() == "pallas"  # Blackwell too: auto is W4A16 everywhere (issue 26)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU choices")
@@ -388,7 +382,7 @@ def _compiled_text(target, drafter, backend: str) -> str:
     """The optimized HLO of the speculative program `generate` runs for this backend (the backend is a static
     argument of the program, so each backend has its own)."""
     call = G.speculative_call(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, nvfp4_backend=backend)
-    return call.program.lower(*call.args, **call.static).compile().as_text()
+    return call.compiled_text()
 
 
 @pytest.fixture(scope="module")
@@ -434,7 +428,7 @@ def test_no_dequantized_weight_in_exported_cuda_forward(triton_lowering):
     block = jnp.zeros((1, DCFG.block_size), jnp.int32)
     set_default_backend("pallas")
     def forward(d, t, f, b):  # draft_logits' body, traced here (its own jit would cache across backends)
-        cache = append_context(d, f, jnp.full((1,), f.shape[1], jnp.int32), DraftCache.empty(d.config, 1, 5))
+        cache = append_context(d, f, jnp.full((1,), f.shape[1], jnp.int32), empty_draft_cache(d.config, 1, 5))
         return block_logits(d, t, b, cache)
 
     exp = _export_cuda(forward, drafter, target, feats, block)
@@ -447,10 +441,6 @@ def test_no_dequantized_weight_in_exported_cuda_forward(triton_lowering):
     assert not [s for s in shapes if re.search(rf"tensor<{s[0]}x{s[1]}x(f32|bf16|f16)>", text)]
 
 
-def test_zz_report():
-    """Prints the timings gathered above (run with -s)."""
-    for k, v in TIMES.items():
-        print(f"  {k}: {v:.2f} s")
 
 
 # -- the prepared device script ------------------------------------------------------------------------------------
@@ -477,6 +467,13 @@ def test_device_report_smoke(tmp_path):
     assert set(saved["step_costs"]["drafters"]) == {"dense", "nvfp4 pallas", "nvfp4 portable"}
     assert all(v["c"] > 0 for v in saved["step_costs"]["drafters"].values())
     assert saved["embedded"]["dflash"]["tau"] >= 1 and saved["embedded"]["nvfp4"]["tau"] >= 1
+    dc = saved["decode_core"]  # issue 26: the step lowered for CUDA, prefill memory, long caches, bf16 agreement
+    assert all(r["conditionals"] == 0 and r["dynamic"] == 1 for r in dc["lowering"].values()), dc["lowering"]
+    assert dc["prefill_memory"]["ratio"] <= 4.5 and dc["nvfp4_bf16_agreement"]["max_rel_diff"] < 2 ** -7
+    assert set(dc["long_cache_attention"]["ratios"]) == {"verify_ms", "decode_ms", "draft_ms"}
+    prog = saved["programs"]  # bf16 exactness of the embedded pair and prefill / loop compile counts
+    assert prog["bf16_exactness"]["rows"] == 2 and 0 <= prog["bf16_exactness"]["mismatch_rate"] <= 1
+    assert prog["compiles"]["loop_programs"] <= 1 and "bf16 exactness" in md
     sweep = saved["tile_sweep"]
     assert sweep and all("us" in r for row in sweep for r in row["results"]) and sweep[0]["best"]
     if jax.default_backend() == "cpu":

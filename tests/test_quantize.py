@@ -11,6 +11,7 @@ import dflash_jax as dj
 from dflash_jax.quant import nvfp4
 from dflash_jax.quant.nvfp4 import NVFP4Array
 from dflash_jax.params import named_leaves
+from helpers import context_and_block, logits_of_drafter, logits_of_params
 from dflash_jax.quant.quantize import (ATTENTION_PROJECTIONS, ablated_forward, collect_linear_inputs, drop_global_scales,
                                  quantize_nvfp4)
 
@@ -24,17 +25,7 @@ DCFG = dj.DrafterConfig(model=CFG.replace(num_hidden_layers=2), block_size=8, ma
 def pair():
     target = dj.init_target(CFG, jax.random.key(0))
     drafter = dj.init_drafter(DCFG, jax.random.key(1))
-    toks = np.random.RandomState(0).randint(0, 127, (4, 40))
-    _, feats = dj.target_forward(target, toks, DCFG.target_layer_ids)
-    block = np.full((4, 8), 127)
-    block[:, 0] = toks[:, -1]
-    return target, drafter, feats, jnp.asarray(block)
-
-
-def _drafter_forward(target):
-    def fwd(drafter, feats, block):
-        return dj.draft_logits(drafter, target, feats, block)
-    return fwd
+    return (target, drafter, *context_and_block(target, DCFG))
 
 
 def test_rtn_quantizes_every_linear_bit_exactly(pair):
@@ -79,7 +70,7 @@ def test_exclude_patterns(pair):
 
 def test_calibrated_lowers_layer_output_error(pair):
     target, drafter, feats, block = pair
-    cal = collect_linear_inputs(_drafter_forward(target), drafter, feats, block)
+    cal = collect_linear_inputs(logits_of_drafter(target), drafter, feats, block)
     assert set(cal) == {n for n in named_leaves(drafter.params) if n == "fc" or n.endswith("_proj")}
     rtn = quantize_nvfp4(drafter)
     calq = quantize_nvfp4(drafter, method="calibrated", calibration=cal)
@@ -92,9 +83,9 @@ def test_calibrated_lowers_layer_output_error(pair):
         c_err += float(np.sum((x @ np.asarray(nvfp4.dequantize(named_leaves(calq.params)[name])).T - ref) ** 2))
     assert c_err < 0.95 * r_err, (c_err, r_err)
     # ... and the drafter's logits move less
-    ref = dj.draft_logits(drafter, target, feats, block)
-    e_rtn = float(jnp.abs(dj.draft_logits(rtn, target, feats, block) - ref).mean())
-    e_cal = float(jnp.abs(dj.draft_logits(calq, target, feats, block) - ref).mean())
+    ref = dj.draft_logits(target, drafter, feats, block)
+    e_rtn = float(jnp.abs(dj.draft_logits(target, rtn, feats, block) - ref).mean())
+    e_cal = float(jnp.abs(dj.draft_logits(target, calq, feats, block) - ref).mean())
     assert e_cal < e_rtn
 
 
@@ -108,7 +99,7 @@ def test_calibration_required(pair):
 
 def test_w4a4_emulation(pair):
     target, drafter, feats, block = pair
-    cal = collect_linear_inputs(_drafter_forward(target), drafter, feats, block)
+    cal = collect_linear_inputs(logits_of_drafter(target), drafter, feats, block)
     q4 = quantize_nvfp4(drafter, activations="w4a4", calibration=cal)
     leaf = q4.params.layers[0].self_attn.v_proj
     assert leaf.input_scale is not None
@@ -124,7 +115,7 @@ def test_w4a4_emulation(pair):
 
 def test_modelopt_folder_round_trip(pair, tmp_path):
     target, drafter, feats, block = pair
-    cal = collect_linear_inputs(_drafter_forward(target), drafter, feats, block)
+    cal = collect_linear_inputs(logits_of_drafter(target), drafter, feats, block)
     for act, algo in (("w4a16", "W4A16_NVFP4"), ("w4a4", "NVFP4")):
         q = quantize_nvfp4(drafter, activations=act, calibration=cal)
         path = tmp_path / act
@@ -138,16 +129,15 @@ def test_modelopt_folder_round_trip(pair, tmp_path):
             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
                 np.testing.assert_array_equal(np.atleast_1d(np.asarray(x)).view(np.uint8),
                                               np.atleast_1d(np.asarray(y)).view(np.uint8))
-        np.testing.assert_array_equal(np.asarray(dj.draft_logits(q, target, feats, block)),
-                                      np.asarray(dj.draft_logits(back, target, feats, block)))
+        np.testing.assert_array_equal(np.asarray(dj.draft_logits(target, q, feats, block)),
+                                      np.asarray(dj.draft_logits(target, back, feats, block)))
 
 
 def test_audit_on_nvfp4_drafter_and_target(pair):
     target, drafter, feats, block = pair
     q = quantize_nvfp4(drafter)
 
-    def fwd(params, feats, block):
-        return dj.draft_logits(q.replace(params=params), target, feats, block)
+    fwd = logits_of_params(target, q)
 
     audit = dj.audit_scales(fwd, q.params, feats, block)
     assert audit.ok and len(audit.checked) == 15, str(audit)
@@ -164,8 +154,7 @@ def test_ablation_is_named_exactly(pair):
     target, drafter, feats, block = pair
     q = quantize_nvfp4(drafter)
 
-    def fwd(params, feats, block):
-        return dj.draft_logits(q.replace(params=params), target, feats, block)
+    fwd = logits_of_params(target, q)
 
     audit = dj.audit_scales(ablated_forward(fwd), q.params, feats, block)
     expected = {f"layers[{i}].self_attn.{p}: global_scale" for i in range(2)
@@ -174,9 +163,9 @@ def test_ablation_is_named_exactly(pair):
     with pytest.raises(AssertionError, match="v_proj"):
         audit.raise_if_missing()
     # The falsified value changes the drafter's output drastically; the real one does not.
-    ref = dj.draft_logits(drafter, target, feats, block)
-    good = dj.draft_logits(q, target, feats, block)
-    bad = dj.draft_logits(drop_global_scales(q, ATTENTION_PROJECTIONS), target, feats, block)
+    ref = dj.draft_logits(target, drafter, feats, block)
+    good = dj.draft_logits(target, q, feats, block)
+    bad = dj.draft_logits(target, drop_global_scales(q, ATTENTION_PROJECTIONS), feats, block)
     assert float(jnp.abs(bad - ref).mean()) > 5 * float(jnp.abs(good - ref).mean())
 
 
@@ -228,10 +217,10 @@ def test_shipped_nvfp4_keeps_acceptance(shipped, draft_length):
 
 def test_orbax_round_trip_keeps_w4a4_input_scales(pair, tmp_path):
     target, drafter, feats, block = pair
-    cal = collect_linear_inputs(_drafter_forward(target), drafter, feats, block)
+    cal = collect_linear_inputs(logits_of_drafter(target), drafter, feats, block)
     q4 = quantize_nvfp4(drafter, activations="w4a4", calibration=cal)
     dj.save(tmp_path / "d", q4)
     back = dj.load_drafter(tmp_path / "d")
     assert back.params.layers[1].mlp.up_proj.input_scale is not None
-    np.testing.assert_array_equal(np.asarray(dj.draft_logits(q4, target, feats, block)),
-                                  np.asarray(dj.draft_logits(back, target, feats, block)))
+    np.testing.assert_array_equal(np.asarray(dj.draft_logits(target, q4, feats, block)),
+                                  np.asarray(dj.draft_logits(target, back, feats, block)))

@@ -128,7 +128,7 @@ def accept_with_bug(d_logits, drafts, v_logits, keys, sp, bug):
          else jnp.where(bug == BUGS.index("q_at_T1"),
                         processed_probs(d_logits, dataclasses.replace(sp, temperature=1.0)),
                         processed_probs(d_logits, sp)))
-    keys, uniforms = sampling._draw(keys, D + p.shape[-1])
+    keys, uniforms = sampling._draw(keys, D + 1)
     u = uniforms[:, :D]
     p_x = jnp.take_along_axis(p[:, :D], drafts[..., None], axis=-1)[..., 0]
     q_x = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]

@@ -139,7 +139,7 @@ def test_rules_replicate_kv_heads_below_the_model_axis():
 def test_shard_on_one_device_keeps_generation():
     """A 1 x 1 mesh is a valid mesh: the same tokens as the unplaced models, through the mesh code path."""
     cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_chunk=None)
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     target = make_target(cfg, 0)
     placed = S.shard(target, S.make_mesh(1, 1))
     assert S.mesh_of(placed) is not None and S.mesh_of(target) is None

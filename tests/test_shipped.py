@@ -82,7 +82,7 @@ def test_shipped_nvfp4_dflash2_audit_on_real_features(default, drafter2):
     block[0, 0] = ids[-1]
 
     def fwd(p, f, b):
-        return draft_proposal(q.replace(params=p), target, f, b)
+        return draft_proposal(target, q.replace(params=p), f, b)
 
     audit = dj.audit_scales(fwd, q.params, feats, block)
     assert audit.ok, str(audit)

@@ -21,6 +21,7 @@ from dflash_jax.models.layers import rms_norm, write_rows
 from dflash_jax.params import (abstract_drafter, abstract_target, is_spec, logical_axes, map_named,
                                named_leaves)
 from dflash_jax.models.target import KVCache, Target, forward_with_cache, init_target, target_forward
+import report  # tests/report.py
 
 # `dflash_jax.models.target` the attribute is shadowed by nothing, but import the module explicitly for monkeypatching.
 target_mod = importlib.import_module("dflash_jax.models.target")
@@ -72,7 +73,8 @@ PARITY_CASES = {
                                               rope_theta=100_000.0, rope_scaling_factor=2.0,
                                               tie_word_embeddings=True, num_hidden_layers=4),
 }
-PARITY_ERRORS: dict[str, tuple[float, float]] = {}
+PARITY_ERRORS: dict[str, tuple[float, float]] = report.section(  # printed at the end of the run (tests/report.py)
+    "target vs HF relative error", lambda k, v: f"{k}: logits {v[0]:.2e}, features {v[1]:.2e}")
 
 
 def _hf_forward(folder, tokens):

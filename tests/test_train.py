@@ -12,6 +12,7 @@ import dflash_jax as dj
 from dflash_jax.train import drafter as td
 from dflash_jax.train.loop import OptimConfig, run
 from dflash_jax.train.target import lm_loss, random_windows
+from helpers import inference_at_anchors, training_batch
 
 CFG = dj.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=10000.0)
@@ -109,16 +110,10 @@ def test_training_forward_equals_inference_forward(tiny_pair):
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 63, (2, 30)).astype(np.int32)
     anchors = np.array([[3, 4, 11, 20], [5, 12, 13, 24]], np.int32)
-    batch = {"tokens": jnp.asarray(tokens), "lengths": jnp.asarray([30, 26], jnp.int32),
-             "anchors": jnp.asarray(anchors), "keep": jnp.ones((2, 4), bool), "target": target.params}
+    batch = training_batch(target, tokens, [30, 26], anchors)
     logits = td.training_logits(drafter.params, batch, cfg, target.config)
-    _, feats = dj.target_forward(target, tokens, cfg.target_layer_ids)
-    for b in range(2):
-        for n, a in enumerate(anchors[b]):
-            block = np.full((1, cfg.block_size), cfg.mask_token_id)
-            block[0, 0] = tokens[b, a]
-            ref = dj.draft_logits(drafter, target, feats[b:b + 1, :a], block)
-            np.testing.assert_allclose(np.asarray(logits[b, n]), np.asarray(ref[0]), atol=2e-5, rtol=2e-5)
+    for b, n, ref in inference_at_anchors(target, drafter, tokens, anchors, dj.draft_logits):
+        np.testing.assert_allclose(np.asarray(logits[b, n]), np.asarray(ref[0]), atol=2e-5, rtol=2e-5)
     labels, valid = td.training_labels(batch, cfg.block_size)
     assert int(labels[0, 0, 0]) == tokens[0, 4] and int(labels[0, 0, 4]) == tokens[0, 8]  # slot k -> x_{a+k}
     assert not bool(valid[1, 3, 2])  # 24 + 3 >= length 26 is out of the sequence

@@ -20,18 +20,13 @@ from dflash_jax.train import drafter as td
 from dflash_jax.train import drafter2 as td2
 from dflash_jax.train.loop import OptimConfig, run
 from random_models import nontrivial_dflash2, random_params
+from helpers import inference_at_anchors, training_batch
 
 CFG = dj.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=10000.0)
 DCFG = dj.DrafterConfig(model=CFG.replace(num_hidden_layers=2), block_size=6, mask_token_id=63,
                         target_layer_ids=(1, 2), num_target_layers=4, kind="dflash2", conv_group_size=8,
                         selector_rank=8, selector_top_k=8, is_causal=False)
-
-
-def _batch(target, tokens, lengths, anchors):
-    return {"tokens": jnp.asarray(tokens), "lengths": jnp.asarray(lengths, jnp.int32),
-            "anchors": jnp.asarray(anchors, jnp.int32), "keep": jnp.ones(np.shape(anchors), bool),
-            "target": target.params}
 
 
 def test_training_forward_equals_inference_forward_dflash2():
@@ -45,19 +40,14 @@ def test_training_forward_equals_inference_forward_dflash2():
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 63, (2, 30)).astype(np.int32)
     anchors = np.array([[3, 4, 11, 20], [5, 11, 13, 23]], np.int32)  # adjacent / overlapping blocks included
-    batch = _batch(target, tokens, [30, 26], anchors)
+    batch = training_batch(target, tokens, [30, 26], anchors)
     h, _ = td.training_hidden(drafter.params, batch, cfg, target.config)
     logits = td.training_logits(drafter.params, batch, cfg, target.config)
     scores, idx, usable = td2.selector_terms(drafter.params, h, logits, batch, cfg)
-    _, feats = dj.target_forward(target, tokens, cfg.target_layer_ids)
-    for b in range(2):
-        for n, a in enumerate(anchors[b]):
-            block = np.full((1, cfg.block_size), cfg.mask_token_id)
-            block[0, 0] = tokens[b, a]
-            ref = draft_proposal(drafter, target, feats[b:b + 1, :a], block)
-            np.testing.assert_allclose(np.asarray(logits[b, n]), np.asarray(ref.logits[0]), atol=3e-5, rtol=3e-5)
-            np.testing.assert_allclose(np.asarray(scores[b, n, 0]), np.asarray(ref.scores[0, 0]), atol=3e-5,
-                                       rtol=3e-5)  # slot 1: both walk from the anchor
+    for b, n, ref in inference_at_anchors(target, drafter, tokens, anchors, draft_proposal):
+        np.testing.assert_allclose(np.asarray(logits[b, n]), np.asarray(ref.logits[0]), atol=3e-5, rtol=3e-5)
+        np.testing.assert_allclose(np.asarray(scores[b, n, 0]), np.asarray(ref.scores[0, 0]), atol=3e-5,
+                                   rtol=3e-5)  # slot 1: both walk from the anchor
 
 
 def test_selector_terms_teacher_forcing_and_out_of_topk_slots():
@@ -67,7 +57,7 @@ def test_selector_terms_teacher_forcing_and_out_of_topk_slots():
     target = dj.init_target(CFG, jax.random.key(0))
     params = nontrivial_dflash2(random_params(abstract_drafter(cfg), 1, std=0.1), 2)
     tokens = np.arange(20, dtype=np.int32)[None] * 3 % 63  # x_p = 3p mod 63
-    batch = _batch(target, tokens, [12], [[4, 8]])
+    batch = training_batch(target, tokens, [12], [[4, 8]])
     D, k = cfg.block_size - 1, 3
     labels = tokens[0, np.array([[4, 8]]).T + np.arange(1, D + 1)]  # [N, D]
     logits = np.full((1, 2, D, 64), -5.0, np.float32)

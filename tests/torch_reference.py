@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dflash_jax.params import named_leaves
+
 
 def tt(x) -> torch.Tensor:
     """Any array as a float64 torch tensor."""
@@ -30,3 +32,12 @@ def rope(x, pos, theta, factor):
 def rel_err(got, ref) -> float:
     """max |got - ref| / max |ref|."""
     return float(np.max(np.abs(np.asarray(got, np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+def torch_inputs(drafter, target, features, block):
+    """What both drafter restatements start from, in float64: the drafter's weights and the target's (by flat name),
+    the LM head (the embedding when tied), the features [B, C, K*H] and the block [B, bs] (int64)."""
+    w = {k: tt(v) for k, v in named_leaves(drafter.params).items()}
+    tw = {k: tt(v) for k, v in named_leaves(target.params).items() if v is not None}
+    head = tw["embed_tokens"] if target.config.tie_word_embeddings else tw["lm_head"]
+    return w, tw, head, tt(features), torch.from_numpy(np.asarray(block, np.int64))

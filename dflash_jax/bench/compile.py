@@ -6,11 +6,14 @@
 Sections:
   attention  verify step (D+1 tokens) at 64 live tokens in caches of 256 and 16,384 slots: ms each and the ratio
              (attention visits only the live chunks, so the ratio should be ~1), and decode / draft for reference.
-  programs   distinct compiled programs for 100 prompts with lengths spread over 1..1000 tokens (length buckets),
-             and for 4 temperatures x 3 EOS sets x 3 budgets on one prompt shape (traced sampling and budgets).
+  programs   compiled loop programs and prefill programs, counted apart, for 100 prompts with lengths spread over
+             1..1000 tokens (a new prompt bucket compiles prefill only), for 4 temperatures x 3 EOS sets x 3 budgets
+             on one prompt shape (traced sampling and budgets), and for batches of 1..8 rows (batch buckets).
   sampling   ms per loop step of the greedy program vs the sampling program run near-greedy (why greedy keeps a
              program of its own), and their compile times.
   cli        wall time of `dflash-jax generate "def f(x):"` run twice with a fresh persistent compilation cache.
+  prefill_memory  compiled temp memory of prefill (compile only, `memory_analysis`): a small shape at 2k vs 8k
+             prompt tokens (blocked attention: linear, not quadratic) and one Qwen3-8B-shaped layer at 32k tokens.
   scan       prototype: a 36-layer Qwen3-shaped target (hidden 256), an autoregressive decode loop with the layers
              unrolled vs `lax.scan` over stacked layers: compile seconds and ms per decode step.
 The persistent compilation cache is on (as for every benchmark here) except where a section says otherwise.
@@ -38,9 +41,41 @@ from dflash_jax.decode.programs import generate
 from dflash_jax.io.compile_cache import enable_compilation_cache
 from dflash_jax.io.shipped import load_default
 from dflash_jax.models.layers import decoder_layer, rms_norm, write_rows
-from dflash_jax.models.target import KVCache, init_target, lm_logits
+from dflash_jax.models.target import KVCache, Target, init_target, lm_logits
+from dflash_jax.params import abstract_target, is_spec
 
-SECTIONS = ("attention", "programs", "sampling", "cli", "scan")
+SECTIONS = ("attention", "programs", "sampling", "cli", "scan", "prefill_memory")
+
+# One Qwen3-8B decoder layer (vocab cut: the embedding and LM head are not what prefill memory is about).
+QWEN3_8B_LAYER = Qwen3Config(vocab_size=1024, hidden_size=4096, intermediate_size=12288, num_hidden_layers=1,
+                             num_attention_heads=32, num_key_value_heads=8, head_dim=128, param_dtype="bfloat16",
+                             compute_dtype="bfloat16")
+SMALL_PREFILL = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
+
+
+def prefill_temp_bytes(cfg: Qwen3Config, tokens: int, batch: int = 1) -> int:
+    """Temp bytes XLA allocates for `prefill` of `batch` prompts of `tokens` tokens into a cache of as many slots
+    (compiled for this backend, never run: weights and prompts are abstract)."""
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, cfg.storage_dtype), abstract_target(cfg),
+                          is_leaf=is_spec)
+    target = Target(params=params, config=cfg)
+    prompt = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
+    lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    fn = jax.jit(lambda t, p, n: G.prefill(t, p, n, tokens)[:3])
+    return int(fn.lower(target, prompt, lens).compile().memory_analysis().temp_size_in_bytes)
+
+
+def prefill_memory_section(*, small=(2048, 8192), big_tokens: int = 32768) -> dict:
+    a, b = (prefill_temp_bytes(SMALL_PREFILL, n) for n in small)
+    print(f"prefill temp memory, hidden {SMALL_PREFILL.hidden_size} x {SMALL_PREFILL.num_hidden_layers} layers: "
+          f"{small[0]} tokens {a / 2**20:.1f} MiB, {small[1]} tokens {b / 2**20:.1f} MiB -> {b / a:.2f}x "
+          f"(quadratic would be {(small[1] / small[0]) ** 2:.0f}x)", flush=True)
+    big = prefill_temp_bytes(QWEN3_8B_LAYER, big_tokens)
+    print(f"prefill temp memory, one Qwen3-8B-shaped layer (bf16), {big_tokens} tokens, batch 1: "
+          f"{big / 2**30:.2f} GiB", flush=True)
+    return {"small_tokens": list(small), "small_bytes": [a, b], "ratio": b / a, "qwen3_8b_layer_tokens": big_tokens,
+            "qwen3_8b_layer_bytes": big}
 
 
 def attention_section(target, drafter, *, live: int = 64, cache_lens=(256, 16384), reps: int = 20) -> dict:
@@ -64,26 +99,44 @@ def attention_section(target, drafter, *, live: int = 64, cache_lens=(256, 16384
 
 
 def programs_section(target, drafter, *, n_prompts: int = 100, max_len: int = 1000, new_tokens: int = 8) -> dict:
+    """Programs compiled (traced) for n_prompts lengths over 1..max_len and for a grid of settings, counted apart:
+    prefill programs (one per prompt bucket) and loop programs (keyed on cache / batch / budget buckets and flags)."""
     rng = np.random.default_rng(0)
     V = target.config.vocab_size
     lens = np.linspace(1, max_len, n_prompts).astype(int)
-    t0, c0 = G.TRACE_COUNTS["speculative"], time.perf_counter()
+
+    def counts():
+        return G.TRACE_COUNTS["prefill"], G.TRACE_COUNTS["speculative"]
+
+    (p0, l0), c0 = counts(), time.perf_counter()
     for n in lens:
-        generate(target, drafter, [rng.integers(2, V, int(n)).tolist()], max_new_tokens=new_tokens,
+        generate(target, drafter, [rng.integers(2, V, int(n)).tolist()], max_new_tokens=new_tokens, eos_ids=(),
                  prefill_timing="rerun")
-    n_len = G.TRACE_COUNTS["speculative"] - t0
-    print(f"{n_prompts} prompts, lengths {lens.min()}..{lens.max()}: {n_len} compiled programs "
+    p1, l1 = counts()
+    buckets = sorted({G.prompt_bucket(int(n)) for n in lens})
+    print(f"{n_prompts} prompts, lengths {lens.min()}..{lens.max()}: {l1 - l0} loop program(s), {p1 - p0} prefill "
+          f"programs ({len(buckets)} prompt buckets {buckets[0]}..{buckets[-1]}; cache bucket rule: powers of two >= "
+          f"{G.CACHE_BUCKET_MIN} up to {G.FINE_ABOVE} slots, then multiples of {G.FINE_STEP}) "
           f"({time.perf_counter() - c0:.1f} s in all)", flush=True)
     prompt = [rng.integers(2, V, 20).tolist()]
-    t1 = G.TRACE_COUNTS["speculative"]
     for temperature in (0.0, 0.5, 0.8, 1.0):
         for eos in ((), (0,), (0, 5, 9)):
             for budget in (40, 50, 60):
                 generate(target, drafter, prompt, max_new_tokens=budget, temperature=temperature, eos_ids=eos,
                          prefill_timing="rerun")
-    n_grid = G.TRACE_COUNTS["speculative"] - t1
-    print(f"4 temperatures x 3 EOS sets x 3 budgets, one prompt shape: {n_grid} compiled programs")
-    return {"length_programs": n_len, "grid_programs": n_grid}
+    p2, l2 = counts()
+    print(f"4 temperatures x 3 EOS sets x 3 budgets, one prompt shape: {l2 - l1} loop program(s), {p2 - p1} prefill "
+          "program(s)")
+    batches = (1, 2, 3, 4, 5, 7, 8)
+    for b in batches:
+        generate(target, drafter, [prompt[0]] * b, max_new_tokens=8, eos_ids=(), prefill_timing="rerun")
+    p3, l3 = counts()
+    rows = sorted({G.batch_bucket(b) for b in batches})
+    print(f"batches of {', '.join(map(str, batches))} rows: {l3 - l2} loop program(s), {p3 - p2} prefill program(s) "
+          f"(batch buckets {rows}; inert padding rows)")
+    return {"length_programs": l1 - l0, "length_prefill_programs": p1 - p0, "prompt_buckets": len(buckets),
+            "grid_programs": l2 - l1, "grid_prefill_programs": p2 - p1, "batch_programs": l3 - l2,
+            "batch_prefill_programs": p3 - p2, "batch_buckets": len(rows)}
 
 
 def sampling_section(target, drafter, *, new_tokens: int = 300, prompt_len: int = 40, reps: int = 3) -> dict:
@@ -138,7 +191,7 @@ def scan_section(*, layers: int = 36, hidden: int = 256, steps: int = 64, reps: 
         ks, vs = [], []
         for i, layer in enumerate(target.params.layers):
             x, k, v = decoder_layer(layer, x, pos, cfg, cache_k=cache.k[i], cache_v=cache.v[i],
-                                    cache_len=cache.lengths, causal=True, chunk=cfg.attention_chunk)
+                                    cache_len=cache.lengths, causal=True)
             ks.append(write_rows(cache.k[i], k, pos))
             vs.append(write_rows(cache.v[i], v, pos))
         logits = lm_logits(target, rms_norm(x, target.params.norm, cfg.rms_norm_eps))
@@ -151,7 +204,7 @@ def scan_section(*, layers: int = 36, hidden: int = 256, steps: int = 64, reps: 
         def layer_fn(x, xs):
             layer, ck, cv = xs
             x, k, v = decoder_layer(layer, x, pos, cfg, cache_k=ck, cache_v=cv, cache_len=cache.lengths,
-                                    causal=True, chunk=cfg.attention_chunk)
+                                    causal=True)
             return x, (write_rows(ck, k, pos), write_rows(cv, v, pos))
 
         x, (ks, vs) = jax.lax.scan(layer_fn, x, (stacked, cache.k, cache.v))
@@ -207,7 +260,7 @@ def main(argv=None):
     enable_compilation_cache()
     print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}; one run, figures not asserted", flush=True)
-    target, drafter, _ = load_default()
+    target, drafter = (None, None) if set(sections) <= {"prefill_memory", "scan", "cli"} else load_default()[:2]
     figures = {}
     for name in sections:
         print(f"\n== {name}", flush=True)
@@ -221,6 +274,8 @@ def main(argv=None):
             figures[name] = cli_section()
         elif name == "scan":
             figures[name] = scan_section()
+        elif name == "prefill_memory":
+            figures[name] = prefill_memory_section()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1, default=float)

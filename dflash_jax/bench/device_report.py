@@ -28,6 +28,14 @@ is spent):
      portable): the goal is c(NVFP4) <= 0.8 c(bf16);
   4. the embedded pair (checkpoints/, bf16): bench.compare AR vs DFlash with the dense and the NVFP4 drafter (tau,
      tokens/s, speedup, exact-match count);
+  4b. the decode core (issue 26, part 1; `decode_core_section`): while loops and conditionals in the speculative
+     program lowered for CUDA (greedy and sampled: one dynamic loop, the generation loop, and no conditional is
+     the goal), compiled prefill temp memory (2k vs 8k tokens on a small shape; one Qwen3-8B layer at 32k), a verify
+     step at 64 live tokens in 256- vs 16,384-slot caches (attention reads the whole bucket), and portable vs
+     pallas NVFP4 in bf16 (both apply the tensor scale after the dot, so they should agree to bf16 rounding);
+  4c. the embedded pair in bfloat16 compute: greedy speculative vs autoregressive over 32 prompts x 256 tokens
+     (mismatch rate, first divergence) and the programs compiled for 20 prompt lengths over 1..1000 (prefill and
+     loop apart);
   5. last, a sweep of pallas tiles (M = 1 on every shape, M = 16 on 4096x4096; the best per shape, so that
      choose_tiles can be tuned).
 Timings are medians of one run; nothing here asserts a speed.
@@ -55,8 +63,11 @@ import numpy as np
 from dflash_jax.quant import pallas_nvfp4
 from dflash_jax.quant.linear import linear, native_supported, pallas_supported, resolve_backend, set_default_backend
 from dflash_jax.quant.nvfp4 import NVFP4Array, dequantize, quantize
+from dflash_jax.bench import compile as compilebench
 from dflash_jax.bench import speculative as bench
+from dflash_jax.bench.lowering import loop_report, speculative_module
 from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.decode import programs as G
 from dflash_jax.io.checkpoint import load_drafter, load_target
 from dflash_jax.io.shipped import checkpoints_dir
 from dflash_jax.io.tokenizer import Tokenizer
@@ -381,6 +392,72 @@ def _set_backend(backend: str | None):
     set_default_backend(backend)
 
 
+# -- 4b. the decode core (issue 26, part 1) ---------------------------------------------------------------------
+
+def _lowering_counts(smoke: bool) -> dict:
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0)
+    dcfg = DrafterConfig(cfg.replace(num_hidden_layers=1), 4, 63, (0, 1), 2)
+    target, drafter = init_target(cfg, jax.random.key(0)), init_drafter(dcfg, jax.random.key(1))
+    out = {}
+    for name, kw in (("greedy", {}), ("sampled", dict(temperature=0.8, top_k=5, top_p=0.9, p_min=0.05))):
+        text = speculative_module(target, drafter, [list(range(1, 21))], chunk=8, max_new_tokens=16, **kw)
+        out[name] = loop_report(text)
+        print(f"  lowered for CUDA, {name}: {out[name]}", flush=True)
+    return out
+
+
+def _bf16_backend_agreement(smoke: bool) -> dict:
+    n, k = SMOKE_SHAPES[0] if smoke else QWEN3_8B_SHAPES[0]
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((4, k)), jnp.bfloat16)
+    q = quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.02, jnp.float32))
+    ys = {b: np.asarray(jax.jit(lambda x, q, b=b: linear(x, q, backend=b))(x, q).astype(jnp.float32))
+          for b in ("portable", "pallas")}
+    rel = float(np.max(np.abs(ys["pallas"] - ys["portable"])) / np.max(np.abs(ys["portable"])))
+    print(f"  bf16 {n}x{k}, M=4: max |pallas - portable| / max |portable| = {rel:.2e}", flush=True)
+    return {"shape": [n, k], "m": 4, "max_rel_diff": rel}
+
+
+def decode_core_section(report: Report, smoke: bool) -> dict:
+    """Issue 26, part 1: no host round trip inside a step, bounded prefill memory, long-cache attention, NVFP4 bf16
+    agreement. Each part records its own failure instead of losing the others."""
+    out: dict[str, Any] = {}
+
+    def part(name, fn):
+        if report.left() < (5 if smoke else 30):
+            report.skip(f"decode core {name}", "time budget nearly spent")
+            return
+        try:
+            out[name] = fn()
+        except Exception as e:
+            out[name] = {"unavailable": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+        report.section("decode_core", out)
+
+    part("lowering", lambda: _lowering_counts(smoke))
+
+    def prefill_memory():
+        small = (512, 2048) if smoke else (2048, 8192)
+        a, b = (compilebench.prefill_temp_bytes(compilebench.SMALL_PREFILL, n) for n in small)
+        res = {"small_tokens": list(small), "small_bytes": [a, b], "ratio": b / a}
+        if not smoke:
+            res["qwen3_8b_layer_32k_bytes"] = compilebench.prefill_temp_bytes(compilebench.QWEN3_8B_LAYER, 32768)
+        print(f"  prefill temp memory: {res}", flush=True)
+        return res
+
+    part("prefill_memory", prefill_memory)
+
+    def long_cache():
+        target, drafter = _qwen3_8b_pair(2, 1, smoke)
+        lens = (32, 96) if smoke else (256, 16384)
+        return compilebench.attention_section(target, drafter, live=8 if smoke else 64, cache_lens=lens,
+                                              reps=2 if smoke else 10)
+
+    part("long_cache_attention", long_cache)
+    part("nvfp4_bf16_agreement", lambda: _bf16_backend_agreement(smoke))
+    return out
+
+
 # -- 4. the embedded pair ---------------------------------------------------------------------------------------
 
 def embedded_section(report: Report, smoke: bool) -> dict:
@@ -402,6 +479,37 @@ def embedded_section(report: Report, smoke: bool) -> dict:
         print(f"  embedded {name}: tau {r['tau']:.2f}, {r['tokens_per_s']:.1f} tok/s, speedup {r['speedup']:.2f}x, "
               f"exact {r['exact_match']}", flush=True)
     report.section("embedded", out)
+    return out
+
+
+# -- 4c. programs and bf16 exactness (issue 26, items 4 and 6) ------------------------------------------------------
+
+def programs_section(report: Report, smoke: bool) -> dict:
+    """The embedded pair in bfloat16 compute: greedy speculative vs autoregressive over 32 prompts x 256 tokens
+    (mismatch rate, first divergence), and the programs compiled for prompt lengths spread over 1..1000 (prefill and
+    loop counted apart: a new prompt bucket should compile prefill only)."""
+    root = checkpoints_dir()
+    target = load_target(root / "target", param_dtype="bfloat16", compute_dtype="bfloat16")
+    drafter = load_drafter(root / "drafter", param_dtype="bfloat16", compute_dtype="bfloat16")
+    tok = Tokenizer.from_file(root / "tokenizer.json")
+    _set_backend(None)
+    n_prompts, new = (2, 8) if smoke else (32, 256)
+    prompts = [tok.encode(t) for t in corpus.held_out_prompts(n_prompts, seed=0)]
+    ex = bench.bf16_exactness(target, drafter, prompts, max_new_tokens=new)
+    print("  " + bench.format_bf16_exactness(ex), flush=True)
+    n_lens, max_len = (3, 40) if smoke else (20, 1000)
+    p0, l0 = G.TRACE_COUNTS["prefill"], G.TRACE_COUNTS["speculative"]
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    for n in np.linspace(1, max_len, n_lens).astype(int):
+        bench.generate(target, drafter, [rng.integers(2, tok.vocab_size, int(n)).tolist()], max_new_tokens=8,
+                       eos_ids=(), prefill_timing=bench.PREFILL_TIMING)
+    counts = {"prompt_lengths": n_lens, "max_len": max_len, "prefill_programs": G.TRACE_COUNTS["prefill"] - p0,
+              "loop_programs": G.TRACE_COUNTS["speculative"] - l0, "seconds": round(time.perf_counter() - t0, 1)}
+    print(f"  {n_lens} prompt lengths over 1..{max_len}: {counts['loop_programs']} loop program(s), "
+          f"{counts['prefill_programs']} prefill programs ({counts['seconds']} s)", flush=True)
+    out = {"bf16_exactness": ex, "compiles": counts}
+    report.section("programs", out)
     return out
 
 
@@ -480,6 +588,19 @@ def markdown(d: dict) -> str:
             lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['tau']:.2f} | {100 * r['acceptance_rate']:.1f}% | "
                          f"{r['speedup']:.2f}x | {r['exact_match']} |")
         lines.append("")
+    dc = d.get("decode_core")
+    if dc:
+        lines += ["## Decode core (issue 26, part 1)", ""]
+        for name, v in dc.items():
+            lines.append(f"- {name}: " + json.dumps(v, default=_json_default))
+        lines.append("")
+    pr = d.get("programs")
+    if pr:
+        ex, c = pr["bf16_exactness"], pr["compiles"]
+        lines += ["## Programs and bf16 exactness (embedded pair, bfloat16 compute)", "",
+                  f"- {bench.format_bf16_exactness(ex)}",
+                  f"- {c['prompt_lengths']} prompt lengths over 1..{c['max_len']}: {c['loop_programs']} loop "
+                  f"program(s), {c['prefill_programs']} prefill programs", ""]
     if d.get("skipped"):
         lines += ["## Skipped", ""] + [f"- {s['what']}: {s['why']}" for s in d["skipped"]] + [""]
     return "\n".join(lines)
@@ -512,8 +633,11 @@ def main(argv: list[str] | None = None) -> dict:
         ("correctness", lambda: report.section("correctness", correctness(shapes, smoke))),
         ("linear", lambda: linear_timings(shapes, report, smoke, info["peak_hbm_tbps"])),
         ("step_costs", lambda: step_cost_section(report, smoke, args.target_layers or (2 if smoke else 4))),
+        ("decode_core", lambda: decode_core_section(report, smoke)),
         ("embedded", lambda: embedded_section(report, smoke) if not args.no_embedded
          else report.skip("embedded pair", "--no-embedded")),
+        ("programs", lambda: programs_section(report, smoke) if not args.no_embedded
+         else report.skip("programs", "--no-embedded")),
         ("tile_sweep", lambda: tile_sweep(shapes, report, smoke) if not args.no_sweep
          else report.skip("tile sweep", "--no-sweep")),  # last: it only tunes, the rest answers the question
     ]

@@ -114,7 +114,7 @@ def compare(name: str, target, drafter, mesh, prompts, max_new: int) -> dict:
         out[f"tokens_{where}"] = again.tokens
     out["greedy_equal"] = float((out.pop("tokens_1") == out.pop(f"tokens_{many}")).mean())
     call = G.speculative_call(ts, ds, prompts, max_new_tokens=max_new, prefill_timing="rerun")
-    hlo = call.program.lower(*call.args, **call.static).compile().as_text()
+    hlo = call.compiled_text()
     coll = S.hlo_collectives(hlo, S.weight_shapes(ts, ds))
     out["collectives_per_step"] = {k: v for k, v in coll["decode_loop"].items() if v}
     out["weight_all_gathers_in_loop"] = len(coll["weight_all_gathers"])

@@ -22,9 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.io.gguf_drafter import load_drafter_gguf, patch_scales, save_gguf
-from dflash_jax.models.drafter import Drafter, DraftCache, append_context, block_hidden, propose_from_hidden
+from dflash_jax.decode.draft_step import draft_step
+from dflash_jax.decode.sampling import SamplingParams
+from dflash_jax.models.drafter import Drafter, append_context, empty_draft_cache
 from dflash_jax.decode.programs import generate, generate_autoregressive, prefill
 from dflash_jax.models.target import KVCache, Target, forward_with_cache
+from dflash_jax.quant.linear import backend_scope, program_backend
 
 # Benchmarks run with the persistent compilation cache on (cli.py), which never stores a program with a host
 # callback: prefill is timed by a prefill-only rerun of the same compiled program instead of a callback stamp.
@@ -63,31 +66,14 @@ def step_functions(target: Target, drafter: Drafter, *, context_len: int = 64, d
     _, feats, tcache, dcache = fill(target, prompt, lens, cache_len, drafter=drafter)
     pending = feats[:, :D + 1]
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def decode(target, tcache, tok):
-        logits, _, c = forward_with_cache(target, tok, tcache)
-        return jnp.argmax(logits, -1), c.replace(lengths=tcache.lengths)
-
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def verify(target, tcache, toks):
-        logits, feats, c = forward_with_cache(target, toks, tcache, layer_ids)
-        return (jnp.argmax(logits, -1), feats), c.replace(lengths=tcache.lengths)
-
-    @functools.partial(jax.jit, donate_argnums=(2,))
-    def draft(drafter, target, dcache, pending, block):
-        # as the loop drafts: append the pending context, one block pass, the proposals (DFlash: argmax of the
-        # logits; DFlash2: the selector walk)
-        dc = append_context(drafter, pending, jnp.full((batch,), D + 1, jnp.int32), dcache)
-        h = block_hidden(drafter, target, block, dc)[:, 1:1 + D]
-        return propose_from_hidden(drafter, target, h, block[:, 0]).tokens, dc.replace(lengths=dcache.lengths)
-
     tok = prompt[:, -1:]
     toks = prompt[:, -(D + 1):]
     block = jnp.full((batch, dcfg.block_size), dcfg.mask_token_id, jnp.int32).at[:, 0].set(prompt[:, -1])
     _, _, tcache2, _ = fill(target, prompt, lens, cache_len, drafter=drafter)  # decode and verify donate theirs
-    return {"decode_ms": (lambda c: decode(target, c, tok)[1], tcache),
-            "verify_ms": (lambda c: verify(target, c, toks)[1], tcache2),
-            "draft_ms": (lambda c: draft(drafter, target, c, pending, block)[1], dcache),
+    tb, db = program_backend(target), program_backend(drafter, target)
+    return {"decode_ms": (lambda c: _decode_rolled_back(target, c, tok, tb)[1], tcache),
+            "verify_ms": (lambda c: _verify_rolled_back(target, c, toks, layer_ids, tb)[1], tcache2),
+            "draft_ms": (lambda c: _draft_rolled_back(drafter, target, c, pending, block, D, db)[1], dcache),
             "_meta": dict(context_len=context_len, draft_length=D, batch=batch, cache_len=cache_len)}
 
 
@@ -104,15 +90,50 @@ def step_costs(target: Target, drafter: Drafter, *, context_len: int = 64, draft
     return out
 
 
-def _draft_fn(batch: int, D: int):
-    """One greedy draft call as the loop makes it: append the pending context, one block pass, the proposals
-    (DFlash: argmax of the logits; DFlash2: the selector walk)."""
-    @jax.jit
-    def draft(drafter, target, dcache, pending, block):
-        dc = append_context(drafter, pending, jnp.full((batch,), D + 1, jnp.int32), dcache)
-        h = block_hidden(drafter, target, block, dc)[:, 1:1 + D]
-        return propose_from_hidden(drafter, target, h, block[:, 0]).tokens
-    return draft
+def greedy_draft(drafter: Drafter, target: Target, dcache: KVCache, pending: jax.Array, block: jax.Array, D: int):
+    """One greedy draft call as generate's loop makes it: append the D+1 pending context features [B, D+1, K*H],
+    then the loop's own `draft_step` (one block pass; DFlash: argmax of the logits, DFlash2: the selector walk).
+    -> (drafts [B, D] int32, the draft cache after the append). Callers return only the drafts, so XLA drops what
+    the loop would also build for verification (the DFlash2 selector's q on the vocabulary)."""
+    B = block.shape[0]
+    dc = append_context(drafter, pending, jnp.full((B,), D + 1, jnp.int32), dcache)
+    keys = jnp.zeros((B, 2), jnp.uint32)  # greedy: no draw is made
+    drafts, _, _, _ = draft_step(drafter, target, block, dc, D, keys, SamplingParams())
+    return drafts, dc
+
+
+# The step programs are module-level, so every `step_functions` / `draft_costs` call with the same shapes shares them
+# (the target's decode and verify across drafters, e.g.); the NVFP4 backend is a static argument, as in generate.
+
+@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(1,))
+def _decode_rolled_back(target, tcache, tok, backend):
+    """One decode step (1 token) on a donated cache whose lengths are rolled back, as a rejected step does."""
+    with backend_scope(backend):
+        logits, _, c = forward_with_cache(target, tok, tcache)
+    return jnp.argmax(logits, -1), c.replace(lengths=tcache.lengths)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4), donate_argnums=(1,))
+def _verify_rolled_back(target, tcache, toks, layer_ids, backend):
+    """One verify (D+1 tokens, tapped features) on a donated cache whose lengths are rolled back."""
+    with backend_scope(backend):
+        logits, feats, c = forward_with_cache(target, toks, tcache, layer_ids)
+    return (jnp.argmax(logits, -1), feats), c.replace(lengths=tcache.lengths)
+
+
+@functools.partial(jax.jit, static_argnums=(5, 6), donate_argnums=(2,))
+def _draft_rolled_back(drafter, target, dcache, pending, block, D, backend):
+    """`greedy_draft` on a donated draft cache whose lengths are rolled back."""
+    with backend_scope(backend):
+        tokens, dc = greedy_draft(drafter, target, dcache, pending, block, D)
+    return tokens, dc.replace(lengths=dcache.lengths)
+
+
+@functools.partial(jax.jit, static_argnums=(5, 6))
+def _draft_only(drafter, target, dcache, pending, block, D, backend):
+    """`greedy_draft`'s drafts alone (the cache is not donated: `draft_costs` reuses it every repetition)."""
+    with backend_scope(backend):
+        return greedy_draft(drafter, target, dcache, pending, block, D)[0]
 
 
 def draft_costs(target: Target, drafters: dict, *, context_len: int = 64, draft_length: int = 7, batch: int = 1,
@@ -138,12 +159,11 @@ def draft_costs(target: Target, drafters: dict, *, context_len: int = 64, draft_
         return jnp.argmax(logits, -1), c.lengths
 
     calls = {"decode": (decode, (target, tcache, prompt[:, -1:]))}
-    draft = _draft_fn(batch, D)
     for name, d in drafters.items():
         dcache = jax.jit(lambda d, f: append_context(d, f, jnp.full((batch,), context_len, jnp.int32),
-                                                     DraftCache.empty(d.config, batch, cache_len)))(d, feats)
+                                                     empty_draft_cache(d.config, batch, cache_len)))(d, feats)
         block = jnp.full((batch, d.config.block_size), d.config.mask_token_id, jnp.int32).at[:, 0].set(prompt[:, -1])
-        calls[name] = (draft, (d, target, dcache, feats[:, :D + 1], block))
+        calls[name] = (_draft_only, (d, target, dcache, feats[:, :D + 1], block, D, program_backend(d, target)))
     for fn, args in calls.values():  # compile + warm up
         jax.block_until_ready(fn(*args))
     times = {name: [] for name in calls}
@@ -205,19 +225,23 @@ def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], 
     return out
 
 
+def _drafter_table(rows: list[dict], names: Sequence[str], head: str, left: Callable[[dict], str],
+                   head_of: Callable[[str], str], cell: Callable[[dict, str], str]) -> str:
+    """One line per result row: the row's own columns, then one group of columns per drafter name."""
+    head += "".join(head_of(n) for n in names)
+    return "\n".join([head, "-" * len(head)] + [left(r) + "".join(cell(r, n) for n in names) for r in rows])
+
+
 def format_compare_table(results: list[dict], names: Sequence[str] = ("dflash",)) -> str:
-    head = f"{'new tok':>8} {'AR tok/s':>9}"
-    for n in names:
-        head += f" | {n + ' tok/s':>14} {'accept':>7} {'tau':>5} {'speedup':>7} {'exact':>6}"
-    lines = [head, "-" * len(head)]
-    for r in results:
-        line = f"{r['max_new_tokens']:>8} {r['ar_tokens_per_s']:>9.1f}"
-        for n in names:
-            x = r[n]
-            line += (f" | {x['tokens_per_s']:>14.1f} {100 * x['acceptance_rate']:>6.1f}% {x['tau']:>5.2f} "
-                     f"{x['speedup']:>6.2f}x {x['exact_match']:>6}")
-        lines.append(line)
-    return "\n".join(lines)
+    def cell(r, n):
+        x = r[n]
+        return (f" | {x['tokens_per_s']:>14.1f} {100 * x['acceptance_rate']:>6.1f}% {x['tau']:>5.2f} "
+                f"{x['speedup']:>6.2f}x {x['exact_match']:>6}")
+
+    return _drafter_table(
+        results, names, f"{'new tok':>8} {'AR tok/s':>9}",
+        lambda r: f"{r['max_new_tokens']:>8} {r['ar_tokens_per_s']:>9.1f}",
+        lambda n: f" | {n + ' tok/s':>14} {'accept':>7} {'tau':>5} {'speedup':>7} {'exact':>6}", cell)
 
 
 def format_step_costs(c: dict, tau: float | None = None, measured_step_ms: float | None = None) -> str:
@@ -244,7 +268,7 @@ def format_draft_costs(c: dict) -> str:
 
 
 def format_dflash2_goals(results: list[dict], draft_costs: dict | None = None) -> str:
-    """Issue 10's goal figures from one bench run: tau ratios per table row (NVFP4 both / NVFP4 vs dense DFlash2),
+    """The DFlash2 goal figures from one bench run: tau ratios per table row (NVFP4 both / NVFP4 vs dense DFlash2),
     the draft cost ratio (same run, interleaved) and greedy exactness over every row of both kinds."""
     lines = ["DFlash2 goals (this run; tau ratios per row, D = draft length):"]
     for r in results:
@@ -311,22 +335,21 @@ def pair_table(target: Target, drafters: dict, prompts: Sequence[Sequence[int]],
 
 
 def format_pair_table(rows: list[dict], names: Sequence[str]) -> str:
-    head = f"{'T':>4} {'D':>3} {'new tok':>8} {'AR tok/s':>9}"
-    for n in names:
-        head += f" | {n + ' tau':>12} {'speedup':>7} {'exact':>6}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        line = f"{r['temperature']:>4.1f} {r['draft_length']:>3} {r['max_new_tokens']:>8} {r['ar_tokens_per_s']:>9.1f}"
-        for n in names:
-            x = r[n]
-            exact = x["exact_match"] if r["temperature"] == 0 else "-"
-            line += f" | {x['tau']:>12.2f} {x['speedup']:>6.2f}x {exact:>6}"
-        lines.append(line)
-    return "\n".join(lines)
+    def cell(r, n):
+        x = r[n]
+        exact = x["exact_match"] if r["temperature"] == 0 else "-"
+        return f" | {x['tau']:>12.2f} {x['speedup']:>6.2f}x {exact:>6}"
+
+    return _drafter_table(
+        rows, names, f"{'T':>4} {'D':>3} {'new tok':>8} {'AR tok/s':>9}",
+        lambda r: (f"{r['temperature']:>4.1f} {r['draft_length']:>3} {r['max_new_tokens']:>8} "
+                   f"{r['ar_tokens_per_s']:>9.1f}"),
+        lambda n: f" | {n + ' tau':>12} {'speedup':>7} {'exact':>6}", cell)
 
 
 def format_pair_goals(rows: list[dict], name: str = "nvfp4") -> str:
-    """Issue 9's figures from one pair-table run (same run, medians over prompts)."""
+    """The shipped pair's goal figures from one pair-table run (tau at the longest / shortest output, greedy speedups,
+    the T 0.7 speedup and greedy exactness; same run, medians over prompts)."""
     def cell(T, D, n):
         return next((r for r in rows if r["temperature"] == T and r["draft_length"] == D
                      and r["max_new_tokens"] == n), None)
@@ -381,3 +404,33 @@ def format_gguf_goals(results: list[dict], same_tokens: dict) -> str:
     for name, same in same_tokens.items():
         lines.append(f"  {name}: greedy tokens identical to the in-memory drafter's on every prompt: {same}")
     return "\n".join(lines)
+def bf16_exactness(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                   draft_length: int | None = None) -> dict:
+    """Greedy speculative vs greedy autoregressive, one batched call each, whole budgets (no EOS).
+
+    In float32 the two agree token for token (the tests hold it). In bfloat16 compute they may not: verify runs D+1
+    tokens through one matmul where autoregressive decoding runs one, so the two see different roundings, and a
+    near-tie of the target's top two logits can flip. Returns the fraction of rows that differ anywhere, the first
+    divergence position of those rows (median, min), and the fraction of token positions that agree."""
+    kw = dict(max_new_tokens=max_new_tokens, eos_ids=(), prefill_timing=PREFILL_TIMING)
+    rows = [list(p) for p in prompts]
+    t0 = time.perf_counter()
+    ar = generate_autoregressive(target, rows, **kw)
+    sp = generate(target, drafter, rows, draft_length=draft_length, **kw)
+    a, s = ar.tokens, sp.tokens  # [B, N] each, whole budgets
+    differ = (a != s)
+    first = [int(np.argmax(d)) for d in differ if d.any()]
+    out = {"rows": len(rows), "max_new_tokens": max_new_tokens, "dtype": str(jnp.dtype(target.config.dtype)),
+           "mismatch_rate": float(differ.any(axis=1).mean()), "rows_differing": len(first),
+           "first_divergence_median": float(np.median(first)) if first else None,
+           "first_divergence_min": int(min(first)) if first else None,
+           "token_agreement": float((~differ).mean()), "tau": sp.tau, "wall_s": time.perf_counter() - t0}
+    return out
+
+
+def format_bf16_exactness(d: dict) -> str:
+    div = (f"first divergence at token {d['first_divergence_median']:.0f} (median of the differing rows), "
+           f"{d['first_divergence_min']} (min)" if d["rows_differing"] else "no divergence")
+    return (f"greedy speculative vs autoregressive, {d['dtype']} compute, {d['rows']} rows x {d['max_new_tokens']} "
+            f"tokens: mismatch rate {100 * d['mismatch_rate']:.1f}% of rows ({d['rows_differing']}/{d['rows']}); "
+            f"{div}; {100 * d['token_agreement']:.1f}% of token positions agree; tau {d['tau']:.2f}")

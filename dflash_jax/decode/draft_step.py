@@ -4,10 +4,11 @@ DFlash: drafts are the argmax of the draft logits (greedy), or samples from q = 
 draft_sampling "sample"); q is recomputed from the logits by `accept_block`.
 DFlash2: drafts are the candidate selector's walk from the block's first token: greedy, or at T > 0 sampled slot by
 slot from q_t = softmax(S_t / T) over the k candidates (z-lab draws the selector at temperature T without top-k /
-top-p). That q, scattered onto the vocabulary, is the draft distribution of rejection sampling: the proposals are
-drawn sequentially and each q_t is conditioned on the previous proposal, which is exactly the accepted prefix
-whenever slot t is tested, so the rule stays lossless. With p_min, a DFlash2 slot's confidence is the selector's
-own top probability (softmax of its scores at T, or at 1 when greedy); z-lab does not define this interaction.
+top-p). That q (zero outside the candidates; kept over them) is the draft distribution of rejection sampling: the
+proposals are drawn sequentially and each q_t is conditioned on the previous proposal, which is exactly the
+accepted prefix whenever slot t is tested, so the rule stays lossless. With p_min, a DFlash2 slot's confidence is the
+selector's own top probability (softmax of its scores at T, or at 1 when greedy); z-lab does not define this
+interaction.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from dflash_jax.models.target import KVCache, Target
 def draft_step(drafter: Drafter, target: Target, block: jax.Array, cache: KVCache, num_slots: int, keys: jax.Array,
                sp: SamplingParams):
     """block [B, bs] (slot 0 = last committed token) over the draft cache -> (drafts [B, D] int32,
-    draft logits [B, D, V] f32, draft probs [B, D, V] f32 or None (DFlash: derived from the logits), keys)."""
+    draft logits [B, D, V] f32, draft q or None (DFlash, or a DFlash2 step that never reads q: derived from the
+    logits), keys). DFlash2's q is the pair (q [B, D, k] f32, candidate ids [B, D, k]) that `accept_block` takes."""
     D = num_slots
     h = block_hidden(drafter, target, block, cache)[:, 1:1 + D]  # [B, D, H]
     if not drafter.config.is_dflash2:
@@ -39,11 +41,12 @@ def draft_step(drafter: Drafter, target: Target, block: jax.Array, cache: KVCach
         uniforms = u.reshape(B, D, k)
     prop = propose_from_hidden(drafter, target, h, block[:, 0], temperature=sp.temperature if sample else 0.0,
                                uniforms=uniforms)
-    # p_min is traced (one program serves every value), so the selector's q is always formed; a greedy run uses it
-    # only for p_min's confidence, under that test's lax.cond (softmax at T = 1 there).
+    if not (sample or sp.use_p_min):  # greedy, or point-mass drafts, without p_min: q is never read
+        return prop.tokens, prop.logits, None, keys
+    # q stays over the k candidates ([B, D, k], with their ids): accept_block spreads onto the vocabulary only the
+    # one row its residual needs. Greedy runs use it for p_min's confidence only (softmax at T = 1 there).
     q = selector.selector_probs(prop.scores, 1.0 if sp.greedy else sp.temperature)  # [B, D, k]
-    probs = selector.scatter_to_vocab(q, prop.candidates, prop.logits.shape[-1])
-    return prop.tokens, prop.logits, probs, keys
+    return prop.tokens, prop.logits, (q, prop.candidates), keys
 
 
 __all__ = ["draft_step"]

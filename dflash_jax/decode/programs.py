@@ -1,19 +1,27 @@
-"""Speculative generation (draft -> verify -> accept) and the autoregressive baseline, each ONE compiled program.
+"""Speculative generation (draft -> verify -> accept) and the autoregressive baseline: TWO compiled programs each.
 
 Layout of one DFlash step for a row whose last committed token `last` sits at position `start`:
   draft   block [last, M, ..., M] at positions start..start+bs-1 -> drafts d_1..d_D (slot k predicts start+k)
   verify  target over [last, d_1..d_D] at positions start..start+D -> post[j] = target token for start+j+1
   accept  a = number of leading j with d_{j+1} == post[j]  (cumprod)   ->  commit post[0..a] (a drafts + bonus)
   roll    target cache length := start+a+1; drafter context += verify features of rows 0..a; start += a+1
-Everything is on device inside one `lax.while_loop`; rows that finish are frozen by masks, not removed.
+Everything of a step is on device inside one `lax.while_loop`; rows that finish are frozen by masks, not removed.
 A DFlash2 drafter proposes d_1..d_D with its candidate selector (a `lax.scan` inside the loop body, draft_step.py).
 
+Programs: `prefill` (prompt -> caches + the logits of each row's last prompt token) and the generation loop
+(first token, then the `lax.while_loop`). The handoff is one device-side value (`Prefilled`: caches, lengths, logits),
+donated to the loop, so no host sync sits between them and the cache is not held twice. Prefill is keyed on the
+prompt bucket; the loop is keyed only on the cache bucket, the batch bucket, the budget bucket and static flags (draft
+length, greedy or sampled, the NVFP4 backend resolved on the host, the mesh), so a new prompt bucket recompiles prefill
+alone.
+
 Compilation: each program is a `jax.jit` function, so its cache is keyed on everything that changes the program:
-shapes, dtypes, shardings and tree structure of the arguments, plus the static arguments (draft length, buckets,
-greedy or sampled, the NVFP4 backend resolved on the host). Sampling numbers (temperature, top-k, top-p, p_min), the
-EOS ids (padded to a fixed width) and the budgets (tokens, steps) are traced, so one program serves all their values.
-Prompt lengths and `max_new_tokens` are rounded up to power-of-two buckets (the output buffer and caches are sized
-by bucket; the loop stops at the exact count on device), so any length maps to one of a few programs.
+shapes, dtypes, shardings and tree structure of the arguments, plus the static arguments. Sampling numbers
+(temperature, top-k, top-p, p_min), the EOS ids (padded to a fixed width) and the budgets (tokens, steps) are traced,
+so one program serves all their values. Buckets (`prompt_bucket`, `cache_bucket`, `batch_bucket`, `bucket` for the
+budget): the output buffer, the caches and the batch are sized by bucket and the loop stops at the exact count on
+device, so any request maps to one of a few programs; padding rows of a batch bucket are inert (length 0: done from
+the start, they write nothing and never reach the result).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from jax.experimental import io_callback
 from dflash_jax.parallel import sharding as shd
 from dflash_jax.config import check_pair
 from dflash_jax.decode.draft_step import draft_step
-from dflash_jax.models.drafter import Drafter, DraftCache, append_context
+from dflash_jax.models.drafter import Drafter, empty_draft_cache, append_context
 from dflash_jax.quant.linear import backend_scope, program_backend
 from dflash_jax.decode.sampling import SamplingParams, accept_block, sample_tokens
 from dflash_jax.models.target import KVCache, Target, forward_with_cache
@@ -45,13 +53,17 @@ PAD = -1
 
 @dataclasses.dataclass(frozen=True)
 class GenerationResult:
-    tokens: np.ndarray  # [B, max_new_tokens] new tokens, -1 after each row's end
-    num_tokens: np.ndarray  # [B] tokens generated per row
+    tokens: np.ndarray  # [B, max_new_tokens] new tokens, -1 after each row's end (return_prompt: see below)
+    num_tokens: np.ndarray  # [B] tokens generated per row (new tokens only, with or without return_prompt)
     acceptance_lengths: np.ndarray  # [B, steps] tokens committed per step incl. the bonus; 0 after a row's end
     finish_reason: tuple[str, ...]  # per row: "eos" | "length"
     num_steps: int  # loop iterations (draft+verify steps, or decode steps)
     draft_length: int  # drafted tokens per step (0 for autoregressive)
     timings: dict  # seconds: prefill_s, decode_s, total_s (this run), compile_s (tracing + compiling, apart)
+    # [B] real prompt tokens per row. With return_prompt=True (`includes_prompt`), `tokens` is
+    # [B, longest prompt + max_new_tokens]: row b = its prompt (no padding) + its new tokens, then -1.
+    prompt_lengths: np.ndarray | None = None
+    includes_prompt: bool = False
 
     @property
     def tau(self) -> float:
@@ -99,7 +111,19 @@ class GenerationResult:
         return float(self.num_tokens.sum()) / self.timings["total_s"]
 
     def token_lists(self) -> list[list[int]]:
-        return [row[:n].tolist() for row, n in zip(self.tokens, self.num_tokens)]
+        """Per row: its new tokens (with return_prompt: its prompt + its new tokens), no -1 padding."""
+        n = self.num_tokens + (self.prompt_lengths if self.includes_prompt else 0)
+        return [row[:k].tolist() for row, k in zip(self.tokens, n)]
+
+    def new_token_lists(self) -> list[list[int]]:
+        """Per row: the generated tokens only, with or without return_prompt."""
+        p = self.prompt_lengths if self.includes_prompt else np.zeros_like(self.num_tokens)
+        return [row[a:a + n].tolist() for row, a, n in zip(self.tokens, p, self.num_tokens)]
+
+    def decode(self, tokenizer, **kwargs) -> list[str]:
+        """One string per row: `tokenizer.decode` of `token_lists()` (so prompt + completion with return_prompt);
+        works with this package's `Tokenizer` and with HF tokenizers (kwargs go to their decode)."""
+        return [tokenizer.decode(row, **kwargs) for row in self.token_lists()]
 
 
 # -- loop state --------------------------------------------------------------------------------------------------
@@ -176,7 +200,7 @@ def prefill(target: Target, prompt: jax.Array, lens: jax.Array, cache_len: int, 
     cache = shd.constrain_cache(cache.replace(lengths=lens), target.config, mesh)
     dcache = None
     if drafter is not None:
-        dcache = shd.constrain_cache(DraftCache.empty(drafter.config, B, cache_len), drafter.config.model, mesh)
+        dcache = shd.constrain_cache(empty_draft_cache(drafter.config, B, cache_len), drafter.config.model, mesh)
         dcache = shd.constrain_cache(append_context(drafter, feats, lens, dcache), drafter.config.model, mesh)
     return logits[:, 0], feats, cache, dcache
 
@@ -190,46 +214,68 @@ def _stamp(x):
     return np.zeros((), np.int32)
 
 
-def _mark_prefill_done(first: jax.Array) -> jax.Array:
-    """Records when prefill finished (one host callback per call, outside the loop); returns 0 to sequence on.
+def _mark_prefill_done(logits: jax.Array) -> jax.Array:
+    """Records when prefill finished (one host callback per call, at the end of the prefill program, never in the
+    loop); returns 0, which the loop starts its step counter from (so the callback cannot be dropped).
 
     A program with a host callback never enters JAX's persistent compilation cache: `prefill_timing="rerun"` leaves
-    it out (see `generate`)."""
-    return io_callback(_stamp, jax.ShapeDtypeStruct((), jnp.int32), first, ordered=True)
+    it out (see `generate`); only the prefill program carries it."""
+    return io_callback(_stamp, jax.ShapeDtypeStruct((), jnp.int32), logits, ordered=True)
 
 
-def _init_state(first, tcache, prompt_lens, keys, budget: Budget, out_len: int, width: int, stamp: bool,
-                dcache=None, pending=None, n_pending=None) -> LoopState:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+    """What prefill hands the loop: one device-side value, donated to the loop program."""
+
+    logits: jax.Array  # [B, V] f32 at each row's last prompt token
+    lens: jax.Array  # [B] int32 prompt lengths (0: an inert padding row)
+    tcache: KVCache  # the target cache, lengths = lens
+    dcache: KVCache | None  # the drafter's context cache (every prompt position), None without a drafter
+    step: jax.Array  # [] int32 0 (the prefill stamp's result when timed by callback)
+
+
+def _prefill_program(target: Target, drafter: Drafter | None, prompt, lens, *, cache_len: int, stamp: bool,
+                     mesh=None) -> Prefilled:
+    B, _ = prompt.shape
+    chex.assert_shape(lens, (B,))
+    logits, _, tcache, dcache = prefill(target, prompt, lens, cache_len, drafter=drafter, mesh=mesh)
+    step = _mark_prefill_done(logits) if stamp else jnp.zeros((), jnp.int32)
+    return Prefilled(logits=logits, lens=lens, tcache=tcache, dcache=dcache, step=step)
+
+
+def _init_state(pre: Prefilled, keys, sampling: SamplingParams, budget: Budget, out_len: int, width: int,
+                pending=None, n_pending=None) -> tuple[LoopState, jax.Array]:
+    """The first token (sampled from prefill's logits) committed into a fresh loop state."""
+    first, keys = sample_tokens(pre.logits, keys, sampling)
     B = first.shape[0]
-    step = _mark_prefill_done(first) if stamp else jnp.zeros((), jnp.int32)
-    # Rows of prompt length 0 are padding (to the mesh's data axis): done from the start, they never emit a token.
-    state = LoopState(step=step, out=jnp.full((B, out_len + width), PAD, jnp.int32),
-                      n_out=jnp.zeros((B,), jnp.int32), done=prompt_lens == 0, last=first,
-                      start=prompt_lens, tcache=tcache, dcache=dcache, pending=pending, n_pending=n_pending,
+    # Rows of prompt length 0 are padding (batch bucket, mesh's data axis): done from the start, never emit a token.
+    state = LoopState(step=pre.step, out=jnp.full((B, out_len + width), PAD, jnp.int32),
+                      n_out=jnp.zeros((B,), jnp.int32), done=pre.lens == 0, last=first,
+                      start=pre.lens, tcache=pre.tcache, dcache=pre.dcache, pending=pending, n_pending=n_pending,
                       acc=jnp.zeros((B, max(out_len - 1, 1)), jnp.int32), key=keys)
     out, n_out, done = _commit(state, first[:, None], jnp.ones((B,), jnp.int32), budget)
     return state.replace(out=out, n_out=n_out, done=done)
 
 
 def _results(final: LoopState, mesh=None):
+    """(out, n_out, acc, steps, caches): the caches come back only so that XLA can alias them to the donated
+    prefill handoff (the while loop then updates the prefill's cache in place instead of a copy); callers drop them."""
     res = final.out, final.n_out, final.acc, final.step
     if mesh is not None:  # replicated, so that every process can read the whole result
         res = jax.lax.with_sharding_constraint(res, shd.replicated(mesh))
-    return res
+    return (*res, (final.tcache, final.dcache))
 
 
-def _speculative_program(target: Target, drafter: Drafter, prompt, lens, keys, sampling: SamplingParams,
-                         budget: Budget, *, draft_length: int, cache_len: int, out_len: int, stamp: bool = True,
-                         mesh=None):
+def _speculative_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sampling: SamplingParams,
+                      budget: Budget, *, draft_length: int, out_len: int, mesh=None):
     dcfg = drafter.config
     layer_ids = dcfg.target_layer_ids
     bs, D = dcfg.block_size, draft_length
-    B = prompt.shape[0]
-
-    last_logits, feats, tcache, dcache = prefill(target, prompt, lens, cache_len, drafter=drafter, mesh=mesh)
-    first, keys = sample_tokens(last_logits, keys, sampling)
-    pending = jnp.zeros((B, D + 1, feats.shape[-1]), feats.dtype)
-    state = _init_state(first, tcache, lens, keys, budget, out_len, D + 1, stamp, dcache=dcache, pending=pending,
+    B = pre.lens.shape[0]
+    feat_dim = len(layer_ids) * target.config.hidden_size
+    pending = jnp.zeros((B, D + 1, feat_dim), target.config.dtype)  # the dtype of the target's features
+    state = _init_state(pre, keys, sampling, budget, out_len, D + 1, pending=pending,
                         n_pending=jnp.zeros((B,), jnp.int32))
 
     def cond(s: LoopState):
@@ -261,12 +307,10 @@ def _speculative_program(target: Target, drafter: Drafter, prompt, lens, keys, s
     return _results(jax.lax.while_loop(cond, body, state), mesh)
 
 
-def _autoregressive_program(target: Target, prompt, lens, keys, sampling: SamplingParams, budget: Budget, *,
-                            cache_len: int, out_len: int, stamp: bool = True, mesh=None):
-    B = prompt.shape[0]
-    last_logits, _, tcache, _ = prefill(target, prompt, lens, cache_len, mesh=mesh)
-    first, keys = sample_tokens(last_logits, keys, sampling)
-    state = _init_state(first, tcache, lens, keys, budget, out_len, 1, stamp)
+def _autoregressive_loop(target: Target, drafter: None, pre: Prefilled, keys, sampling: SamplingParams,
+                         budget: Budget, *, out_len: int, mesh=None):
+    B = pre.lens.shape[0]
+    state = _init_state(pre, keys, sampling, budget, out_len, 1)
 
     def cond(s: LoopState):
         return (s.step < budget.max_steps) & ~jnp.all(s.done)
@@ -287,10 +331,11 @@ def _autoregressive_program(target: Target, prompt, lens, keys, sampling: Sampli
 
 # -- compiled programs ---------------------------------------------------------------------------------------------
 
-TRACE_COUNTS: dict[str, int] = {"speculative": 0, "autoregressive": 0}
+# Traces (= compiles) per program: "prefill" (shared by both generators), and the two loop programs.
+TRACE_COUNTS: dict[str, int] = {"prefill": 0, "speculative": 0, "autoregressive": 0}
 
 
-def _jit_program(name: str, program, static: tuple[str, ...]):
+def _jit_program(name: str, program, static: tuple[str, ...], donate: tuple[int, ...] = ()):
     """`program` under jax.jit: static `static` arguments plus `backend`, the NVFP4 backend the program is traced
     under. Each trace (= each compile) bumps TRACE_COUNTS[name]."""
     def traced(*args, backend, **kwargs):
@@ -299,13 +344,30 @@ def _jit_program(name: str, program, static: tuple[str, ...]):
             return program(*args, **kwargs)
 
     traced.__name__ = traced.__qualname__ = f"dflash_{name}"
-    return jax.jit(traced, static_argnames=("backend", *static))
+    # The loop takes the prefill handoff (argument 2) as donated: its caches are reused in place, not held twice.
+    return jax.jit(traced, static_argnames=("backend", *static), donate_argnums=donate)
 
 
-SPECULATIVE_STATIC = ("draft_length", "cache_len", "out_len", "stamp", "mesh")
-AUTOREGRESSIVE_STATIC = ("cache_len", "out_len", "stamp", "mesh")
-_SPECULATIVE = _jit_program("speculative", _speculative_program, SPECULATIVE_STATIC)
-_AUTOREGRESSIVE = _jit_program("autoregressive", _autoregressive_program, AUTOREGRESSIVE_STATIC)
+PREFILL_STATIC = ("cache_len", "stamp", "mesh")
+SPECULATIVE_STATIC = ("draft_length", "out_len", "mesh")
+AUTOREGRESSIVE_STATIC = ("out_len", "mesh")
+_DEFS = {"prefill": (_prefill_program, PREFILL_STATIC, ()),
+         "speculative": (_speculative_loop, SPECULATIVE_STATIC, (2,)),
+         "autoregressive": (_autoregressive_loop, AUTOREGRESSIVE_STATIC, (2,))}
+# The jitted programs, built on first use (a test may swap in an empty dict to trace everything anew).
+_COMPILED: dict = {}
+
+
+def _program(name: str):
+    if name not in _COMPILED:
+        fn, static, donate = _DEFS[name]
+        _COMPILED[name] = _jit_program(name, fn, static, donate)
+    return _COMPILED[name]
+
+
+def compiled_counts() -> dict[str, int]:
+    """Executables held per program (jit cache entries): {"prefill": n, "speculative": n, "autoregressive": n}."""
+    return {name: (_COMPILED[name]._cache_size() if name in _COMPILED else 0) for name in _DEFS}
 
 
 # Seconds spent tracing, lowering and compiling our programs, as JAX reports them (jax.monitoring): a call's
@@ -330,21 +392,92 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 PROMPT_BUCKET_MIN = 16
-# Budgets share one program up to this many tokens: a bigger output buffer and cache cost only memory (attention
-# visits live slots only), while a new bucket costs a compile.
+# Budgets share one program up to this many tokens: a bigger output buffer costs only memory, a new bucket a compile.
 BUDGET_BUCKET_MIN = 256
+# Cache buckets: powers of two from CACHE_BUCKET_MIN up to FINE_ABOVE slots, then multiples of FINE_STEP. Below 4k
+# slots the memory is small and a compile is not, so one coarse bucket serves every prompt up to ~1.7k tokens (with
+# a 256-token budget bucket); above 4k a power of two could double the KV memory (64 rows x 8.2k tokens of Qwen3-8B
+# would take the 16k bucket), so the rule turns linear: the waste is < FINE_STEP slots, i.e. < 25% of the need at
+# 4k+1 and < 12.5% from 8k on (8.2k -> 9216 slots, not 16384). Prompt buckets above FINE_ABOVE follow the same step.
+CACHE_BUCKET_MIN = 2048
+FINE_ABOVE = 4096
+FINE_STEP = 1024
+# Batch buckets: powers of two up to BATCH_FINE_ABOVE rows, then multiples of it (inert rows fill a bucket).
+BATCH_FINE_ABOVE = 16
 
 
 def bucket(n: int, minimum: int = PROMPT_BUCKET_MIN) -> int:
-    """The power of two >= n (at least `minimum`): prompt lengths and token budgets are padded to these, so a
-    range of lengths 1..L needs log2(L) programs at most."""
+    """The power of two >= n (at least `minimum`): token budgets (and EOS sets) are padded to these, so a range of
+    1..L needs log2(L) programs at most."""
     return max(int(minimum), 1 << (max(int(n), 1) - 1).bit_length())
+
+
+def prompt_bucket(n: int) -> int:
+    """Prompt length bucket (the prefill program's key): a power of two >= n (at least 16) up to 4096, then the
+    multiple of 1024 >= n."""
+    return bucket(n) if n <= FINE_ABOVE else _round_up(int(n), FINE_STEP)
+
+
+def cache_bucket(n: int) -> int:
+    """Cache slots for a need of n slots (the loop program's key): a power of two >= n, at least 2048, up to 4096;
+    then the multiple of 1024 >= n (see CACHE_BUCKET_MIN for the worst-case waste)."""
+    return bucket(n, CACHE_BUCKET_MIN) if n <= FINE_ABOVE else _round_up(int(n), FINE_STEP)
+
+
+def batch_bucket(n: int) -> int:
+    """Rows a program runs for a batch of n: a power of two up to 16, then the multiple of 16 >= n (waste < 2x below
+    16 rows, < 16 rows above). The extra rows are inert (prompt length 0)."""
+    return bucket(n, 1) if n <= BATCH_FINE_ABOVE else _round_up(int(n), BATCH_FINE_ABOVE)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _unpad(prompt, attention_mask, prompt_lengths) -> list:
+    """An HF-style padded batch -> a list of token lists (the real tokens of each row), or the prompt unchanged.
+
+    attention_mask [B, T] (1 = real token, 0 = padding; left- or right-padded: each row's ones must be contiguous);
+    prompt_lengths [B]: row b is prompt[b, :prompt_lengths[b]] (a right-padded batch)."""
+    if attention_mask is None and prompt_lengths is None:
+        return prompt
+    if attention_mask is not None and prompt_lengths is not None:
+        raise ValueError("give attention_mask or prompt_lengths, not both")
+    arr = np.asarray(prompt)
+    if arr.ndim != 2:
+        raise ValueError(f"with attention_mask / prompt_lengths the prompt must be a padded int array [B, T], got "
+                         f"shape {arr.shape}")
+    B, T = arr.shape
+    rows = []
+    if attention_mask is not None:
+        mask = np.asarray(attention_mask)
+        if mask.shape != arr.shape:
+            raise ValueError(f"attention_mask shape {mask.shape} does not match the prompt's {arr.shape}")
+        if mask.dtype != bool and not np.isin(mask, (0, 1)).all():
+            raise ValueError("attention_mask must hold only 0 and 1 (or booleans)")
+        mask = mask.astype(bool)
+        for b in range(B):
+            idx = np.flatnonzero(mask[b])
+            if idx.size == 0:
+                raise ValueError(f"attention_mask row {b} has no real token")
+            if idx[-1] - idx[0] + 1 != idx.size:
+                raise ValueError(f"attention_mask row {b} is not one contiguous run of ones (left or right padding "
+                                 "only)")
+            rows.append(arr[b, idx[0]:idx[-1] + 1].tolist())
+        return rows
+    lens = np.asarray(prompt_lengths)
+    if lens.shape != (B,) or (lens.size and not np.issubdtype(lens.dtype, np.integer)):
+        raise ValueError(f"prompt_lengths must be {B} integers (one per row), got {lens.dtype}{list(lens.shape)}")
+    for b, n in enumerate(lens):
+        if not 1 <= int(n) <= T:
+            raise ValueError(f"prompt_lengths[{b}] = {int(n)} outside 1..{T} (the padded prompt's width)")
+    return [arr[b, :int(n)].tolist() for b, n in enumerate(lens)]
 
 
 def prepare_prompt(prompt, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """int [B, T] array or list of token lists -> (right-padded [B, Tp] int32, lengths [B]); validates ids.
 
-    Tp is the length bucket of the longest row (`bucket`)."""
+    Tp is the length bucket of the longest row (`prompt_bucket`)."""
     if isinstance(prompt, (np.ndarray, jax.Array)) or (
             isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], (list, tuple, np.ndarray))):
         arr = np.asarray(prompt)
@@ -370,7 +503,7 @@ def prepare_prompt(prompt, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
                 raise ValueError(f"token id {int(tok)} at row {b}, position {t} is outside the vocabulary "
                                  f"[0, {vocab_size})")
     lens = np.array([len(r) for r in rows], np.int32)
-    Tp = bucket(int(lens.max()))
+    Tp = prompt_bucket(int(lens.max()))
     padded = np.zeros((len(rows), Tp), np.int32)
     for b, r in enumerate(rows):
         padded[b, :len(r)] = np.asarray(r, np.int64)
@@ -391,11 +524,11 @@ def _check_budget(target: Target, lens: np.ndarray, max_new_tokens: int, max_cac
     return limit
 
 
-def _cache_len(prompt_bucket: int, out_len: int, extra: int, limit: int) -> int:
-    """Cache slots for a program: the prompt bucket + the budget bucket + the `extra` slots the last verify writes
-    past the committed text, capped by the context limit; a function of buckets only, so it adds no programs.
+def _cache_len(longest: int, out_len: int, extra: int, limit: int) -> int:
+    """Cache slots for a program: the `cache_bucket` of the longest prompt + the budget bucket + the `extra` slots
+    the last verify writes past the committed text, capped by the context limit; the loop program is keyed on it.
     (The scatter drops out-of-range writes, so the extra room only keeps those slots, never decides correctness.)"""
-    return min(_round_up(prompt_bucket + out_len + extra, 64), _round_up(limit + extra, 64))
+    return min(cache_bucket(longest + out_len + extra), _round_up(limit + extra, 64))
 
 
 def _warn_short_drafter_context(drafter: Drafter, longest: int) -> None:
@@ -408,9 +541,15 @@ def _warn_short_drafter_context(drafter: Drafter, longest: int) -> None:
 EOS_WIDTH = 8  # EOS ids are padded to this many (more ids: the next power of two), so EOS sets share a program
 
 
-def _eos_tuple(eos_ids, vocab_size) -> tuple[int, ...]:
-    if eos_ids is None:
+def default_eos_ids(target: Target) -> tuple[int, ...]:
+    """The EOS id(s) of the target's config (`eos_token_id`), () when it has none."""
+    eos = target.config.eos_token_id
+    if eos is None:
         return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def _eos_tuple(eos_ids, vocab_size) -> tuple[int, ...]:
     if isinstance(eos_ids, (int, np.integer)):
         eos_ids = (eos_ids,)
     out = tuple(sorted({int(e) for e in eos_ids}))
@@ -434,66 +573,129 @@ def _row_keys(seed: int, batch: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class ProgramCall:
-    """One call of a compiled generation program, as `generate` prepares it on the host."""
+    """One generation call as `generate` prepares it on the host: the prefill program, then the loop program."""
 
-    name: str  # "speculative" | "autoregressive"
-    args: tuple  # (target, [drafter,] prompt [B, Tp], lens [B], keys [B, 2], SamplingParams, Budget)
-    static: dict  # static keyword arguments: buckets, draft length, backend, stamp
+    name: str  # "speculative" | "autoregressive" (the loop program)
+    args: tuple  # (target, drafter | None, prompt [B, Tp], lens [B], keys [B, 2], SamplingParams, Budget)
+    prefill_static: dict  # static keyword arguments of prefill: cache bucket, stamp, backend, mesh
+    loop_static: dict  # static keyword arguments of the loop: budget bucket, draft length, backend, mesh
     max_new: int
     draft_length: int
     eos: tuple[int, ...]
-    batch: int = 0  # rows the caller gave (the program may run more: inert padding rows to the mesh's data axis)
+    batch: int = 0  # rows the caller gave (the programs run a batch bucket: inert padding rows after them)
+    prompts: tuple = ()  # the caller's rows (real tokens), for return_prompt
+    return_prompt: bool = False
 
     @property
-    def program(self):
-        return _SPECULATIVE if self.name == "speculative" else _AUTOREGRESSIVE
+    def static(self) -> dict:
+        """Every static argument of both programs (the keys `generate` compiles under, with the shapes)."""
+        return {**self.prefill_static, **self.loop_static}
+
+    @property
+    def prefill_program(self):
+        return _program("prefill")
+
+    @property
+    def loop_program(self):
+        return _program(self.name)
 
     @property
     def unjitted(self):
-        """The plain program function with the static arguments bound (to inspect its jaxpr)."""
-        import functools
-        fn = _speculative_program if self.name == "speculative" else _autoregressive_program
-        return functools.partial(fn, **{k: v for k, v in self.static.items() if k != "backend"})
+        """Prefill then the loop as one plain function of `args`, static arguments bound (to inspect the jaxpr)."""
+        loop_fn = _speculative_loop if self.name == "speculative" else _autoregressive_loop
+        pst = {k: v for k, v in self.prefill_static.items() if k != "backend"}
+        lst = {k: v for k, v in self.loop_static.items() if k != "backend"}
+
+        def fn(target, drafter, prompt, lens, keys, sampling, budget):
+            pre = _prefill_program(target, drafter, prompt, lens, **pst)
+            return loop_fn(target, drafter, pre, keys, sampling, budget, **lst)
+        return fn
+
+    def run_prefill(self, *args):
+        target, drafter, prompt, lens = (args or self.args)[:4]
+        return self.prefill_program(target, drafter, prompt, lens, **self.prefill_static)
+
+    def run_loop(self, pre, *args):
+        """The loop program on prefill's handoff `pre` (donated: `pre` is consumed)."""
+        target, drafter, _, _, keys, sampling, budget = args or self.args
+        with warnings.catch_warnings():  # logits and lengths have no output to alias (only the caches do)
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            return self.loop_program(target, drafter, pre, keys, sampling, budget, **self.loop_static)
 
     def __call__(self, *args):
-        return self.program(*(args or self.args), **self.static)
+        """Both programs, dispatched back to back (the handoff stays on device): (out, n_out, acc, steps)."""
+        return self.run_loop(self.run_prefill(*args), *args)[:4]
+
+    def lower(self) -> tuple:
+        """(prefill, loop) lowered for these arguments (prefill runs once here to give the loop its input)."""
+        target, drafter, prompt, lens, keys, sampling, budget = self.args
+        pre_low = self.prefill_program.lower(target, drafter, prompt, lens, **self.prefill_static)
+        pre = self.run_prefill()
+        loop_low = self.loop_program.lower(target, drafter, pre, keys, sampling, budget, **self.loop_static)
+        return pre_low, loop_low
+
+    def compiled_text(self) -> str:
+        """The optimized HLO of both programs, prefill first."""
+        return "\n".join(low.compile().as_text() for low in self.lower())
+
+
+def _sampling_params(sampling, temperature, top_k, top_p, p_min, draft_sampling) -> SamplingParams:
+    """The keywords, or a `SamplingParams` given as `sampling=` (then the keywords must stay at their defaults)."""
+    if sampling is None:
+        return SamplingParams.make(temperature, top_k, top_p, p_min, draft_sampling)
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a dflash_jax.SamplingParams, got {type(sampling).__name__}")
+    given = {k: v for k, v, d in (("temperature", temperature, 0.0), ("top_k", top_k, 0), ("top_p", top_p, 1.0),
+                                  ("p_min", p_min, 0.0), ("draft_sampling", draft_sampling, "sample")) if v != d}
+    if given:
+        raise ValueError(f"give sampling settings either as sampling= or as keywords, not both (got sampling= and "
+                         f"{sorted(given)})")
+    # greedy is derived from the temperature here (a SamplingParams built by hand may carry the default flag)
+    return SamplingParams.make(sampling.temperature, sampling.top_k, sampling.top_p, sampling.p_min,
+                               sampling.draft_sampling)
 
 
 def _prepare(name, target, drafter, prompt, *, max_new_tokens, draft_length, temperature, eos_ids, seed, top_k,
-             top_p, p_min, draft_sampling, max_cache_len, nvfp4_backend, prefill_timing) -> ProgramCall:
+             top_p, p_min, draft_sampling, max_cache_len, nvfp4_backend, prefill_timing, sampling=None,
+             attention_mask=None, prompt_lengths=None, return_prompt=False) -> ProgramCall:
     if prefill_timing not in ("stamp", "rerun"):
         raise ValueError(f"prefill_timing must be 'stamp' or 'rerun', got {prefill_timing!r}")
-    sampling = SamplingParams.make(temperature, top_k, top_p, p_min, draft_sampling)
+    sampling = _sampling_params(sampling, temperature, top_k, top_p, p_min, draft_sampling)
     models = (target,) if drafter is None else (target, drafter)
     mesh = shd.models_mesh(*models)  # refuses a pair on different meshes, or a mesh that cannot split a model
-    padded, lens = prepare_prompt(prompt, target.config.vocab_size)
+    padded, lens = prepare_prompt(_unpad(prompt, attention_mask, prompt_lengths), target.config.vocab_size)
     limit = _check_budget(target, lens, max_new_tokens, max_cache_len)
-    eos = _eos_tuple(eos_ids, target.config.vocab_size)
+    eos = _eos_tuple(default_eos_ids(target) if eos_ids is None else eos_ids, target.config.vocab_size)
     out_len = bucket(int(max_new_tokens), BUDGET_BUCKET_MIN)
     # A host callback in a program spanning several processes would run in each of them: time prefill by a rerun.
     stamp = prefill_timing == "stamp" and (mesh is None or jax.process_count() == 1)
-    static = dict(out_len=out_len, stamp=stamp,
-                  backend=program_backend(*models, backend=nvfp4_backend), mesh=mesh,
-                  cache_len=_cache_len(padded.shape[1], out_len, 1 if drafter is None else draft_length + 1, limit))
+    backend = program_backend(*models, backend=nvfp4_backend)
+    extra = 1 if drafter is None else draft_length + 1
+    prefill_static = dict(cache_len=_cache_len(int(lens.max()), out_len, extra, limit), stamp=stamp,
+                          backend=backend, mesh=mesh)
+    loop_static = dict(out_len=out_len, backend=backend, mesh=mesh)
     if drafter is not None:
-        static["draft_length"] = int(draft_length)
+        loop_static["draft_length"] = int(draft_length)
     budget = Budget(max_new=np.int32(max_new_tokens), max_steps=np.int32(int(max_new_tokens) - 1),
                     eos=_eos_array(eos))
     batch = len(lens)
-    keys = _row_keys(seed, batch)
+    # The batch is bucketed, and on a mesh it goes along "data": padded to a multiple of the axis too. Padding rows
+    # are inert (length 0: done from the start, see `_init_state`); every row's key comes from its own stream, so
+    # real rows draw the same whatever the padding.
+    rows = batch_bucket(batch)
+    if mesh is not None:
+        rows = _round_up(rows, int(mesh.shape["data"]))
+    prompts = tuple(tuple(int(t) for t in padded[b, :n]) for b, n in enumerate(lens)) if return_prompt else ()
+    padded = np.concatenate([padded, np.zeros((rows - batch, padded.shape[1]), np.int32)])
+    lens = np.concatenate([lens, np.zeros((rows - batch,), np.int32)])
+    keys = _row_keys(seed, rows)
     sampling = sampling.as_arrays()
     if mesh is not None:
-        # The batch goes along "data": pad it to a multiple of the axis with inert rows (length 0: done from the
-        # start, see `_init_state`); their keys come from the same per-row streams, so real rows draw the same.
-        rows = _round_up(batch, int(mesh.shape["data"]))
-        padded = np.concatenate([padded, np.zeros((rows - batch, padded.shape[1]), np.int32)])
-        lens = np.concatenate([lens, np.zeros((rows - batch,), np.int32)])
-        keys = _row_keys(seed, rows)
         padded, lens, keys = (shd.place(x, shd.batch_sharding(mesh, x.ndim)) for x in (padded, lens, keys))
         sampling, budget = shd.place_tree((sampling, budget), shd.replicated(mesh))
-    args = (*models, padded, lens, keys, sampling, budget)
-    return ProgramCall(name, args, static, int(max_new_tokens), 0 if drafter is None else int(draft_length), eos,
-                       batch)
+    args = (target, drafter, padded, lens, keys, sampling, budget)
+    return ProgramCall(name, args, prefill_static, loop_static, int(max_new_tokens),
+                       0 if drafter is None else int(draft_length), eos, batch, prompts, bool(return_prompt))
 
 
 def _host(x) -> np.ndarray:
@@ -503,33 +705,53 @@ def _host(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+def _with_prompts(prompts, out: np.ndarray, n_out: np.ndarray) -> np.ndarray:
+    """[B, longest prompt + N]: each row's prompt, its new tokens, then PAD (HF's `generate` output, unpadded)."""
+    N = out.shape[1]
+    full = np.full((len(prompts), max(len(p) for p in prompts) + N), PAD, np.int32)
+    for b, p in enumerate(prompts):
+        full[b, :len(p)] = p
+        full[b, len(p):len(p) + int(n_out[b])] = out[b, :int(n_out[b])]
+    return full
+
+
 def _run(call: ProgramCall) -> GenerationResult:
+    """Runs both programs and times them. Prefill and the loop are dispatched back to back; each dispatch traces and
+    compiles first when needed (synchronously, timed apart by jax.monitoring), while execution is asynchronous, so:
+    prefill runs from the end of its compile to the stamp; the loop from the later of the stamp and the end of its
+    own dispatch (a compile of the loop may overlap prefill's execution) to the end."""
     _compile_clock.seconds = 0.0
     _STAMPS["prefill_done"] = None
     t0 = time.perf_counter()
-    out, n_out, acc, steps = jax.block_until_ready(call())
+    pre = call.run_prefill()
+    compile_prefill = _compile_clock.seconds
+    out, n_out, acc, steps, _ = call.run_loop(pre)
+    t_loop = time.perf_counter()  # the loop is dispatched (and compiled, if it had to be)
+    out, n_out, acc, steps = jax.block_until_ready((out, n_out, acc, steps))
     t1 = time.perf_counter()
     compile_s = _compile_clock.seconds
-    t_start = min(t0 + compile_s, t1)  # the run itself starts once the program is traced and compiled
-    if call.static["stamp"]:
+    t_start = min(t0 + compile_prefill, t1)  # prefill execution starts once it is traced and compiled
+    if call.prefill_static["stamp"]:
         t_prefill = _STAMPS["prefill_done"] if _STAMPS["prefill_done"] is not None else t_start
-    else:  # the same program, traced budget of 0 loop steps: prefill (and the first token) only
-        *rest, budget = call.args
-        zero = np.int32(0)
-        if call.static.get("mesh") is not None:
-            zero = shd.place(zero, shd.replicated(call.static["mesh"]))
+    else:  # prefill timed by running the (compiled, callback-free) prefill program once more on its own
         r0 = time.perf_counter()
-        jax.block_until_ready(call(*rest, budget.replace(max_steps=zero)))
+        jax.block_until_ready(call.run_prefill())
         t_prefill = t_start + (time.perf_counter() - r0)
+    t_prefill = min(t_prefill, t1)
+    t_decode = min(max(t_prefill, t_loop if compile_s > compile_prefill else t_prefill), t1)
     out, n_out, acc, steps = map(_host, (out, n_out, acc, steps))
     steps = int(steps)
-    B = call.batch or out.shape[0]  # padding rows (to the mesh's data axis) never reach the result
+    B = call.batch or out.shape[0]  # padding rows (batch bucket, mesh's data axis) never reach the result
     out, n_out, acc = out[:B, :call.max_new], n_out[:B], acc[:B, :steps]
     reasons = tuple("eos" if n > 0 and int(row[n - 1]) in call.eos else "length" for row, n in zip(out, n_out))
-    timings = {"prefill_s": t_prefill - t_start, "decode_s": t1 - t_prefill, "total_s": t1 - t_start,
-               "compile_s": compile_s}
+    timings = {"prefill_s": t_prefill - t_start, "decode_s": t1 - t_decode,
+               "total_s": (t_prefill - t_start) + (t1 - t_decode), "compile_s": compile_s}
+    lens = np.asarray(call.args[3] if not isinstance(call.args[3], jax.Array) else _host(call.args[3]))[:B]
+    if call.return_prompt:
+        out = _with_prompts(call.prompts, out, n_out)
     return GenerationResult(tokens=out, num_tokens=n_out, acceptance_lengths=acc, finish_reason=reasons,
-                            num_steps=steps, draft_length=call.draft_length, timings=timings)
+                            num_steps=steps, draft_length=call.draft_length, timings=timings,
+                            prompt_lengths=lens.astype(np.int32), includes_prompt=call.return_prompt)
 
 
 def _draft_length(drafter: Drafter, draft_length) -> int:
@@ -541,45 +763,68 @@ def _draft_length(drafter: Drafter, draft_length) -> int:
 
 
 def speculative_call(target: Target, drafter: Drafter, prompt, *, max_new_tokens: int,
-                     draft_length: int | None = None, temperature: float = 0.0, eos_ids: Sequence[int] = (),
-                     seed: int = 0, top_k: int = 0, top_p: float = 1.0, p_min: float = 0.0,
-                     draft_sampling: str = "sample", max_cache_len: int | None = None,
-                     nvfp4_backend: str | None = None, prefill_timing: str = "stamp") -> ProgramCall:
+                     draft_length: int | None = None, temperature: float = 0.0,
+                     eos_ids: Sequence[int] | None = None, seed: int = 0, top_k: int = 0, top_p: float = 1.0,
+                     p_min: float = 0.0, draft_sampling: str = "sample", max_cache_len: int | None = None,
+                     nvfp4_backend: str | None = None, prefill_timing: str = "stamp",
+                     sampling: SamplingParams | None = None, attention_mask=None, prompt_lengths=None,
+                     return_prompt: bool = False) -> ProgramCall:
     """What `generate` runs, prepared and validated on the host but not run (tests, benchmarks, inspection)."""
     check_pair(drafter.config, target.config)
     D = _draft_length(drafter, draft_length)
     call = _prepare("speculative", target, drafter, prompt, max_new_tokens=max_new_tokens, draft_length=D,
                     temperature=temperature, eos_ids=eos_ids, seed=seed, top_k=top_k, top_p=top_p, p_min=p_min,
                     draft_sampling=draft_sampling, max_cache_len=max_cache_len, nvfp4_backend=nvfp4_backend,
-                    prefill_timing=prefill_timing)
-    _warn_short_drafter_context(drafter, int(call.args[3].max()) + int(max_new_tokens))
+                    prefill_timing=prefill_timing, sampling=sampling, attention_mask=attention_mask,
+                    prompt_lengths=prompt_lengths, return_prompt=return_prompt)
+    _warn_short_drafter_context(drafter, int(np.max(_host(call.args[3]))) + int(max_new_tokens))
     return call
 
 
 def autoregressive_call(target: Target, prompt, *, max_new_tokens: int, temperature: float = 0.0,
-                        eos_ids: Sequence[int] = (), seed: int = 0, top_k: int = 0, top_p: float = 1.0,
+                        eos_ids: Sequence[int] | None = None, seed: int = 0, top_k: int = 0, top_p: float = 1.0,
                         max_cache_len: int | None = None, nvfp4_backend: str | None = None,
-                        prefill_timing: str = "stamp") -> ProgramCall:
+                        prefill_timing: str = "stamp", sampling: SamplingParams | None = None,
+                        attention_mask=None, prompt_lengths=None, return_prompt: bool = False) -> ProgramCall:
     """What `generate_autoregressive` runs, prepared on the host but not run."""
+    if sampling is not None and (sampling.p_min != 0.0 or sampling.draft_sampling != "sample"):
+        raise ValueError("p_min and draft_sampling are speculative settings: autoregressive decoding takes neither")
     return _prepare("autoregressive", target, None, prompt, max_new_tokens=max_new_tokens, draft_length=0,
                     temperature=temperature, eos_ids=eos_ids, seed=seed, top_k=top_k, top_p=top_p, p_min=0.0,
                     draft_sampling="sample", max_cache_len=max_cache_len, nvfp4_backend=nvfp4_backend,
-                    prefill_timing=prefill_timing)
+                    prefill_timing=prefill_timing, sampling=sampling, attention_mask=attention_mask,
+                    prompt_lengths=prompt_lengths, return_prompt=return_prompt)
+
+
+_CONVENTIONS_DOC = """
+    Calling conventions (both generators):
+      eos_ids: None (default) = the target config's `eos_token_id`; () = no EOS; or an id / ids. Generation of a row
+        stops after its first EOS (the EOS is emitted).
+      attention_mask: with a padded int prompt [B, T], HF-style [B, T] 0/1 (left- or right-padded rows); or
+        prompt_lengths [B] for a right-padded batch. Padding is never read as tokens: each row's result is the one
+        it gets alone (greedy). A list of token lists needs neither.
+      sampling: a `SamplingParams` (`SamplingParams(temperature=0.7, top_p=0.9)`) instead of the keywords.
+      return_prompt: `tokens` holds prompt + new tokens per row (HF-like, no padding before the new tokens);
+        `result.decode(tokenizer)` gives one string per row.
+      Batches run in a batch bucket (`batch_bucket`) with inert padding rows; prefill and the loop are two compiled
+      programs (a new prompt-length bucket recompiles prefill only).
+"""
 
 
 def generate(target: Target, drafter: Drafter, prompt, *, max_new_tokens: int, draft_length: int | None = None,
-             temperature: float = 0.0, eos_ids: Sequence[int] = (), seed: int = 0, top_k: int = 0,
+             temperature: float = 0.0, eos_ids: Sequence[int] | None = None, seed: int = 0, top_k: int = 0,
              top_p: float = 1.0, p_min: float = 0.0, draft_sampling: str = "sample",
              max_cache_len: int | None = None, nvfp4_backend: str | None = None,
-             prefill_timing: str = "stamp") -> GenerationResult:
-    """DFlash speculative generation: one compiled program (prefill + one `lax.while_loop`).
+             prefill_timing: str = "stamp", sampling: SamplingParams | None = None, attention_mask=None,
+             prompt_lengths=None, return_prompt: bool = False) -> GenerationResult:
+    """DFlash speculative generation: a prefill program, then one `lax.while_loop` program.
 
     prompt: int [B, T] or a list of token lists (rows may differ in length). Greedy (temperature 0) output equals
     `generate_autoregressive` token for token; at temperature > 0 rejection sampling keeps the target's distribution.
     nvfp4_backend: for NVFP4 weights (`dflash_jax.quant.linear`); None = the current default, resolved now, per call.
-    prefill_timing: "stamp" = one host callback marks the end of prefill (such a program never enters JAX's
-    persistent compilation cache); "rerun" = no callback, prefill is timed by a second, prefill-only run of the same
-    compiled program (what the CLI and benchmarks use, with the persistent cache on; also what a mesh spanning several
+    prefill_timing: "stamp" = one host callback marks the end of prefill (such a prefill program never enters JAX's
+    persistent compilation cache); "rerun" = no callback, prefill is timed by running the compiled prefill program
+    once more (what the CLI and benchmarks use, with the persistent cache on; also what a mesh spanning several
     processes gets).
 
     Sharded models (`dflash_jax.parallel.sharding.shard`, or `load_target(..., mesh=)`): the prompt batch goes along the mesh's
@@ -588,15 +833,25 @@ def generate(target: Target, drafter: Drafter, prompt, *, max_new_tokens: int, d
     return _run(speculative_call(target, drafter, prompt, max_new_tokens=max_new_tokens, draft_length=draft_length,
                                  temperature=temperature, eos_ids=eos_ids, seed=seed, top_k=top_k, top_p=top_p,
                                  p_min=p_min, draft_sampling=draft_sampling, max_cache_len=max_cache_len,
-                                 nvfp4_backend=nvfp4_backend, prefill_timing=prefill_timing))
+                                 nvfp4_backend=nvfp4_backend, prefill_timing=prefill_timing, sampling=sampling,
+                                 attention_mask=attention_mask, prompt_lengths=prompt_lengths,
+                                 return_prompt=return_prompt))
 
 
 def generate_autoregressive(target: Target, prompt, *, max_new_tokens: int, temperature: float = 0.0,
-                            eos_ids: Sequence[int] = (), seed: int = 0, top_k: int = 0, top_p: float = 1.0,
-                            max_cache_len: int | None = None, nvfp4_backend: str | None = None,
-                            prefill_timing: str = "stamp") -> GenerationResult:
-    """Plain decoding with the same target, stopping rules and result type; also one `lax.while_loop`."""
+                            eos_ids: Sequence[int] | None = None, seed: int = 0, top_k: int = 0,
+                            top_p: float = 1.0, max_cache_len: int | None = None, nvfp4_backend: str | None = None,
+                            prefill_timing: str = "stamp", sampling: SamplingParams | None = None,
+                            attention_mask=None, prompt_lengths=None, return_prompt: bool = False
+                            ) -> GenerationResult:
+    """Plain decoding with the same target, stopping rules, conventions and result type (prefill + one loop)."""
     return _run(autoregressive_call(target, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                                     eos_ids=eos_ids, seed=seed, top_k=top_k, top_p=top_p,
                                     max_cache_len=max_cache_len, nvfp4_backend=nvfp4_backend,
-                                    prefill_timing=prefill_timing))
+                                    prefill_timing=prefill_timing, sampling=sampling,
+                                    attention_mask=attention_mask, prompt_lengths=prompt_lengths,
+                                    return_prompt=return_prompt))
+
+
+generate.__doc__ += _CONVENTIONS_DOC
+generate_autoregressive.__doc__ += _CONVENTIONS_DOC

@@ -1,7 +1,7 @@
 """Token choice inside the loop: greedy, temperature / top-k / top-p sampling, and lossless block acceptance.
 
 At temperature 0 a draft is accepted while it equals the target's argmax. At temperature > 0 this is rejection
-sampling (dflash.md section 4): p = target probs, q = draft probs, both after the same temperature / top-k / top-p;
+sampling (z-lab dflash/model.py `_rejection_sample` at 07ebd93db9f4): p = target probs, q = draft probs, both after the same temperature / top-k / top-p;
 draft x_i ~ q_i; accept position i while u_i * q_i(x_i) < p_i(x_i); at the first rejection sample from
 normalize(max(p - q, 0)) (p if that is empty); when every draft is accepted the bonus comes from p of the last
 verify row. Greedy drafts are the point mass q = onehot(argmax), for which the same rule is exact.
@@ -11,6 +11,11 @@ proposed at all, so the token at the cut is sampled from p itself (not from a re
 
 Randomness: `keys` are per-row raw threefry key data [B, 2]. Each sampling call hashes every row's key once, for the
 row's next key and all the uniforms it needs, so a row's draws depend only on its own key (not on the batch).
+A categorical draw takes one uniform per row and slot (inverse CDF), not one per vocabulary entry.
+
+No `lax.cond` anywhere here: whether top-k, top-p and p_min are on is static (part of the program, like greedy), so
+inside a decode step nothing waits on the host for a predicate and a switched-off filter costs nothing; their values
+stay traced (one program serves every top-k up to its static cap, every top-p < 1, every p_min > 0).
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ class SamplingParams:
     greedy: bool = dataclasses.field(default=True, metadata=dict(static=True))  # temperature == 0
     # "sample": x ~ q ; "greedy": x = argmax q (point-mass proposal)
     draft_sampling: str = dataclasses.field(default="sample", metadata=dict(static=True))
+    # Static switches (set by `make` from the values): top-k runs `lax.top_k` over this many entries (a power of two
+    # >= top_k, so nearby k share a program; 0 = top-k off); top-p and p_min on or off.
+    top_k_cap: int = dataclasses.field(default=0, metadata=dict(static=True))
+    use_top_p: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    use_p_min: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @classmethod
     def make(cls, temperature=0.0, top_k=0, top_p=1.0, p_min=0.0, draft_sampling="sample") -> "SamplingParams":
@@ -50,8 +60,10 @@ class SamplingParams:
             raise ValueError(f"p_min must be in [0, 1), got {p_min!r}")
         if draft_sampling not in ("sample", "greedy"):
             raise ValueError(f"draft_sampling must be 'sample' or 'greedy', got {draft_sampling!r}")
-        return cls(float(temperature), int(top_k), float(top_p), float(p_min), float(temperature) == 0.0,
-                   draft_sampling)
+        k = int(top_k)
+        return cls(float(temperature), k, float(top_p), float(p_min), float(temperature) == 0.0, draft_sampling,
+                   top_k_cap=0 if k == 0 else max(8, 1 << (k - 1).bit_length()), use_top_p=float(top_p) < 1.0,
+                   use_p_min=float(p_min) > 0.0)
 
     def as_arrays(self) -> "SamplingParams":
         """The same settings with fixed-dtype numpy leaves, so a compiled program sees one signature for all values."""
@@ -62,31 +74,29 @@ class SamplingParams:
 def processed_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     """Probabilities [..., V] f32 after temperature, top-k and top-p (identical for target and drafter).
 
-    top-k and top-p are traced: each runs under a `lax.cond`, so a program pays for the sort only when it is on.
+    top-k: `lax.top_k` over the static cap (no sort of the vocabulary), then the traced k-th largest value is the
+    threshold (ties kept). top-p keeps the smallest set of highest-probability tokens whose mass reaches top_p (the
+    top token always), read off the same top-k candidates when top-k is on, else off one full ordering.
     """
     x = logits.astype(jnp.float32) / sp.temperature
     V = x.shape[-1]
-    k = jnp.asarray(sp.top_k, jnp.int32)
-
-    def top_k(x):
-        kth = jnp.take(jnp.sort(x, axis=-1), V - k, axis=-1)[..., None]  # the k-th largest value (ties kept)
-        return jnp.where(x < kth, -jnp.inf, x)
-
-    x = jax.lax.cond((k > 0) & (k < V), top_k, lambda x: x, x)
+    cap = min(sp.top_k_cap, V) if sp.top_k_cap else (V if sp.use_top_p else 0)
+    if cap == 0:
+        return jax.nn.softmax(x, axis=-1)
+    vals, order = jax.lax.top_k(x, cap)  # [..., cap] best first (ties: lower index first, as a stable argsort)
+    if sp.top_k_cap:
+        k = jnp.clip(jnp.asarray(sp.top_k, jnp.int32), 1, cap)  # top_k >= V keeps everything
+        kth = jnp.take(vals, k - 1, axis=-1)[..., None]  # the k-th largest value
+        x = jnp.where(x < kth, -jnp.inf, x)
     probs = jax.nn.softmax(x, axis=-1)
-
-    def top_p(probs):
-        # Keep the smallest set of highest-probability tokens whose mass reaches top_p (the top token always).
-        order = jnp.argsort(-probs, axis=-1)
-        sorted_p = jnp.take_along_axis(probs, order, axis=-1)
-        mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
-        keep_sorted = mass_before < sp.top_p
-        keep = jnp.zeros_like(keep_sorted).at[
-            tuple(jnp.indices(order.shape)[:-1]) + (order,)].set(keep_sorted)
-        probs = jnp.where(keep, probs, 0.0)
-        return probs / probs.sum(axis=-1, keepdims=True)
-
-    return jax.lax.cond(jnp.asarray(sp.top_p) < 1.0, top_p, lambda p: p, probs)
+    if not sp.use_top_p:
+        return probs
+    sorted_p = jnp.take_along_axis(probs, order, axis=-1)  # [..., cap]
+    mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+    keep_sorted = mass_before < sp.top_p
+    keep = jnp.zeros(probs.shape, bool).at[tuple(jnp.indices(order.shape)[:-1]) + (order,)].set(keep_sorted)
+    probs = jnp.where(keep, probs, 0.0)
+    return probs / probs.sum(axis=-1, keepdims=True)
 
 
 def _draw(keys: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
@@ -106,9 +116,14 @@ def _draw(keys: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _categorical(u: jax.Array, probs: jax.Array) -> jax.Array:
-    """Gumbel-max: one sample per leading index from probs [..., V], given uniforms u [..., V] in (0, 1)."""
-    logp = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
-    return jnp.argmax(logp - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)
+    """Inverse CDF: one sample per leading index from probs [..., V] (unnormalised is fine), given one uniform per
+    leading index, u [...] or [..., 1] in (0, 1): the first index whose cumulative mass reaches u * total mass.
+
+    That index always has mass > 0 (the cumulative sum steps up there), and it is < V because u < 1."""
+    u = u.reshape(probs.shape[:-1])
+    cdf = jnp.cumsum(probs.astype(jnp.float32), axis=-1)
+    idx = jnp.sum(cdf < (u * cdf[..., -1])[..., None], axis=-1)
+    return jnp.minimum(idx, probs.shape[-1] - 1).astype(jnp.int32)
 
 
 def sample_tokens(logits: jax.Array, keys: jax.Array, sp: SamplingParams, draft: bool = False):
@@ -116,26 +131,24 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, sp: SamplingParams, draft:
     if sp.greedy or (draft and sp.draft_sampling == "greedy"):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), keys
     probs = processed_probs(logits, sp)
-    keys, u = _draw(keys, probs[0].size)
-    return _categorical(u.reshape(probs.shape), probs), keys
+    keys, u = _draw(keys, probs[0].size // probs.shape[-1])  # one uniform per row and slot
+    return _categorical(u.reshape(probs.shape[:-1]), probs), keys
 
 
 def _pmin_mask(d_logits: jax.Array, sp: SamplingParams, draft_probs: jax.Array | None = None) -> jax.Array:
     """[B, D] True while the draft's top probability stays >= p_min (then False from the first low slot on).
 
-    draft_probs [B, D, V]: the drafter's own distribution when it is not a softmax of d_logits (DFlash2 selector)."""
-    def mask(operands):
-        d_logits, draft_probs = operands
-        if draft_probs is not None:
-            probs = draft_probs
-        else:
-            probs = (jax.nn.softmax(d_logits.astype(jnp.float32), axis=-1) if sp.greedy
-                     else processed_probs(d_logits, sp))
-        confident = probs.max(axis=-1) >= sp.p_min
-        return jnp.cumprod(confident.astype(jnp.int32), axis=1).astype(bool)
-
-    return jax.lax.cond(jnp.asarray(sp.p_min) > 0, mask, lambda o: jnp.ones(o[0].shape[:2], bool),
-                        (d_logits, draft_probs))
+    draft_probs [B, D, V] or [B, D, k]: the drafter's own distribution when it is not a softmax of d_logits (the
+    DFlash2 selector's q, over the vocabulary or over its k candidates: the top probability is the same)."""
+    if not sp.use_p_min:
+        return jnp.ones(d_logits.shape[:2], bool)
+    if draft_probs is not None:
+        probs = draft_probs
+    else:
+        probs = (jax.nn.softmax(d_logits.astype(jnp.float32), axis=-1) if sp.greedy
+                 else processed_probs(d_logits, sp))
+    confident = probs.max(axis=-1) >= sp.p_min
+    return jnp.cumprod(confident.astype(jnp.int32), axis=1).astype(bool)
 
 
 def residual_probs(p: jax.Array, q: jax.Array) -> jax.Array:
@@ -153,12 +166,17 @@ def accept_block(d_logits: jax.Array, drafts: jax.Array, v_logits: jax.Array, ke
     """Decide how many drafts to keep and what comes after them.
 
     d_logits [B, D, V] drafter logits for slots 1..D; drafts [B, D]; v_logits [B, D+1, V] target logits of the
-    verify rows (row j predicts the token after slot j). draft_probs [B, D, V]: the distribution the drafts were
-    drawn from when it is not processed_probs(d_logits) (the DFlash2 selector's q); None for DFlash.
+    verify rows (row j predicts the token after slot j). draft_probs: the distribution the drafts were drawn from
+    when it is not processed_probs(d_logits): [B, D, V], or the DFlash2 selector's pair (q [B, D, k], candidate ids
+    [B, D, k]), kept over its k candidates (only the row the residual needs is spread onto the vocabulary); None
+    for DFlash.
     Returns (n_acc [B] in 0..D, committed [B, D+1], keys):
     committed[:, :n_acc] are the accepted drafts and committed[:, n_acc] is the correction / bonus token.
     """
     B, D = drafts.shape
+    candidates = None
+    if isinstance(draft_probs, (tuple, list)):
+        draft_probs, candidates = draft_probs  # [B, D, k] each
     proposed = _pmin_mask(d_logits, sp, draft_probs)  # [B, D]
     if sp.greedy:
         post = jnp.argmax(v_logits, axis=-1).astype(jnp.int32)  # [B, D+1]
@@ -169,21 +187,35 @@ def accept_block(d_logits: jax.Array, drafts: jax.Array, v_logits: jax.Array, ke
     p = processed_probs(v_logits, sp)  # [B, D+1, V]
     V = p.shape[-1]
     if sp.draft_sampling == "greedy":
-        q = jax.nn.one_hot(drafts, V, dtype=jnp.float32)  # point-mass proposal
-    elif draft_probs is not None:
-        q = draft_probs.astype(jnp.float32)  # [B, D, V]
+        q = None  # point-mass proposal: q(x) = 1 at the draft, onehot at the stop row
+        q_x = jnp.ones((B, D), jnp.float32)
+    elif candidates is not None:
+        q = None  # the selector's q over its k candidates
+        q_x = jnp.sum(jnp.where(candidates == drafts[..., None], draft_probs.astype(jnp.float32), 0.0), axis=-1)
     else:
-        q = processed_probs(d_logits, sp)  # [B, D, V]
-    keys, uniforms = _draw(keys, D + V)
+        if draft_probs is not None:
+            q = draft_probs.astype(jnp.float32)  # [B, D, V]
+        else:
+            q = processed_probs(d_logits, sp)  # [B, D, V]
+        q_x = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    keys, uniforms = _draw(keys, D + 1)
     u = uniforms[:, :D]  # acceptance tests; uniforms[:, D:] drive the one categorical draw below
     p_x = jnp.take_along_axis(p[:, :D], drafts[..., None], axis=-1)[..., 0]
-    q_x = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     ok = (u * q_x < p_x) & proposed
     n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B]
 
     p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]  # [B, V] target row at the stop
-    q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # row D: nothing proposed -> bonus from p
-    q_at = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]
+    # q's row at the stop [B, V]; row D (nothing proposed) is zeroed below by was_proposed, so it may be anything.
+    stop = jnp.minimum(n_acc, D - 1)[:, None]  # [B, 1]
+    if q is not None:
+        q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # row D: nothing proposed -> bonus from p
+        q_at = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]
+    elif candidates is None:
+        q_at = jax.nn.one_hot(jnp.take_along_axis(drafts, stop, axis=1)[:, 0], V, dtype=jnp.float32)
+    else:
+        cand_at = jnp.take_along_axis(candidates, stop[..., None], axis=1)[:, 0]  # [B, k]
+        q_k_at = jnp.take_along_axis(draft_probs.astype(jnp.float32), stop[..., None], axis=1)[:, 0]
+        q_at = jnp.zeros((B, V), jnp.float32).at[jnp.arange(B)[:, None], cand_at].set(q_k_at)
     was_proposed = jnp.take_along_axis(jnp.concatenate([proposed, jnp.zeros((B, 1), bool)], axis=1),
                                        n_acc[:, None], axis=1)  # [B, 1]
     # Not proposed (p_min cut, or past the last draft): nothing to correct for, so sample from p itself.

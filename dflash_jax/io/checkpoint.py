@@ -250,11 +250,20 @@ def _params_from_hf(kind: str, path: Path, abstract, dtype, quant: dict | None, 
 
 # -- orbax -------------------------------------------------------------------------------------------------------
 
+# Fields older saves carry that are no longer part of a config: `attention_chunk` became an execution setting
+# (`dflash_jax.models.attention.attention_chunk`).
+_RETIRED_FIELDS = ("attention_chunk",)
+
+
+def _model_config(d: dict) -> Qwen3Config:
+    return Qwen3Config(**{k: v for k, v in d.items() if k not in _RETIRED_FIELDS})
+
+
 def _config_from_json(kind: str, d: dict):
     if kind == "target":
-        return Qwen3Config(**d)
+        return _model_config(d)
     d = dict(d)
-    d["model"] = Qwen3Config(**d["model"])
+    d["model"] = _model_config(d["model"])
     return DrafterConfig(**d)
 
 

@@ -1,17 +1,26 @@
 """Softmax attention: the one function behind the target (prefill, verify, decode), the drafter (context + block) and
-both trainers. Its cost follows the live context, not the capacity of the cache it reads.
+both trainers. Every loop in it has a trip count fixed at trace time, so on an accelerator a decode step never
+waits on the host for a loop predicate (a data-dependent trip count costs one device-to-host copy per iteration on
+XLA:GPU), and its memory is bounded by a block, never by T x T.
 
 Keys come in two parts. Each part is reduced to a partial softmax (running max `m`, sum of weights `l`, weighted
 values `o`), and the parts are merged by log-sum-exp, so the result is exactly the softmax over their union:
 
   cached  k/v [B, S, nKV, hd] whose slot s holds position s (a KV cache, or the drafter's context), valid below
-          `cache_len` ([B] per row, or [B, T] per query). With `chunk`, slots are visited `chunk` at a time, and only
-          the chunks that can hold a key some query sees: a loop whose trip count is traced (the longest live row,
-          and the sliding window's lower end), so a verify step at 64 live tokens costs the same in a 256-slot cache
-          as in a 16k one. Without `chunk` the cached part is one dense pass (training, tiny caches).
+          `cache_len` ([B] per row, or [B, T] per query).
   fresh   k/v [B, Tk, nKV, hd] at explicit positions `k_pos` [B, Tk]: the tokens of this call (a prompt, a verify
           block, the drafter's block), optionally restricted by `k_mask` [B, T, Tk] (training: each query sees only
           its own block).
+
+Blocking (flash-style, online softmax): more than a query block of queries are split into query blocks, and either
+key part longer than a key block is visited a key block at a time over its whole length (a cache's whole bucket:
+invalid slots are masked, not skipped, which is what makes the trip count static). So a prompt of T tokens needs
+O(T * block) scores, not T x T; the price is that a step reads the whole cache bucket, not only its live part.
+Block sizes are an execution setting, not part of the architecture. By default queries go DEFAULT_CHUNK at a time
+and a key block holds as many keys as keep one block's scores under SCORE_BUDGET per head (at least DEFAULT_CHUNK):
+a decode or verify step at batch 1 reads a 16k-slot cache in one pass, not in 32 loop iterations (on a GPU each
+iteration is several kernel launches). `chunk` (an argument, or the `attention_chunk` context, a jit-cache key so
+that changing it retraces) sets both block sizes exactly.
 
 On top of validity, a key at position k is visible to a query at position q (z-lab's rule):
   causal: k <= q;   sliding window w (None = full): q - k < w, and when not causal also k - q < w.
@@ -20,8 +29,29 @@ A query that sees no key at all returns zeros (padding rows, dropped training an
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+
+DEFAULT_CHUNK = 512  # queries per block, and the fewest keys per block, by default
+SCORE_BUDGET = 1 << 20  # by default, a key block holds up to this many scores per head: rows x queries x keys
+# Keys and queries per block, exactly (None: the defaults above). A jit-cache-sensitive context:
+# `with attention_chunk(64): ...` retraces programs traced under another value. Results agree across values up to
+# float rounding of the online softmax.
+attention_chunk = jax.make_user_context(default_value=None)
+
+
+def block_sizes(B: int, T: int, chunk: int | None = None) -> tuple[int, int]:
+    """(queries per block, keys per block) for B rows of T queries: `chunk` for both if given, else the
+    `attention_chunk` context's value, else the defaults (see the module doc)."""
+    c = attention_chunk.value if chunk is None else chunk
+    if c is None:
+        rows = B * min(T, DEFAULT_CHUNK)
+        return DEFAULT_CHUNK, max(DEFAULT_CHUNK, SCORE_BUDGET // rows // DEFAULT_CHUNK * DEFAULT_CHUNK)
+    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+        raise ValueError(f"attention chunk must be an int >= 1, got {c!r}")
+    return c, c
 
 
 def visible(q_pos: jax.Array, k_pos: jax.Array, *, causal: bool, window: int | None) -> jax.Array:
@@ -68,27 +98,51 @@ def _empty(qg):
     return m, jnp.zeros((B, nKV, G, T), jnp.float32), jnp.zeros((B, nKV, G, T, hd), jnp.float32)
 
 
-def _cached_partial(qg, q_pos, k, v, cache_len, causal, window, chunk):
-    B, S = k.shape[:2]
-    lens = cache_len[:, None] if cache_len.ndim == 1 else cache_len  # [B, 1] or [B, T]
-    if chunk is None or S <= chunk:
-        slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-        return _partial(qg, q_pos, k, v, slots, slots[:, None, :] < lens[..., None], causal, window)
-    # Chunks [c*chunk, (c+1)*chunk) from the first one the window can reach to the last one holding a valid slot.
-    # The last chunk may be clamped to end at S (S need not be a multiple of chunk); slots it shares with the chunk
-    # before are counted once, by the `slots >= c * chunk` test.
-    c_hi = (jnp.max(lens) + chunk - 1) // chunk
-    c_lo = 0 if window is None else jnp.maximum(jnp.min(q_pos) - window + 1, 0) // chunk
+def _key_blocks(qg, q_pos, k, v, k_pos, valid: Callable, causal, window, chunk):
+    """Partial softmax over all S keys of k/v [B, S, nKV, hd] (positions k_pos [B, S]), `chunk` keys at a time.
+
+    valid(start, size) -> bool [B, T or 1, size]: which of keys start..start+size-1 each query may see.
+    The loop runs ceil(S / chunk) times, fixed at trace time. The last block is clamped to end at S (S need not be
+    a multiple of chunk); keys it shares with the block before are counted once, by the `>= c * chunk` test.
+    """
+    S = k.shape[1]
+    if S <= chunk:
+        return _partial(qg, q_pos, k, v, k_pos, valid(0, S), causal, window)
 
     def body(c, acc):
         start = jnp.minimum(c * chunk, S - chunk)
-        kc = jax.lax.dynamic_slice_in_dim(k, start, chunk, axis=1)
+        kc = jax.lax.dynamic_slice_in_dim(k, start, chunk, axis=1)  # [B, chunk, nKV, hd]
         vc = jax.lax.dynamic_slice_in_dim(v, start, chunk, axis=1)
-        slots = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
-        valid = (slots[:, None, :] < lens[..., None]) & (slots[:, None, :] >= c * chunk)
-        return _merge(acc, _partial(qg, q_pos, kc, vc, slots, valid, causal, window))
+        pc = jax.lax.dynamic_slice_in_dim(k_pos, start, chunk, axis=1)  # [B, chunk]
+        new = (start + jnp.arange(chunk, dtype=jnp.int32)) >= c * chunk  # [chunk]
+        return _merge(acc, _partial(qg, q_pos, kc, vc, pc, valid(start, chunk) & new, causal, window))
 
-    return jax.lax.fori_loop(c_lo, c_hi, body, _empty(qg))
+    return jax.lax.fori_loop(0, -(-S // chunk), body, _empty(qg))
+
+
+def _attend(qg, q_pos, cache_k, cache_v, cache_len, k, v, k_pos, k_mask, causal, window, chunk):
+    # chunk: keys per block
+    """(m, l, o) of one query block over both key parts (see `attention` for the arguments)."""
+    B = qg.shape[0]
+    acc = _empty(qg)
+    if cache_k is not None:
+        S = cache_k.shape[1]
+        lens = cache_len[:, None] if cache_len.ndim == 1 else cache_len  # [B, 1] or [B, T]
+        slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+
+        def cached_valid(start, size):
+            return (start + jnp.arange(size, dtype=jnp.int32))[None, None, :] < lens[..., None]  # [B, T|1, size]
+
+        acc = _key_blocks(qg, q_pos, cache_k, cache_v, slots, cached_valid, causal, window, chunk)
+    if k is not None:
+        def fresh_valid(start, size):
+            if k_mask is None:
+                return jnp.ones((B, 1, size), bool)
+            return jax.lax.dynamic_slice_in_dim(k_mask, start, size, axis=2)  # [B, T, size]
+
+        acc = _merge(acc, _key_blocks(qg, q_pos, k.astype(qg.dtype), v.astype(qg.dtype), k_pos, fresh_valid,
+                                      causal, window, chunk))
+    return acc
 
 
 def attention(q: jax.Array, q_pos: jax.Array, *, cache_k: jax.Array | None = None, cache_v: jax.Array | None = None,
@@ -99,23 +153,43 @@ def attention(q: jax.Array, q_pos: jax.Array, *, cache_k: jax.Array | None = Non
 
     cache_k/cache_v [B, S, nKV, hd] (slot = position) valid below cache_len [B] or [B, T]; k/v [B, Tk, nKV, hd] at
     k_pos [B, Tk], restricted by k_mask [B, T, Tk] when given. causal / window: the visibility rule (module doc);
-    chunk: visit cached slots this many at a time, only up to the longest live row (None: one dense pass).
+    chunk: keys and queries per block (None: the `attention_chunk` context, else the defaults; see `block_sizes`).
     Returns [B, T, nH * hd] in q.dtype.
     """
     B, T, nH, hd = q.shape
+    q_block, chunk = block_sizes(B, T, chunk)
     nKV = (cache_k if cache_k is not None else k).shape[2]
-    qg = q.reshape(B, T, nKV, nH // nKV, hd)
+    qg = q.reshape(B, T, nKV, nH // nKV, hd)  # [B, T, nKV, G, hd]
     q_pos = q_pos.astype(jnp.int32)
-    acc = _empty(qg)
-    if cache_k is not None:
-        acc = _cached_partial(qg, q_pos, cache_k, cache_v, cache_len.astype(jnp.int32), causal, window, chunk)
-    if k is not None:
-        valid = jnp.ones((B, 1, k.shape[1]), bool) if k_mask is None else k_mask
-        acc = _merge(acc, _partial(qg, q_pos, k.astype(qg.dtype), v.astype(qg.dtype), k_pos.astype(jnp.int32),
-                                   valid, causal, window))
-    _, l, o = acc
+    cache_len = None if cache_len is None else cache_len.astype(jnp.int32)
+    k_pos = None if k_pos is None else k_pos.astype(jnp.int32)
+    args = (cache_k, cache_v, cache_len, k, v, k_pos, k_mask)
+    if T <= q_block:
+        _, l, o = _attend(qg, q_pos, *args, causal, window, chunk)
+    else:
+        # Query blocks, one at a time (a static-length lax.map): only one block's scores are live. Padded queries
+        # (past T) sit at position -1 with no keys (k_mask False, length 0); their rows are dropped.
+        nq = -(-T // q_block)
+        pad = nq * q_block - T
+
+        def blocks(x, fill):  # [B, T, ...] -> [nq, B, q_block, ...]
+            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+            return jnp.moveaxis(x.reshape(B, nq, q_block, *x.shape[2:]), 1, 0)
+
+        per_query_len = cache_len is not None and cache_len.ndim == 2
+        xs = (blocks(qg, 0), blocks(q_pos, -1), blocks(cache_len, 0) if per_query_len else None,
+              None if k_mask is None else blocks(k_mask, False))
+
+        def one(x):
+            qb, pb, lb, mb = x
+            return _attend(qb, pb, cache_k, cache_v, lb if per_query_len else cache_len, k, v, k_pos, mb, causal,
+                           window, chunk)[1:]
+
+        l, o = jax.lax.map(one, xs)  # [nq, B, nKV, G, q_block(, hd)]
+        l = jnp.moveaxis(l, 0, 3).reshape(B, nKV, nH // nKV, nq * q_block)[..., :T]
+        o = jnp.moveaxis(o, 0, 3).reshape(B, nKV, nH // nKV, nq * q_block, hd)[..., :T, :]
     out = o / jnp.where(l > 0, l, 1.0)[..., None]  # [B, nKV, G, T, hd]
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, nH * hd).astype(q.dtype)
 
 
-__all__ = ["attention", "visible"]
+__all__ = ["attention", "attention_chunk", "block_sizes", "DEFAULT_CHUNK", "SCORE_BUDGET", "visible"]

@@ -1,4 +1,4 @@
-"""DFlash2's grouped dynamic causal convolution (dflash.md section 7a; z-lab `GroupedDynamicCausalConv`).
+"""DFlash2's grouped dynamic causal convolution (z-lab dflash/model.py `GroupedDynamicCausalConv` at 07ebd93db9f4).
 
 Around a sublayer f (attention or MLP) with input x [.., T, H]:
     dyn       = kernel_projection(x) viewed as [.., T, 2, Kc, groups]   (side, tap, group; group fastest)

@@ -36,6 +36,6 @@ def calibrate_drafter(target, drafter, token_windows, *, anchors_per_window: int
 
     def forward(d, contexts, blocks):
         for f, b in zip(contexts, blocks):
-            draft_logits(d, target, f, b)
+            draft_logits(target, d, f, b)
 
     return collect_linear_inputs(forward, drafter, contexts, blocks, max_rows=max_rows, seed=seed)

@@ -13,6 +13,7 @@ the argmax of the draft logits. Layers may be causal and/or sliding-window (the 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import chex
 import jax
@@ -37,13 +38,10 @@ class Drafter:
         return dataclasses.replace(self, **changes)
 
 
-class DraftCache:
-    """The drafter's context cache is a `KVCache` (per layer [B, S, nKV, hd] keys after k_norm + RoPE, and values;
-    lengths [B] = committed context positions held). This only builds an empty one from a DrafterConfig."""
-
-    @staticmethod
-    def empty(cfg: DrafterConfig, batch: int, max_len: int) -> KVCache:
-        return KVCache.empty(cfg.model, batch, max_len)
+def empty_draft_cache(cfg: DrafterConfig, batch: int, max_len: int) -> KVCache:
+    """An empty drafter context cache: a `KVCache` (per layer [B, S, nKV, hd] keys after k_norm + RoPE, and values;
+    lengths [B] = committed context positions held) shaped by the drafter's own model config."""
+    return KVCache.empty(cfg.model, batch, max_len)
 
 
 def init_drafter(cfg: DrafterConfig, key: jax.Array) -> Drafter:
@@ -145,7 +143,7 @@ def block_hidden(drafter: Drafter, target: Target, block: jax.Array, cache: KVCa
     B, bs = block.shape
     positions = cache.lengths[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]  # [B, bs]
     return block_pass(drafter, embed_block(drafter, target, block), positions, cache.k, cache.v, cache.lengths,
-                      chunk=drafter.config.model.attention_chunk, block_len=bs)
+                      block_len=bs)
 
 
 def block_logits(drafter: Drafter, target: Target, block: jax.Array, cache: KVCache,
@@ -195,7 +193,20 @@ def _check_inputs(drafter: Drafter, target: Target, features, block):
     return features, block
 
 
-def draft_logits(drafter: Drafter, target: Target, features, block, *,
+def _target_first(target, drafter, call: str) -> tuple[Target, Drafter]:
+    """The public calls take (target, drafter, ...), like `generate`. The old order (drafter first) still works, with a
+    DeprecationWarning; the two are told apart by type, so a wrong pair fails here by name, not deep in a trace."""
+    if isinstance(target, Drafter) and isinstance(drafter, Target):
+        warnings.warn(f"{call}(drafter, target, ...) is deprecated: pass the target first, "
+                      f"{call}(target, drafter, ...)", DeprecationWarning, stacklevel=3)
+        target, drafter = drafter, target
+    if not isinstance(target, Target) or not isinstance(drafter, Drafter):
+        raise TypeError(f"{call}(target, drafter, ...) takes a Target and a Drafter, got "
+                        f"{type(target).__name__} and {type(drafter).__name__}")
+    return target, drafter
+
+
+def draft_logits(target: Target, drafter: Drafter, features, block, *,
                  nvfp4_backend: str | None = None) -> jax.Array:
     """Public call (no cache): logits [B, bs-1, V] for block slots 1..bs-1 (after output_multiplier and
     final_logit_softcapping; for DFlash2 these are the base logits the selector starts from).
@@ -203,21 +214,28 @@ def draft_logits(drafter: Drafter, target: Target, features, block, *,
     features [B, C, K*H]: target layer outputs of context positions 0..C-1; block [B, bs] at positions C..C+bs-1.
     nvfp4_backend: for NVFP4 weights (see `dflash_jax.quant.linear`); None = the current default, resolved per call.
     """
-    return draft_proposal(drafter, target, features, block, nvfp4_backend=nvfp4_backend).logits
+    target, drafter = _target_first(target, drafter, "draft_logits")
+    return _proposal(target, drafter, features, block, nvfp4_backend).logits
 
 
-def draft_tokens(drafter: Drafter, target: Target, features, block, *,
+def draft_tokens(target: Target, drafter: Drafter, features, block, *,
                  nvfp4_backend: str | None = None) -> jax.Array:
     """Public call (no cache): the greedy proposals [B, bs-1] int32 for block slots 1..bs-1, either kind.
 
     DFlash: argmax of `draft_logits`. DFlash2: the candidate selector's greedy walk from block[:, 0].
     """
-    return draft_proposal(drafter, target, features, block, nvfp4_backend=nvfp4_backend).tokens
+    target, drafter = _target_first(target, drafter, "draft_tokens")
+    return _proposal(target, drafter, features, block, nvfp4_backend).tokens
 
 
-def draft_proposal(drafter: Drafter, target: Target, features, block, *,
+def draft_proposal(target: Target, drafter: Drafter, features, block, *,
                    nvfp4_backend: str | None = None) -> Proposal:
     """`draft_tokens` with its logits and (DFlash2) selector scores and candidates, e.g. for `audit_scales`."""
+    target, drafter = _target_first(target, drafter, "draft_proposal")
+    return _proposal(target, drafter, features, block, nvfp4_backend)
+
+
+def _proposal(target: Target, drafter: Drafter, features, block, nvfp4_backend: str | None) -> Proposal:
     features, block = _check_inputs(drafter, target, features, block)
     return _draft_jit(drafter, target, features, block, program_backend(drafter, target, backend=nvfp4_backend))
 
@@ -225,16 +243,12 @@ def draft_proposal(drafter: Drafter, target: Target, features, block, *,
 def cached_context(drafter: Drafter, features: jax.Array) -> KVCache:
     """A draft cache holding all C context positions of features [B, C, K*H]."""
     B, C = features.shape[:2]
-    cache = DraftCache.empty(drafter.config, B, C)
+    cache = empty_draft_cache(drafter.config, B, C)
     return append_context(drafter, features, jnp.full((B,), C, jnp.int32), cache)
 
 
 @jax.jit(static_argnums=(4,))
 def _draft_jit(drafter, target, features, block, backend):
-    # The whole context is live here: one dense attention pass (no chunk loop, whose traced trip count would also
-    # make the call impossible to differentiate in reverse mode, e.g. by audit_scales).
-    cfg = drafter.config
-    drafter = drafter.replace(config=cfg.replace(model=cfg.model.replace(attention_chunk=None)))
     with backend_scope(backend):
         cache = cached_context(drafter, features)
         h = block_hidden(drafter, target, block, cache)[:, 1:]

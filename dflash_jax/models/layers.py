@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -65,13 +66,20 @@ def rope(x: jax.Array, positions: jax.Array, cfg: Qwen3Config) -> jax.Array:
 def _project(h: jax.Array, weight, bias, heads: int, cfg: Qwen3Config) -> jax.Array:
     """h [B, T, H] -> [B, T, heads, hd]: the one `linear`, then the bias where the family has one (Qwen2)."""
     B, T, _ = h.shape
+    if (bias is not None) != cfg.attention_bias:  # params built for another family than the config says
+        raise ValueError(f"config attention_bias={cfg.attention_bias} but the layer's params "
+                         f"{'have' if bias is not None else 'have no'} q/k/v biases")
     y = linear(h, weight)  # [B, T, heads*hd]
-    if cfg.attention_bias:
+    if bias is not None:
+        chex.assert_shape(bias, (heads * cfg.head_dim,))
         y = y + bias.astype(y.dtype)
     return y.reshape(B, T, heads, cfg.head_dim)
 
 
 def _qk_norm(x: jax.Array, weight, cfg: Qwen3Config) -> jax.Array:
+    if (weight is not None) != cfg.qk_norm:
+        raise ValueError(f"config qk_norm={cfg.qk_norm} but the layer's params "
+                         f"{'have' if weight is not None else 'have no'} q_norm / k_norm")
     return rms_norm(x, weight, cfg.rms_norm_eps) if cfg.qk_norm else x
 
 

@@ -1,4 +1,4 @@
-"""DFlash2's pairwise candidate selector (dflash.md section 7b; z-lab `CandidateSelector.select`).
+"""DFlash2's pairwise candidate selector (z-lab dflash/model.py `CandidateSelector.select` at 07ebd93db9f4).
 
 Per draft slot t = 1..D (final-normed hidden h_t, draft logits l_t after output_multiplier and softcapping):
     candidates  b in top-k(l_t), unary U_t(b) = l_t[b]

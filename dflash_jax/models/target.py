@@ -92,7 +92,7 @@ def forward_hidden(target: Target, tokens: jax.Array, cache: KVCache | None, lay
     new_k, new_v, feats = [], [], {}
     for i, layer in enumerate(p.layers):
         with jax.named_scope(f"layer{i}"):
-            kw = dict(causal=True, window=windows[i], chunk=cfg.attention_chunk)
+            kw = dict(causal=True, window=windows[i])
             if cache is None or empty_cache:  # the new tokens see each other only
                 x, k, v = decoder_layer(layer, x, positions, cfg, **kw)
                 if cache is not None:

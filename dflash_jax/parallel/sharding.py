@@ -9,6 +9,8 @@ Mesh axes are ("data", "model"). Rules, from the logical axes `params.py` gives 
                                     axis they are replicated (each device keeps every KV head, as Megatron / vLLM do)
   embed, head_dim, taps_embed -> replicated
 
+A Qwen2 target's q/k/v biases carry their projection's out axis (q_heads, kv_heads), so they split with it.
+
 The batch goes along "data"; KV caches (target and drafter context) are [B, S, nKV, hd] over ("data", -, model or
 replicated, -). A sharded axis must be split at whole units (heads, not head_dim columns), so the model axis must
 divide the head count, the intermediate size and the vocabulary; anything else is refused here, before compiling.

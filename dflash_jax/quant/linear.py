@@ -4,23 +4,26 @@ Every scale of an NVFP4 weight is applied in here, so no model code can forget o
 (the llama.cpp DFlash bug of PR #28000 was exactly a caller dropping `weight_scale_2`).
 
 Backends for NVFP4 weights:
-  portable  W4A16: dequantize the weight to x.dtype inside the traced function, then
-            the same f32-accumulating dot as a dense weight. Runs everywhere, but on a GPU
-            XLA writes the dequantized weight to memory and reads it back (docs/nvfp4.md §8.1).
+  portable  W4A16: dequantize the weight to x.dtype without its tensor scale (exact), the same
+            f32-accumulating dot as a dense weight, then the tensor scale on the f32 result, as the
+            Pallas kernel does: the backends agree in bf16 too, not only in f32. Runs everywhere,
+            but on a GPU XLA writes the dequantized weight to memory and reads it back (its Triton GEMM
+            fusion takes no uint8 nibble unpacking and, by default, no per-16-element scales).
   pallas    W4A16: one Pallas/Triton kernel (pallas_nvfp4.py) reads the packed codes and
             block scales tile by tile and dequantizes in registers; no dequantized weight
-            exists outside it. CUDA GPUs; on CPU the same kernel runs interpreted (slow,
-            exact: what the tests use). Same numbers as portable up to f32 rounding.
-  native    W4A4: quantize x to NVFP4 on the fly (dynamic per-call global scale
-            amax/(6*448)) and call `jax.nn.scaled_matmul` (cuDNN block-scaled GEMM on
-            Blackwell; an XLA dequant+dot composite on other CUDA GPUs). Results differ
-            from portable by the activation quantization error.
-W4A4 weights (`input_scale` set) quantize x with that calibrated scale first on portable and
-pallas alike, so both keep the same activation semantics.
+            exists outside it. CUDA GPUs of any compute capability; on CPU the same kernel runs
+            interpreted (slow, exact: what the tests use). From 256 rows of x on (prefill) it
+            dequantizes once and calls the library GEMM instead (pallas_nvfp4.GEMM_MIN_ROWS).
+  native    W4A4 (explicit only): quantize x to NVFP4 on the fly and call `jax.nn.scaled_matmul`
+            (cuDNN block-scaled GEMM on Blackwell; an XLA dequant+dot composite on other CUDA
+            GPUs). Without a calibrated `input_scale` the activation tensor scale is dynamic, one
+            per row (amax of the row / (6*448)), so a row's result never depends on the other rows
+            of the batch. Results differ from portable by the activation quantization error.
+W4A4 weights (`input_scale` set) quantize x with that calibrated static scale first on every
+backend, so all keep the same activation semantics.
 Selection: explicit `backend=` > `backend_scope(...)` > `set_default_backend(...)` > env DFLASH_JAX_NVFP4_BACKEND
-> auto: native on a GPU with compute capability >= 10.0, pallas on other CUDA GPUs,
-portable elsewhere (CPU, TPU, ROCm). `resolve_backend` and `BACKENDS` are the one source of
-truth for names and availability.
+> auto: W4A16 everywhere, pallas on CUDA GPUs (any compute capability), portable elsewhere (CPU, TPU, ROCm).
+`resolve_backend` and `BACKENDS` are the one source of truth for names and availability.
 
 Compiled programs must not read the process-wide choice while tracing (a later `set_default_backend` would then be
 ignored by the cached executable): the package's jitted calls resolve the backend on the host (`program_backend`),
@@ -111,11 +114,8 @@ def backend_scope(backend: str | None):
 
 def resolve_backend(backend: str | None = None) -> str:
     choice = backend or _scoped_backend.get() or _default_backend or os.environ.get(ENV_VAR) or None
-    if choice is None:
-        if _platform() != "cuda":
-            return "portable"
-        cc = _compute_capability()
-        return "native" if cc is not None and cc >= 10.0 else "pallas"
+    if choice is None:  # W4A16 everywhere: a row's result never depends on the batch, backends agree
+        return "pallas" if _platform() == "cuda" else "portable"
     if choice not in BACKENDS:
         raise ValueError(f"unknown NVFP4 backend {choice!r}; expected one of {BACKENDS}")
     if choice == "native" and not native_supported():
@@ -149,7 +149,7 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def quantize_activations(x: jax.Array, input_scale: jax.Array | None) -> jax.Array:
     """W4A4 emulation: x rounded through NVFP4 with the calibrated tensor scale (blocks of 16 along in); None =
-    the dynamic per-call scale amax(x) / (6 * 448) of the native backend.
+    the dynamic scale of the native backend, one per row: amax(row) / (6 * 448).
 
     The derivative is the identity (straight-through, as in quantization-aware training): the rounding is piecewise
     constant, so its true derivative is 0 almost everywhere and nothing upstream of a W4A4 layer would get a gradient
@@ -170,9 +170,16 @@ def _round_activations_jvp(primals, tangents):
     return _round_activations(*primals), tangents[0]
 
 
+def _quantize_rows(x2: jax.Array) -> NVFP4Array:
+    """x2 [M, K] -> NVFP4 with one dynamic tensor scale per row (global_scale [M]): rows never mix."""
+    return jax.vmap(lambda r: _quantize(r, None))(x2.astype(jnp.float32))
+
+
 @jax.custom_jvp
 def _round_activations_dynamic(x: jax.Array) -> jax.Array:
-    return dequantize(_quantize(x.astype(jnp.float32), None), x.dtype)
+    k = x.shape[-1]
+    q = _quantize_rows(x.reshape(-1, k))
+    return jax.vmap(lambda r: dequantize(r, x.dtype))(q).reshape(x.shape)
 
 
 @_round_activations_dynamic.defjvp
@@ -184,8 +191,15 @@ def _round_activations_dynamic_jvp(primals, tangents):
 def _linear_native(x: jax.Array, w: NVFP4Array) -> jax.Array:
     k = x.shape[-1]
     m = math.prod(x.shape[:-1])
-    # Dynamic per-call activation scale, or the calibrated one a W4A4 checkpoint carries.
-    xq = _quantize(x.reshape(1, m, k), w.input_scale)  # unchecked: x may be traced
+    # The calibrated static activation scale a W4A4 checkpoint carries, or a dynamic one per row ([M]).
+    if w.input_scale is not None:
+        xq = _quantize(x.reshape(1, m, k), w.input_scale)  # unchecked: x may be traced
+        x_scale = xq.global_scale  # []
+    else:
+        rows = _quantize_rows(x.reshape(m, k))
+        xq = NVFP4Array(packed=rows.packed[None], block_scale=rows.block_scale[None],
+                        global_scale=jnp.ones((), jnp.float32), shape=(1, m, k))
+        x_scale = rows.global_scale[None, :, None]  # [1, M, 1]
     out = _scaled_matmul(
         unpack_e2m1(xq.packed),  # [1, M, K] f4
         unpack_e2m1(w.packed)[None],  # [1, N, K] f4
@@ -194,7 +208,7 @@ def _linear_native(x: jax.Array, w: NVFP4Array) -> jax.Array:
         preferred_element_type=jnp.float32,
     )  # [1, M, N]
     # scaled_matmul knows no tensor scales: both go on the result.
-    out = out * (xq.global_scale * w.global_scale.astype(jnp.float32))
+    out = out * (x_scale * w.global_scale.astype(jnp.float32))
     return out.reshape(x.shape[:-1] + (w.shape[0],))
 
 
@@ -277,7 +291,7 @@ def linear(x: jax.Array, w: Any, *, backend: str | None = None) -> jax.Array:
             x = quantize_activations(x, w.input_scale)
         if choice == "pallas":
             return pallas_nvfp4.nvfp4_matmul(x, w)  # [..., out] in x.dtype; x reshaped to [M, in] inside
-        w = dequantize(w, x.dtype)  # [out, in]
+        return pallas_nvfp4.dequant_matmul(x, w)  # portable: tensor scale on the f32 result, like the kernel
     elif isinstance(w, DequantizedNVFP4):
         if w.round_input:
             x = quantize_activations(x, w.act_scale)

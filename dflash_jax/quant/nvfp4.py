@@ -1,7 +1,7 @@
 """NVFP4 (E2M1 codes, E4M3 block scales, FP32 tensor scale) as a pytree value.
 
-Layout and numerics follow NVIDIA ModelOpt's NVFP4 weight recipe bit for bit (see
-docs/nvfp4.md §1-2): blocks of 16 along the last axis, two codes per byte with
+Layout and numerics follow NVIDIA ModelOpt's NVFP4 weight recipe bit for bit (NVIDIA
+Model-Optimizer `modelopt/torch/quantization/qtensor/nvfp4_tensor.py`): blocks of 16 along the last axis, two codes per byte with
 element 2i in the LOW nibble, value = e2m1(code) * f32(block_scale) * global_scale.
 """
 
@@ -172,6 +172,19 @@ def unpack_e2m1(packed: jax.Array) -> jax.Array:
     """
     e = jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)  # [..., K/2, 2]
     return e.reshape(packed.shape[:-1] + (packed.shape[-1] * 2,))
+
+
+def dequantize_unscaled(q: NVFP4Array, dtype: Any = jnp.float32) -> jax.Array:
+    """e2m1(code) * f32(block_scale), without the tensor scale, shape `q.shape`, in `dtype`.
+
+    Exact in bfloat16, float16 and float32: an E2M1 value has 2 significant bits and an E4M3 scale 4, so their
+    product has at most 6 (the smallest, 0.5 * 2^-9, is a normal bf16/f32 number and an f16 subnormal). A matmul
+    with this weight and the tensor scale applied to its f32 result rounds only x and the accumulation, the same in
+    every dtype (what the Pallas kernel computes, and the portable backend since issue 26).
+    """
+    values = unpack_e2m1(q.packed).astype(jnp.float32)  # [..., K]
+    blocks = values.reshape(q.shape[:-1] + (q.shape[-1] // BLOCK_SIZE, BLOCK_SIZE))
+    return (blocks * q.block_scale.astype(jnp.float32)[..., None]).reshape(q.shape).astype(dtype)
 
 
 def dequantize(q: NVFP4Array, dtype: Any = jnp.float32) -> jax.Array:

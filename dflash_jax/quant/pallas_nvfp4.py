@@ -1,7 +1,8 @@
 """W4A16 NVFP4 matmul as one Pallas kernel (Triton lowering): y = x @ dequant(w).T without a dequantized weight.
 
 Why: on GPUs without FP4 tensor cores (Hopper and older) the portable path dequantizes the whole weight to
-bf16 in HBM and reads it back, so an NVFP4 drafter is slower than a bf16 one (docs/nvfp4.md §8). Here each
+bf16 in HBM and reads it back, so an NVFP4 drafter is slower than a bf16 one (XLA's Triton GEMM fusion
+takes neither uint8 nibble unpacking nor per-16-element scales by default). Here each
 program reads packed codes and E4M3 block scales of one [block_n, block_k] weight tile, decodes them in
 registers and feeds the tensor cores; HBM sees 4.5 bits per weight.
 
@@ -32,6 +33,9 @@ int32 first.
 
 `nvfp4_matmul(x, w)` runs the Triton kernel on a GPU and the same kernel interpreted (`interpret=True`) on
 CPU, so CPU tests execute exactly this code. Its derivative (for `audit_scales`) is the portable formula.
+From GEMM_MIN_ROWS rows of x on (prefill, big batches) the kernel is not used: each M block would decode every
+weight tile again (M / 64 times in all), while one dequantization (to x's dtype, without the tensor scale) and the
+library GEMM pay for the decode once and run at the GEMM's full speed (`dequant_matmul`, the same numbers).
 
 Performance notes (read off sm_90 SASS compiled on a CPU host with XLA's Triton pipeline and ptxas, jaxlib 0.10.2;
 not yet timed on a GPU): with the default tiles the bf16 kernel issues ~12 instructions per weight element
@@ -55,7 +59,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dflash_jax.quant.nvfp4 import BLOCK_SIZE, NVFP4Array, dequantize
+from dflash_jax.quant.nvfp4 import BLOCK_SIZE, NVFP4Array, dequantize, dequantize_unscaled
 
 # None: the Triton kernel on a GPU, interpreted elsewhere. False forces the Triton lowering, e.g. to export a CUDA
 # program from a CPU-only host (jax.export with platforms=["cuda"]); True forces the interpreter.
@@ -63,6 +67,7 @@ INTERPRET: bool | None = None
 DEBUG = False  # pallas_call(debug=...): prints the kernel jaxpr and the Triton IR when lowering (tests read it)
 DEFAULT_CORES = 132  # H200 / H100 SXM multiprocessors; sizes the grid when no GPU is visible (CPU tests, export)
 MAX_BLOCK_M = 64  # rows of x per program; decode shapes (M <= 64) are one M block
+GEMM_MIN_ROWS = 256  # from this many rows of x on, dequantize once and call the library GEMM (module doc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,12 +313,22 @@ def _matmul_jvp(n, k, tiles, interpret, primals, tangents):
     return y, ty
 
 
-def nvfp4_matmul(x: jax.Array, w: NVFP4Array, *, tiles: Tiles | None = None, interpret: bool | None = None
-                 ) -> jax.Array:
+def dequant_matmul(x: jax.Array, w: NVFP4Array) -> jax.Array:
+    """x [..., K] @ dequant(w).T -> [..., N] in x.dtype with the library GEMM: the weight dequantized once to x's
+    dtype without its tensor scale (exact, see `dequantize_unscaled`), f32 accumulation, the tensor scale applied to
+    the f32 result (as the kernel's epilogue does), one rounding to x's dtype at the end."""
+    wb = dequantize_unscaled(w, x.dtype)  # [N, K]
+    y = jax.lax.dot_general(x, wb, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * jnp.asarray(w.global_scale, jnp.float32)).astype(x.dtype)
+
+
+def nvfp4_matmul(x: jax.Array, w: NVFP4Array, *, tiles: Tiles | None = None, interpret: bool | None = None,
+                 gemm_min_rows: int | None = GEMM_MIN_ROWS) -> jax.Array:
     """x [..., K] @ dequant(w).T -> [..., N] in x.dtype, w an NVFP4Array [N, K] (W4A16: x is not quantized).
 
     interpret: None = the module's INTERPRET, by default the Triton kernel on a GPU and the Pallas interpreter
-    elsewhere. tiles: None = choose_tiles(M, N, K, x_dtype=x.dtype).
+    elsewhere. tiles: None = choose_tiles(M, N, K, x_dtype=x.dtype). gemm_min_rows: from this many rows of x on,
+    `dequant_matmul` instead of the kernel (None: always the kernel).
     """
     if not isinstance(w, NVFP4Array) or len(w.shape) != 2:
         raise TypeError(f"nvfp4_matmul needs a 2-D NVFP4Array weight, got {type(w).__name__} "
@@ -332,5 +347,7 @@ def nvfp4_matmul(x: jax.Array, w: NVFP4Array, *, tiles: Tiles | None = None, int
     x2 = x.reshape(math.prod(lead), k)  # [M, K]: a free reshape
     if x2.shape[0] == 0:
         return jnp.zeros(lead + (n,), x.dtype)
+    if gemm_min_rows is not None and x2.shape[0] >= gemm_min_rows:
+        return dequant_matmul(x, w)
     y = _matmul(x2, w.packed, w.block_scale, jnp.asarray(w.global_scale, jnp.float32), n, k, tiles, bool(interpret))
     return y.reshape(lead + (n,))

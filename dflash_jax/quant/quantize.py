@@ -23,7 +23,8 @@ from dflash_jax.quant.nvfp4 import BLOCK_SIZE, E2M1_GRID, E2M1_MAX, E4M3_MAX, NV
 from dflash_jax.params import is_linear_name, map_named, named_leaves
 
 ATTENTION_PROJECTIONS = ("*self_attn.q_proj", "*self_attn.k_proj", "*self_attn.v_proj", "*self_attn.o_proj")
-# DFlash2's own linears: the matmuls llama.cpp still runs without their tensor scales (nvfp4.md section 5).
+# DFlash2's own linears: the matmuls llama.cpp still runs without their tensor scales (llama.cpp PR #28000
+# scaled only the attention projections of src/models/dflash.cpp).
 DFLASH2_PROJECTIONS = ("*_conv.kernel_projection", "candidate_selector.hidden_projection")
 
 

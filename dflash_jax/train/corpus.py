@@ -385,15 +385,7 @@ def _sample_prompts(
     return [texts[picks[i][0]][picks[i][1] : picks[i][2]].rstrip("\n") for i in order]
 
 
-def held_out_prompts(
-    n: int,
-    *,
-    seed: int = 0,
-    min_chars: int = 100,
-    max_chars: int = 300,
-    def_fraction: float = 0.5,
-    min_continuation: int = 64,
-) -> list[str]:
+def held_out_prompts(n: int, *, seed: int = 0, **shape) -> list[str]:
     """``n`` real prompts from the EVAL files, deterministic for a given seed (and Python version).
 
     Each prompt is a run of whole lines from one file, ``min_chars..max_chars``
@@ -402,25 +394,23 @@ def held_out_prompts(
     rest end at a random line boundary. Used for benchmarks, so the model under
     test never trained on them. Files under ``encodings/`` are left out: their
     long character-mapping tables are trivially predictable and would flatter
-    acceptance figures.
+    acceptance figures. Keywords (defaults): min_chars 100, max_chars 300, def_fraction 0.5, min_continuation 64.
     """
     _, held = split_files(stdlib_files())
     held = [f for f in held if not relpath(f).startswith("encodings/")]
-    return _sample_prompts(read_texts(held), n, seed, min_chars, max_chars, def_fraction, min_continuation)
+    return _prompts_from(held, n, seed, **shape)
 
 
-def train_prompts(
-    n: int,
-    seed: int = 0,
-    *,
-    min_chars: int = 100,
-    max_chars: int = 300,
-    def_fraction: float = 0.5,
-    min_continuation: int = 64,
-) -> list[str]:
-    """Like :func:`held_out_prompts` but from the TRAIN files (e.g. to generate drafter training data)."""
+def _prompts_from(files, n: int, seed: int, *, min_chars: int = 100, max_chars: int = 300, def_fraction: float = 0.5,
+                  min_continuation: int = 64) -> list[str]:
+    """The prompt shape both samplers share (and its defaults): see `held_out_prompts`."""
+    return _sample_prompts(read_texts(files), n, seed, min_chars, max_chars, def_fraction, min_continuation)
+
+
+def train_prompts(n: int, seed: int = 0, **shape) -> list[str]:
+    """Like :func:`held_out_prompts` (same keywords) but from the TRAIN files (e.g. drafter training data)."""
     train, _ = split_files(stdlib_files())
-    return _sample_prompts(read_texts(train), n, seed, min_chars, max_chars, def_fraction, min_continuation)
+    return _prompts_from(train, n, seed, **shape)
 
 
 # --------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Train a DFlash drafter for a frozen target, by the DFlash recipe (dflash.md section 6).
+"""Train a DFlash drafter for a frozen target, by the DFlash recipe (arXiv 2602.06036 section 3; SpecForge
+`specforge/core/dflash.py` after its fix PR #473, since z-lab has released no training code).
 
 Data: the target's own continuations of corpus prompts (mostly greedy, some sampled), so the drafter learns what
 *this* target says. Per sequence, random anchors a in the continuation; each anchor's block is [x_a, M x (bs-1)] at
@@ -200,7 +201,8 @@ def make_batch_fn(data: dict[str, np.ndarray], target_params, *, batch: int, num
 
 def measure_tau(target: Target, drafter: Drafter, prompts: list[list[int]], *, max_new_tokens: int = 128,
                 draft_length: int | None = None) -> dict:
-    res = generate(target, drafter, prompts, max_new_tokens=max_new_tokens, draft_length=draft_length)
+    res = generate(target, drafter, prompts, max_new_tokens=max_new_tokens, draft_length=draft_length,
+                   eos_ids=())  # tau over whole budgets, as measured before EOS became the default
     return {"tau": res.tau, "acceptance_rate": res.acceptance_rate,
             "position_acceptance": [round(float(x), 4) for x in res.position_acceptance]}
 
@@ -307,8 +309,55 @@ def add_training_arguments(ap, *, out, work_dir, work_help):
     ap.add_argument("--anchors", type=int, default=64, help="random anchors (blocks) per sequence")
     ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     ap.add_argument("--eval-every", type=int, default=500, help="tau evaluation interval (steps); 0 = none")
+    ap.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for tau")
+    ap.add_argument("--eval-tokens", type=int, default=256, help="new tokens per tau evaluation prompt")
     ap.add_argument("--ckpt-every", type=int, default=100, help="orbax checkpoint interval (steps), for resume")
     ap.add_argument("--seed", type=int, default=0, help="data and init seed")
+
+
+def eval_prompts_and_length(tok, cfg: DrafterConfig, args) -> tuple[list[list[int]], int]:
+    """--eval-prompts held-out prompts (seed 1, never trained on) and the draft length tau is reported at (7, or
+    the block's whole draft when it is shorter)."""
+    return ([tok.encode(t) for t in corpus.held_out_prompts(args.eval_prompts, seed=1)],
+            min(7, cfg.block_size - 1))
+
+
+def tau_eval_fn(target, cfg: DrafterConfig, prompts, max_new_tokens: int, draft_length: int):
+    """params -> tau and acceptance of the drafter with those params on `prompts` (the training loop's eval)."""
+    def eval_fn(params):
+        return {k: v for k, v in measure_tau(target, Drafter(params=params, config=cfg), prompts,
+                                             max_new_tokens=max_new_tokens, draft_length=draft_length).items()
+                if k != "position_acceptance"}
+    return eval_fn
+
+
+def train_and_save(cfg: DrafterConfig, target, data: dict, args, work: Path, loss_fn, eval_fn, *, desc: str,
+                   exact_warm_start: bool) -> tuple[Drafter, list[dict]]:
+    """The run both drafter kinds share: fresh params (or --init-from's, see `warm_start`), the training loop over
+    the shared flags (orbax checkpoints and log under `work`, so a rerun resumes), saved to --out."""
+    params = init_drafter(cfg, jax.random.key(args.seed + 1)).params
+    if args.init_from:
+        params = warm_start(cfg, params, load_drafter(args.init_from), exact=exact_warm_start)
+    optim = OptimConfig(steps=args.steps, lr=args.lr, weight_decay=0.0)
+    params, history = run(params=params, loss_fn=loss_fn,
+                          batch_fn=make_batch_fn(data, target.params, batch=args.batch, num_anchors=args.anchors,
+                                                 seed=args.seed),
+                          optim=optim, ckpt_dir=work / "ckpt", eval_fn=eval_fn, eval_every=args.eval_every,
+                          ckpt_every=args.ckpt_every, desc=desc, log_file=work / "log.jsonl")
+    drafter = Drafter(params=params, config=cfg)
+    save(args.out, drafter)
+    return drafter, history
+
+
+def write_report(out, report: dict, t_start: float, drafter: Drafter) -> dict:
+    """The trainer's report, completed with this invocation's wall time and the drafter's parameter count: written
+    to <out>/train_report.json and printed."""
+    report.update(wall_time_s_this_invocation=round(time.perf_counter() - t_start, 1),
+                  params=int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(drafter.params))))
+    with open(Path(out) / "train_report.json", "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps(report, indent=1))
+    return report
 
 
 def build_data_or_exit(target, tok, cfg, data_dir, args):
@@ -340,25 +389,11 @@ def main(argv=None):
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     data = build_data_or_exit(target, tok, cfg, work, args)
-    eval_prompts = [tok.encode(t) for t in corpus.held_out_prompts(8, seed=1)]
-
-    def eval_fn(params):
-        return {k: v for k, v in measure_tau(target, Drafter(params=params, config=cfg), eval_prompts,
-                                             max_new_tokens=256, draft_length=7).items()
-                if k != "position_acceptance"}
-
-    params = init_drafter(cfg, jax.random.key(args.seed + 1)).params
-    if args.init_from:
-        params = warm_start(cfg, params, load_drafter(args.init_from), exact=True)
-    optim = OptimConfig(steps=args.steps, lr=args.lr, weight_decay=0.0)
-    params, history = run(params=params, loss_fn=drafter_loss(cfg, target.config),
-                          batch_fn=make_batch_fn(data, target.params, batch=args.batch, num_anchors=args.anchors,
-                                                 seed=args.seed),
-                          optim=optim, ckpt_dir=work / "ckpt", eval_fn=eval_fn, eval_every=args.eval_every,
-                          ckpt_every=args.ckpt_every, desc="drafter", log_file=work / "log.jsonl")
-    drafter = Drafter(params=params, config=cfg)
-    save(args.out, drafter)
-    final = measure_tau(target, drafter, eval_prompts, max_new_tokens=256, draft_length=7)
+    eval_prompts, d7 = eval_prompts_and_length(tok, cfg, args)
+    drafter, history = train_and_save(cfg, target, data, args, work, drafter_loss(cfg, target.config),
+                                      tau_eval_fn(target, cfg, eval_prompts, args.eval_tokens, d7),
+                                      desc="drafter", exact_warm_start=True)
+    final = measure_tau(target, drafter, eval_prompts, max_new_tokens=args.eval_tokens, draft_length=d7)
     report = {"command": "dflash-jax train-drafter " + " ".join(argv or []), "steps": args.steps,
               "layers": args.layers, "batch": args.batch, "anchors_per_sequence": args.anchors,
               "prompts": args.prompts, "new_tokens": args.new_tokens,
@@ -367,12 +402,8 @@ def main(argv=None):
               "gamma": decay_gamma(args.block_size), "init_from": args.init_from,
               "train_loss": history[-1]["loss"] if history else None,
               "train_acc": history[-1].get("acc") if history else None,
-              "tau_eval_8_prompts_256_tokens_D7": final["tau"],
-              "wall_time_s_this_invocation": round(time.perf_counter() - t_start, 1),
-              "params": int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)))}
-    with open(Path(args.out) / "train_report.json", "w") as f:
-        json.dump(report, f, indent=1)
-    print(json.dumps(report, indent=1))
+              f"tau_eval_{len(eval_prompts)}_prompts_{args.eval_tokens}_tokens_D{d7}": final["tau"]}
+    write_report(args.out, report, t_start, drafter)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ Objective: loss = base + selector_weight * selector, with
             x_a for t = 1); cross-entropy of softmax(S_t) against the index of the true token x_{a+t} among the
             candidates, with the same weights w_k; slots whose true token is not among the candidates are left out
             (nothing to pick), normalised by the weight of the slots kept.
-Why this objective (the official one is unpublished; NeMo describes the same shape, dflash.md section 7):
+Why this objective (the official one is unpublished; NeMo's
+`nemo_automodel.components.speculative.dflash.dflash2_core` has the same shape):
   * teacher forcing with the true predecessor is not an approximation for speculative decoding: slot t can only be
     accepted when every earlier slot was, i.e. when the walk's predecessor IS the true token, so the conditioning
     the loss trains is exactly the one under which the selector's choice matters;
@@ -33,23 +34,21 @@ trained DFlash drafter.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dflash_jax.models import selector as sel_mod
-from dflash_jax.io.checkpoint import load_drafter, load_target, save
+from dflash_jax.io.checkpoint import load_target
 from dflash_jax.config import DrafterConfig, Qwen3Config
-from dflash_jax.models.drafter import Drafter, head_logits, init_drafter
-from dflash_jax.train import corpus
+from dflash_jax.models.drafter import Drafter, head_logits
 from dflash_jax.train.drafter import (CHECKPOINTS, add_training_arguments, build_data_or_exit, decay_gamma,
-                                      make_batch_fn, measure_tau, shipped_drafter_config, training_hidden,
-                                      training_labels, warm_start)
-from dflash_jax.train.loop import OptimConfig, cross_entropy, load_training_tokenizer, run
+                                      eval_prompts_and_length, measure_tau, shipped_drafter_config, tau_eval_fn,
+                                      train_and_save, training_hidden, training_labels, write_report)
+from dflash_jax.train.drafter import warm_start  # noqa: F401  (re-exported: the notebooks import it from here)
+from dflash_jax.train.loop import cross_entropy, load_training_tokenizer
 
 
 def shipped_drafter2_config(target_cfg: Qwen3Config, mask_token_id: int, *, layers: int = 1, block_size: int = 16,
@@ -125,8 +124,6 @@ def main(argv=None):
     ap.add_argument("--selector-top-k", type=int, default=16, help="selector candidates per slot (z-lab: 16)")
     ap.add_argument("--selector-weight", type=float, default=1.0, help="weight of the selector loss")
     ap.add_argument("--sliding-window", type=int, default=None, help="make every layer sliding-window (non-causal)")
-    ap.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for tau")
-    ap.add_argument("--eval-tokens", type=int, default=256, help="new tokens per tau evaluation prompt")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -141,26 +138,11 @@ def main(argv=None):
     data_dir = Path(args.data_dir) if args.data_dir else work
     data_dir.mkdir(parents=True, exist_ok=True)
     data = build_data_or_exit(target, tok, cfg, data_dir, args)
-    eval_prompts = [tok.encode(t) for t in corpus.held_out_prompts(args.eval_prompts, seed=1)]
-    d7 = min(7, cfg.block_size - 1)  # the report's draft length
-
-    def eval_fn(params):
-        return {k: v for k, v in measure_tau(target, Drafter(params=params, config=cfg), eval_prompts,
-                                             max_new_tokens=args.eval_tokens, draft_length=d7).items()
-                if k != "position_acceptance"}
-
-    params = init_drafter(cfg, jax.random.key(args.seed + 1)).params
-    if args.init_from:
-        params = warm_start(cfg, params, load_drafter(args.init_from))
-    optim = OptimConfig(steps=args.steps, lr=args.lr, weight_decay=0.0)
-    params, history = run(params=params, loss_fn=drafter2_loss(cfg, target.config,
-                                                               selector_weight=args.selector_weight),
-                          batch_fn=make_batch_fn(data, target.params, batch=args.batch, num_anchors=args.anchors,
-                                                 seed=args.seed),
-                          optim=optim, ckpt_dir=work / "ckpt", eval_fn=eval_fn, eval_every=args.eval_every,
-                          ckpt_every=args.ckpt_every, desc="drafter2", log_file=work / "log.jsonl")
-    drafter = Drafter(params=params, config=cfg)
-    save(args.out, drafter)
+    eval_prompts, d7 = eval_prompts_and_length(tok, cfg, args)
+    drafter, history = train_and_save(cfg, target, data, args, work,
+                                      drafter2_loss(cfg, target.config, selector_weight=args.selector_weight),
+                                      tau_eval_fn(target, cfg, eval_prompts, args.eval_tokens, d7),
+                                      desc="drafter2", exact_warm_start=False)
     final = history[-1] if history else {}
     tau = measure_tau(target, drafter, eval_prompts, max_new_tokens=args.eval_tokens, draft_length=d7)
     report = {"command": "dflash-jax train-drafter --kind dflash2 " + " ".join(argv or []), "steps": args.steps,
@@ -172,12 +154,8 @@ def main(argv=None):
               "selector_loss": final.get("selector_loss"), "train_acc": final.get("acc"),
               "selector_acc": final.get("selector_acc"), "topk_coverage": final.get("topk_coverage"),
               f"tau_eval_{len(eval_prompts)}_prompts_{args.eval_tokens}_tokens_D{d7}": tau["tau"],
-              "position_acceptance": tau["position_acceptance"],
-              "wall_time_s_this_invocation": round(time.perf_counter() - t_start, 1),
-              "params": int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)))}
-    with open(Path(args.out) / "train_report.json", "w") as f:
-        json.dump(report, f, indent=1)
-    print(json.dumps(report, indent=1))
+              "position_acceptance": tau["position_acceptance"]}
+    write_report(args.out, report, t_start, drafter)
     return report
 
 

@@ -26,7 +26,8 @@ def continuation_repetition(target, tokenizer, prompts: Sequence[str], *, max_ne
     """Continuations of `prompts` (one batched call; greedy unless temperature > 0): per-prompt seq-rep-n, its
     median, and the texts."""
     ids = [tokenizer.encode(p) for p in prompts]
-    res = generate_autoregressive(target, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    res = generate_autoregressive(target, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                 eos_ids=())  # whole budgets: the metric's definition
     reps = [seq_rep_n(toks, n) for toks in res.token_lists()]
     return {"median": float(statistics.median(reps)), "per_prompt": reps,
             "texts": [tokenizer.decode(t) for t in res.token_lists()]}

@@ -89,7 +89,7 @@ def make_batch_fn(cfg: Qwen3Config, text_batch, prefix_windows, *, prefix_len: i
         if prefixes.ndim != 2 or prefixes.shape[1] != prefix_len:
             raise ValueError(f"prefix windows must be [batch, {prefix_len}], got {prefixes.shape}")
         res = generate_autoregressive(Target(params=params, config=cfg), prefixes.tolist(),
-                                      max_new_tokens=new_tokens)
+                                      max_new_tokens=new_tokens, eos_ids=())
         conts = np.zeros((prefixes.shape[0], new_tokens), np.int32)
         live = np.zeros((prefixes.shape[0], prefix_len + new_tokens), bool)
         for i, toks in enumerate(res.token_lists()):
