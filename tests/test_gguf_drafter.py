@@ -72,8 +72,8 @@ def inputs():
 
 
 def _outputs(drafter, target, inputs):
-    p = draft_proposal(drafter, target, *inputs)
-    return np.asarray(p.logits), np.asarray(dj.draft_tokens(drafter, target, *inputs))
+    p = draft_proposal(target, drafter, *inputs)
+    return np.asarray(p.logits), np.asarray(dj.draft_tokens(target, drafter, *inputs))
 
 
 def _bits(x) -> np.ndarray:
