@@ -182,3 +182,25 @@ def test_prefill_memory_is_linear_in_the_prompt():
     from dflash_jax.bench.compile import SMALL_PREFILL, prefill_temp_bytes
     small, large = prefill_temp_bytes(SMALL_PREFILL, 2048), prefill_temp_bytes(SMALL_PREFILL, 8192)
     assert large / small <= 4.5, (small, large)
+
+
+def test_attention_chunk_is_an_execution_setting():
+    """Not a config field any more; orbax saves made before still load (their config carries the old field), and
+    a bad block size is refused with its name."""
+    import dataclasses
+
+    from dflash_jax.io.checkpoint import _config_from_json
+    from dflash_jax.models.attention import block_sizes
+    assert "attention_chunk" not in {f.name for f in dataclasses.fields(Qwen3Config)}
+    old = dict(dataclasses.asdict(CFG), attention_chunk=256)
+    assert _config_from_json("target", old) == CFG
+    dcfg = DrafterConfig(model=CFG.replace(num_hidden_layers=1), block_size=4, mask_token_id=63,
+                         target_layer_ids=(0, 2), num_target_layers=3)
+    saved = dataclasses.asdict(dcfg)
+    saved["model"]["attention_chunk"] = 256
+    assert _config_from_json("drafter", saved) == dcfg
+    with attention_chunk(4):
+        assert block_sizes(2, 100) == (4, 4)
+    assert block_sizes(1, 16) == (512, 65536)  # a batch-1 verify reads a 16k cache in one pass
+    with pytest.raises(ValueError, match="attention chunk must be an int >= 1, got 0"):
+        block_sizes(1, 1, 0)

@@ -26,7 +26,7 @@ import pytest
 
 import dflash_jax as dj
 from random_models import make_drafter, make_target
-from helpers import (COPY_MAX_NEW, COPY_PROMPTS, FLAW, PBS, PMASK, SETUPS, assert_same, build_copy_pair, cycle_next,
+from helpers import (COPY_MAX_NEW, COPY_PROMPTS, FLAW, PBS, PMASK, PV, SETUPS, assert_same, build_copy_pair, cycle_next,
                      cycle_prompt, host_ops, pad_to, primitives, prompt_batches, reference_acceptance)
 import report  # tests/report.py
 

@@ -473,7 +473,8 @@ def test_device_report_smoke(tmp_path):
     assert set(dc["long_cache_attention"]["ratios"]) == {"verify_ms", "decode_ms", "draft_ms"}
     prog = saved["programs"]  # bf16 exactness of the embedded pair and prefill / loop compile counts
     assert prog["bf16_exactness"]["rows"] == 2 and 0 <= prog["bf16_exactness"]["mismatch_rate"] <= 1
-    assert prog["compiles"]["loop_programs"] <= 1 and "bf16 exactness" in md
+    # 1 loop program on accelerators; CPU's smaller minimum cache bucket keys 1..1000 by up to 3
+    assert prog["compiles"]["loop_programs"] <= (3 if jax.default_backend() == "cpu" else 1) and "bf16 exactness" in md
     sweep = saved["tile_sweep"]
     assert sweep and all("us" in r for row in sweep for r in row["results"]) and sweep[0]["best"]
     if jax.default_backend() == "cpu":

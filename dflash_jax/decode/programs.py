@@ -394,12 +394,16 @@ def _round_up(n: int, multiple: int) -> int:
 PROMPT_BUCKET_MIN = 16
 # Budgets share one program up to this many tokens: a bigger output buffer costs only memory, a new bucket a compile.
 BUDGET_BUCKET_MIN = 256
-# Cache buckets: powers of two from CACHE_BUCKET_MIN up to FINE_ABOVE slots, then multiples of FINE_STEP. Below 4k
-# slots the memory is small and a compile is not, so one coarse bucket serves every prompt up to ~1.7k tokens (with
-# a 256-token budget bucket); above 4k a power of two could double the KV memory (64 rows x 8.2k tokens of Qwen3-8B
-# would take the 16k bucket), so the rule turns linear: the waste is < FINE_STEP slots, i.e. < 25% of the need at
-# 4k+1 and < 12.5% from 8k on (8.2k -> 9216 slots, not 16384). Prompt buckets above FINE_ABOVE follow the same step.
-CACHE_BUCKET_MIN = 2048
+# Cache buckets: powers of two from the minimum up to FINE_ABOVE slots, then multiples of FINE_STEP. On accelerators
+# the minimum is 2048: below 4k slots the memory is small and a compile is not, so one coarse bucket serves every
+# prompt up to ~1.7k tokens (with a 256-token budget bucket). On CPU it is 256: attention reads every slot of the
+# bucket (static trip counts), and on a small model that cost dominates a decode step (the shipped 5.8M pair decoded
+# 279 vs 467 tokens/s with a 2048- vs 256-slot minimum, same run), so CPU programs follow the need more closely and
+# compile a few more loops (3 instead of 1 for prompts over 1..1000). Above 4k a power of two could double the KV
+# memory (64 rows x 8.2k tokens of Qwen3-8B would take the 16k bucket), so the rule turns linear: the waste is
+# < FINE_STEP slots, i.e. < 25% of the need at 4k+1 and < 12.5% from 8k on (8.2k -> 9216 slots, not 16384). Prompt
+# buckets above FINE_ABOVE follow the same step.
+CACHE_BUCKET_MIN = {"cpu": 256, "default": 2048}
 FINE_ABOVE = 4096
 FINE_STEP = 1024
 # Batch buckets: powers of two up to BATCH_FINE_ABOVE rows, then multiples of it (inert rows fill a bucket).
@@ -418,10 +422,17 @@ def prompt_bucket(n: int) -> int:
     return bucket(n) if n <= FINE_ABOVE else _round_up(int(n), FINE_STEP)
 
 
-def cache_bucket(n: int) -> int:
-    """Cache slots for a need of n slots (the loop program's key): a power of two >= n, at least 2048, up to 4096;
-    then the multiple of 1024 >= n (see CACHE_BUCKET_MIN for the worst-case waste)."""
-    return bucket(n, CACHE_BUCKET_MIN) if n <= FINE_ABOVE else _round_up(int(n), FINE_STEP)
+def cache_bucket_min(platform: str | None = None) -> int:
+    """The smallest cache bucket on `platform` (default: JAX's default backend); see CACHE_BUCKET_MIN."""
+    platform = platform or jax.default_backend()
+    return CACHE_BUCKET_MIN.get(platform, CACHE_BUCKET_MIN["default"])
+
+
+def cache_bucket(n: int, platform: str | None = None) -> int:
+    """Cache slots for a need of n slots (the loop program's key): a power of two >= n, at least
+    `cache_bucket_min()` (2048 on accelerators, 256 on CPU), up to 4096; then the multiple of 1024 >= n (see
+    CACHE_BUCKET_MIN for the worst-case waste)."""
+    return bucket(n, cache_bucket_min(platform)) if n <= FINE_ABOVE else _round_up(int(n), FINE_STEP)
 
 
 def batch_bucket(n: int) -> int:

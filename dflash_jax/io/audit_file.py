@@ -247,7 +247,7 @@ def graph_check(model, target: Target | None = None, *, context: int = 8, seed: 
     block[:, 0] = rng.integers(0, cfg.model.vocab_size)
 
     def fwd(params, feats, block):
-        return draft_proposal(model.replace(params=params), target, feats, block)
+        return draft_proposal(target, model.replace(params=params), feats, block)
     return audit_scales(fwd, model.params, feats, jnp.asarray(block))
 
 
