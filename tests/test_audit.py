@@ -237,11 +237,16 @@ def test_a_broken_dequantize_inside_linear_is_caught(monkeypatch):
     dequantization (here: block scales shifted by one block) is caught on every leaf."""
     import dflash_jax.quant.nvfp4 as nvfp4_mod
     linear_mod = importlib.import_module("dflash_jax.quant.linear")
+    kernel_mod = importlib.import_module("dflash_jax.quant.pallas_nvfp4")
 
     def shifted(q, dtype=jnp.float32):
         return nvfp4_mod.dequantize(q.replace(block_scale=jnp.roll(q.block_scale, 1, axis=-1)), dtype)
 
+    def shifted_unscaled(q, dtype=jnp.float32):  # what the portable W4A16 path dequantizes with
+        return nvfp4_mod.dequantize_unscaled(q.replace(block_scale=jnp.roll(q.block_scale, 1, axis=-1)), dtype)
+
     monkeypatch.setattr(linear_mod, "dequantize", shifted)
+    monkeypatch.setattr(kernel_mod, "dequantize_unscaled", shifted_unscaled)
     audit = audit_scales(forward, _params(), _x())
     assert audit.mismatched == ALL, str(audit)
 

@@ -214,7 +214,7 @@ def test_qwen3_tensors_under_another_family_are_refused(tmp_path, model_type):
     """A Qwen3 folder relabelled llama / qwen2 (families without q/k norm) fails on the tensors it does not expect
     (qwen2 first misses its q/k/v biases), naming them."""
     dj.save_hf(tmp_path, _target())
-    _edit_config(tmp_path, lambda c: c.update(model_type=model_type))
+    edit_config(tmp_path, lambda c: c.update(model_type=model_type))
     expected = "unexpected tensors.*q_norm" if model_type == "llama" else "missing tensor.*q_proj.bias"
     with pytest.raises(CheckpointError, match=expected):
         dj.load_target(tmp_path)

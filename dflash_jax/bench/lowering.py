@@ -10,6 +10,7 @@ constant: `lax.scan`, `fori_loop` with static bounds) and the rest, and counts t
 
 from __future__ import annotations
 
+import jax
 from jax import export
 from jax._src.interpreters import mlir as jmlir  # the MLIR Python bindings JAX ships (to parse the module)
 from jax._src.lib.mlir import ir
@@ -78,12 +79,28 @@ def loop_report(text: str) -> dict:
 
 def speculative_module(target, drafter, prompts, *, platform: str = "cuda", chunk: int | None = None,
                        **generate_kw) -> str:
-    """The StableHLO text of the speculative program `generate` would run, exported for `platform` (no device of
+    """The StableHLO text of the speculative loop program `generate` would run (the generation `while_loop` that holds
+    every draft / verify / accept step; prefill is a program of its own), exported for `platform` (no device of
     that kind needed). chunk: attention blocks (`attention_chunk`), e.g. small to make every block loop appear."""
     call = G.speculative_call(target, drafter, prompts, prefill_timing="rerun", **generate_kw)
+    target, drafter, prompt, lens, keys, sampling, budget = call.args
     with attention_chunk(chunk):
-        exp = export.export(call.program, platforms=[platform], disabled_checks=[TRITON])(*call.args, **call.static)
+        # the loop program takes prefill's handoff: its shapes are enough to export it (nothing runs here)
+        pre = jax.eval_shape(lambda *a: call.prefill_program(*a, **call.prefill_static), target, drafter, prompt, lens)
+        exp = export.export(call.loop_program, platforms=[platform], disabled_checks=[TRITON])(
+            target, drafter, pre, keys, sampling, budget, **call.loop_static)
     return exp.mlir_module()
 
 
-__all__ = ["loop_report", "speculative_module", "static_trip_count"]
+def prefill_module(target, drafter, prompts, *, platform: str = "cuda", chunk: int | None = None,
+                   **generate_kw) -> str:
+    """The StableHLO text of the prefill program `generate` runs before the loop, exported for `platform`."""
+    call = G.speculative_call(target, drafter, prompts, prefill_timing="rerun", **generate_kw)
+    target, drafter, prompt, lens = call.args[:4]
+    with attention_chunk(chunk):
+        exp = export.export(call.prefill_program, platforms=[platform], disabled_checks=[TRITON])(
+            target, drafter, prompt, lens, **call.prefill_static)
+    return exp.mlir_module()
+
+
+__all__ = ["loop_report", "prefill_module", "speculative_module", "static_trip_count"]
