@@ -168,6 +168,10 @@ def test_documented_command_runs(command, tmp_path, monkeypatch, capsys):
     same = _same_tiny_run(command)
     if same is not None:
         pytest.skip(f"shrunk, it is the same run as {same!r}")
+    if "--target smollm2" in command:
+        # Shrunk, it still compiles every program of the 30-layer, 49k-vocabulary SmolLM2 (generation, features,
+        # training, tau) on CPU: over 10 minutes. tests/test_smollm2.py runs the SmolLM2 default end to end instead.
+        pytest.skip("trains against the 135M SmolLM2 target: minutes of compiles even when shrunk")
     main, args = tiny(command, tmp_path)
     monkeypatch.chdir(tmp_path)
     main(args)
