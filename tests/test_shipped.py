@@ -114,17 +114,18 @@ def test_hf_export_round_trip_and_transformers_parity(default, tmp_path):
     assert np.abs(np.asarray(out) - ref).max() <= 1e-4 * np.abs(ref).max()
 
 
-def test_target_v3_is_the_documented_fine_tune():
-    """checkpoints/target_v3: target v2 after unlikelihood fine-tuning, stored in bfloat16 (checkpoints/README.md)."""
+def test_smollm2_drafter_is_stored_in_bfloat16():
+    """checkpoints/smollm2/drafter (the default drafter) is stored in bfloat16 to keep checkpoints/ small, and loads
+    on CPU as float32 holding exactly those bfloat16 values (checkpoints/README.md)."""
     from dflash_jax.io.shipped import checkpoints_dir
-    folder = checkpoints_dir() / "target_v3"
+    folder = checkpoints_dir() / "smollm2" / "drafter"
     report = json.loads((folder / "train_report.json").read_text())
-    assert report["unlikelihood"] > 0 and report["init_from"] and report["command"].startswith("dflash-jax train-target")
-    assert json.loads((folder / "dflash_jax.json").read_text())["config"]["param_dtype"] == "bfloat16"
-    target = dj.load_target(folder)
-    tok_vocab = dj.load_default()[2].vocab_size
-    assert target.config.vocab_size == tok_vocab and target.config.num_hidden_layers == 6
-    assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(target.params)) == report["params"]
-    for leaf in jax.tree.leaves(target.params):  # loaded as float32, every value exactly a bfloat16
-        x = np.asarray(leaf, np.float32)
+    assert report["command"].startswith("dflash-jax train-drafter --chat --target smollm2")
+    assert json.loads((folder / "dflash_jax.json").read_text())["config"]["model"]["param_dtype"] == "bfloat16"
+    drafter = dj.load_drafter(folder)
+    assert drafter.config.block_size == 8 and drafter.config.num_target_layers == 30
+    assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(drafter.params)) == report["params"]
+    for leaf in jax.tree.leaves(drafter.params):
+        x = np.asarray(leaf)
+        assert x.dtype == np.float32
         np.testing.assert_array_equal(x, x.astype(jnp.bfloat16).astype(np.float32))
