@@ -138,6 +138,36 @@ def test_drafter_training_loss_falls_and_accepts(tiny_pair):
     np.testing.assert_array_equal(after.tokens, before.tokens)  # lossless either way
 
 
+def test_loss_over_the_data_vocabulary_is_the_full_softmax_restricted_to_it(tiny_pair):
+    """--loss-vocab data: the loss equals cross-entropy over the full head's logits at the data's tokens only
+    (computed here from the full training logits); over the whole vocabulary it equals the full loss; labels are
+    mapped, not dropped (every label occurs in the data)."""
+    target, drafter = tiny_pair
+    cfg = drafter.config
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 20, (2, 30)).astype(np.int32)  # only ids < 20 occur
+    tokens[1, 26:] = 50  # past the length: not data
+    anchors = np.array([[3, 4, 11, 20], [5, 12, 13, 17]], np.int32)
+    batch = training_batch(target, tokens, [30, 26], anchors)
+    vocab = td.loss_vocabulary({"tokens": tokens, "lengths": np.array([30, 26])})
+    np.testing.assert_array_equal(vocab, np.unique(tokens[:, :26]))
+    assert 50 not in vocab
+    full = td.training_logits(drafter.params, batch, cfg, target.config)  # [B, N, bs-1, V]
+    labels, valid = td.training_labels(batch, cfg.block_size)
+    sub = full[..., vocab]
+    sub_labels = np.searchsorted(vocab, np.asarray(labels))
+    logp = jax.nn.log_softmax(sub, axis=-1)
+    ce = -np.take_along_axis(np.asarray(logp), sub_labels[..., None], axis=-1)[..., 0]
+    w = np.exp(-np.arange(cfg.block_size - 1) / td.decay_gamma(cfg.block_size))[None, None] * np.asarray(valid)
+    expected = (w * ce).sum() / (w.sum() + 1e-6)
+    loss, metrics = td.drafter_loss(cfg, target.config, vocab_ids=vocab)(drafter.params, batch)
+    np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
+    everything = td.drafter_loss(cfg, target.config, vocab_ids=np.arange(cfg.model.vocab_size))(drafter.params, batch)
+    np.testing.assert_allclose(float(everything[0]), float(td.drafter_loss(cfg, target.config)(drafter.params, batch)[0]),
+                               rtol=1e-6)
+    assert float(loss) < float(everything[0])  # a smaller softmax: the same labels are likelier
+
+
 def test_decay_gamma():
     assert td.decay_gamma(16) == 7.0 and td.decay_gamma(10) == 5.0 and td.decay_gamma(8) == 4.0
 

@@ -13,6 +13,7 @@ its LM head stay frozen: only fc, hidden_norm, the layers and norm train.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -29,6 +30,7 @@ from dflash_jax.models.drafter import Drafter, block_pass, context_kv, embed_blo
 from dflash_jax.decode.programs import generate, generate_autoregressive
 from dflash_jax.params import abstract_drafter, from_named, named_leaves
 from dflash_jax.models.target import Target, forward_with_cache
+from dflash_jax.quant.nvfp4 import NVFP4Array
 from dflash_jax.io.shipped import smollm2_path
 from dflash_jax.io.tokenizer import Tokenizer
 from dflash_jax.train import corpus, instructions
@@ -145,15 +147,50 @@ def training_labels(batch, block_size: int) -> tuple[jax.Array, jax.Array]:
     return labels.reshape(label_pos.shape), valid
 
 
-def drafter_loss(cfg: DrafterConfig, target_cfg: Qwen3Config, gamma: float | None = None):
-    """loss_fn(drafter_params, batch): decay-weighted CE over many blocks per sequence in one forward."""
+def loss_vocabulary(data: dict[str, np.ndarray]) -> np.ndarray:
+    """The sorted token ids that occur in the training sequences (prompts and answers, up to each length): with
+    `--loss-vocab data` the drafter's softmax is taken over these alone (see `drafter_loss`)."""
+    tokens, lengths = data["tokens"], data["lengths"]
+    live = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    return np.unique(tokens[live]).astype(np.int32)
+
+
+def restricted_head(target: Target, vocab_ids: jax.Array) -> Target:
+    """The target with its LM head cut to the rows `vocab_ids` (logit j of the result is logit vocab_ids[j] of the
+    full head). Only for the training loss: inference always drafts over the whole vocabulary."""
+    head = target.lm_head
+    if isinstance(head, NVFP4Array):
+        raise ValueError("--loss-vocab data needs a dense LM head; this target's is NVFP4")
+    return target.replace(params=dataclasses.replace(target.params, lm_head=jnp.take(head, vocab_ids, axis=0)))
+
+
+def drafter_loss(cfg: DrafterConfig, target_cfg: Qwen3Config, gamma: float | None = None,
+                 vocab_ids: np.ndarray | None = None):
+    """loss_fn(drafter_params, batch): decay-weighted CE over many blocks per sequence in one forward.
+
+    vocab_ids: take the softmax over these tokens only (`loss_vocabulary`: every token the training data contains,
+    so every label is among them). The target's LM head (V x H, frozen) is most of a step's FLOPs for a small
+    drafter (SmolLM2: 49,152 x 576 against a 4.5M-parameter drafter), and an instruct model's answers use a small
+    part of its vocabulary, so this cuts the step several times. The drafter still drafts over the full head: a
+    token outside the set only costs acceptance, never correctness, and held-out tau (measured by real decoding
+    over the full vocabulary) shows what the restriction costs."""
     bs = cfg.block_size
     gamma = decay_gamma(bs) if gamma is None else gamma
     weights = jnp.exp(-jnp.arange(bs - 1, dtype=jnp.float32) / gamma)  # slot k=1..bs-1 -> exp(-(k-1)/gamma)
+    if vocab_ids is not None:
+        vocab = jnp.asarray(vocab_ids, jnp.int32)  # [Vs]
+        to_sub = jnp.full((target_cfg.vocab_size,), -1, jnp.int32).at[vocab].set(jnp.arange(vocab.shape[0]))
 
     def loss_fn(params, batch):
-        logits = training_logits(params, batch, cfg, target_cfg)
         labels, valid = training_labels(batch, bs)
+        if vocab_ids is None:
+            logits = training_logits(params, batch, cfg, target_cfg)
+        else:
+            h, target = training_hidden(params, batch, cfg, target_cfg)
+            logits = head_logits(Drafter(params=params, config=cfg), restricted_head(target, vocab), h)
+            labels = to_sub[labels]
+            valid = valid & (labels >= 0)
+            labels = jnp.maximum(labels, 0)
         ce = cross_entropy(logits, labels)
         w = weights[None, None, :] * valid
         loss = jnp.sum(w * ce) / (jnp.sum(w) + 1e-6)
@@ -439,6 +476,10 @@ def main(argv=None):
     ap.add_argument("--init-from", default=None,
                     help="start from this DFlash drafter folder (same layout), e.g. one trained for an earlier "
                          "version of the target")
+    ap.add_argument("--loss-vocab", choices=("full", "data"), default="full",
+                    help="softmax of the training loss over the full vocabulary, or only over the tokens the "
+                         "training data contains (several times cheaper steps when the target's vocabulary is "
+                         "large and its answers use little of it; drafting always uses the full vocabulary)")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -451,7 +492,12 @@ def main(argv=None):
     work.mkdir(parents=True, exist_ok=True)
     data = build_data_or_exit(target, tok, cfg, work, args)
     eval_prompts, d7 = eval_prompts_and_length(tok, cfg, args)
-    drafter, history = train_and_save(cfg, target, data, args, work, drafter_loss(cfg, target.config),
+    vocab_ids = loss_vocabulary(data) if args.loss_vocab == "data" else None
+    if vocab_ids is not None:
+        print(f"loss vocabulary: {len(vocab_ids):,} of {target.config.vocab_size:,} tokens occur in the training "
+              f"data", flush=True)
+    drafter, history = train_and_save(cfg, target, data, args, work, drafter_loss(cfg, target.config,
+                                                                                  vocab_ids=vocab_ids),
                                       tau_eval_fn(target, cfg, eval_prompts, args.eval_tokens, d7, eval_eos(tok, args)),
                                       desc="drafter", exact_warm_start=True)
     final = measure_tau(target, drafter, eval_prompts, max_new_tokens=args.eval_tokens, draft_length=d7,
@@ -462,6 +508,7 @@ def main(argv=None):
               "generated_tokens": int((data["lengths"] - data["prompt_lens"]).sum()),
               "sampled_fraction": args.sampled_fraction, "sample_temperature": args.sample_temperature,
               "gamma": decay_gamma(args.block_size), "init_from": args.init_from,
+              "loss_vocab": len(vocab_ids) if vocab_ids is not None else target.config.vocab_size,
               "train_loss": history[-1]["loss"] if history else None,
               "train_acc": history[-1].get("acc") if history else None,
               f"tau_eval_{len(eval_prompts)}_prompts_{args.eval_tokens}_tokens_D{d7}": final["tau"]}
