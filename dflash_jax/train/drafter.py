@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from dflash_jax.quant.nvfp4 import NVFP4Array
 from dflash_jax.io.shipped import smollm2_path
 from dflash_jax.io.tokenizer import Tokenizer
 from dflash_jax.train import corpus, instructions
+from dflash_jax.train.repetition import seq_rep_n
 from dflash_jax.train.loop import OptimConfig, batch_rng, cross_entropy, load_training_tokenizer, run
 
 CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
@@ -242,7 +244,10 @@ def measure_tau(target: Target, drafter: Drafter, prompts: list[list[int]], *, m
     res = generate(target, drafter, prompts, max_new_tokens=max_new_tokens, draft_length=draft_length,
                    eos_ids=eos_ids)  # () by default: tau over whole budgets, as measured before EOS became
                    # the default; an instruct target's answers end at its EOS
+    # seq-rep-4 of the (greedy) answers themselves: whether the target loops on these prompts, which inflates tau
+    reps = [seq_rep_n(t, 4) for t in res.token_lists()]
     return {"tau": res.tau, "acceptance_rate": res.acceptance_rate,
+            "seq_rep4_median": round(float(statistics.median(reps)), 4) if reps else None,
             "position_acceptance": [round(float(x), 4) for x in res.position_acceptance]}
 
 
@@ -511,7 +516,8 @@ def main(argv=None):
               "loss_vocab": len(vocab_ids) if vocab_ids is not None else target.config.vocab_size,
               "train_loss": history[-1]["loss"] if history else None,
               "train_acc": history[-1].get("acc") if history else None,
-              f"tau_eval_{len(eval_prompts)}_prompts_{args.eval_tokens}_tokens_D{d7}": final["tau"]}
+              f"tau_eval_{len(eval_prompts)}_prompts_{args.eval_tokens}_tokens_D{d7}": final["tau"],
+              "acceptance_rate_eval": final["acceptance_rate"], "seq_rep4_median_eval": final["seq_rep4_median"]}
     write_report(args.out, report, t_start, drafter)
 
 
