@@ -464,3 +464,18 @@ def test_save_gguf_writes_dense_linears_in_half_precision(tmp_path, dtype, qtype
         assert types[gguf_name(name)] == (qtype if half else Q.F32), name
         want = np.asarray(leaf).astype(np_dtype).astype(np.float32) if half else np.asarray(leaf)
         np.testing.assert_array_equal(np.asarray(named_leaves(back.params)[name]), want, err_msg=name)
+
+
+def test_metadata_read_as_llama_cpp_reads_it(tmp_path):
+    """llama.cpp's conventions (ggml-org/llama.cpp common/speculative.cpp @ 001d906a, src/models/dflash.cpp @
+    01b78a15): a stored target layer L is the hidden state entering target layer L, and L = the target's depth is
+    the last layer's output; a sliding window of 0 is no sliding window (the pattern is not read)."""
+    q = _quantized("dflash")  # sliding layer 0 (window 16), full layer 1; taps HF 0 and 2 of a 4-layer target
+    _engine_file(tmp_path / "last.gguf", q, meta_over={"dflash.target_layers": [1, 4]})
+    cfg = dj.load_drafter(tmp_path / "last.gguf", vocab_size=128, num_target_layers=4).config
+    assert cfg.target_layer_ids == (0, 3)  # 4 = the 4-layer target's last layer output = HF layer id 3
+    assert cfg.layer_types == ("sliding_attention", "full_attention") and cfg.sliding_window == 16
+    _engine_file(tmp_path / "window0.gguf", q, meta_over={"dflash.attention.sliding_window": 0})
+    cfg = dj.load_drafter(tmp_path / "window0.gguf", vocab_size=128, num_target_layers=4).config
+    assert cfg.layer_types is None and cfg.sliding_window is None
+    assert [cfg.layer_attention(i)[1] for i in range(2)] == [None, None]
