@@ -426,6 +426,24 @@ def test_audit_names_exactly_the_attention_scales_set_to_one(tmp_path, capsys):
     assert cli.main(["audit", str(good), "--no-graph"]) == 0
 
 
+def test_audit_of_a_one_layer_drafter_names_only_the_attention_scales(tmp_path):
+    """The default SmolLM2 drafter has one layer: with its four attention scales at 1.0 the layer's FFN scales must
+    not be called outliers against siblings that are mostly the broken 1.0s (flagged scales are no reference)."""
+    cfg = DFLASH.replace(model=DFLASH.model.replace(num_hidden_layers=1), layer_types=None, sliding_window=None)
+    q = dj.quantize_nvfp4(dj.Drafter(params=random_params(abstract_drafter(cfg), 3, std=0.05), config=cfg))
+    good = dj.save_gguf(tmp_path / "one.gguf", q)
+    assert dj.audit_file(good, graph=False).ok
+    _patch_scales(good, tmp_path / "bug.gguf", 1.0, lambda n: n.split(".")[-2] in ATTN)
+    report = dj.audit_file(tmp_path / "bug.gguf", graph=False)
+    assert sorted(report.flagged_names) == sorted(f"blk.0.{a}.scale" for a in ATTN)
+    # an outlier among the rest is still caught, its unflagged siblings being the references (with two of them
+    # left, their median is dragged too: the audit then names the whole FFN, which is a place to look, not a miss)
+    _patch_scales(tmp_path / "bug.gguf", tmp_path / "bug2.gguf", 3.0, lambda n: n == "blk.0.ffn_up.scale")
+    report = dj.audit_file(tmp_path / "bug2.gguf", graph=False)
+    assert "blk.0.ffn_up.scale" in report.flagged_names
+    assert report.flagged[report.flagged_names.index("blk.0.ffn_up.scale")].flags[0].startswith("outlier")
+
+
 @pytest.mark.parametrize("value,flag", [(0.0, "zero"), (-1e-4, "negative"), (np.nan, "NaN"), (np.inf, "infinite"),
                                         (3.0, "outlier")])
 def test_audit_flags_impossible_scales(tmp_path, value, flag):
