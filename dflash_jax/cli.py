@@ -330,6 +330,12 @@ def _gguf_roundtrip(args, target, drafter, prompts):
         a, b = generate(target, q, [list(p) for p in prompts], **kw), generate(target, loaded, [list(p) for p in prompts], **kw)
         same[f"{name} -> GGUF -> {name}"] = bool(np.array_equal(a.tokens, b.tokens))
     print(bench.format_gguf_goals(results, same))
+    for kind in ("", "dflash2 "):  # why the acceptance moves as much as it does: the proposals themselves
+        if f"{kind}nvfp4 gguf" in drafters:
+            d = bench.proposal_agreement(target, drafters[f"{kind}nvfp4 gguf"],
+                                         drafters[f"{kind}nvfp4 gguf attn scale=1"], prompts)
+            print(f"  {kind or 'dflash '}nvfp4 GGUF, intact vs attention .scale = 1: "
+                  f"{bench.format_proposal_agreement(d)}")
     print("dflash-jax audit on the written files (scale table):")
     print("\n".join(audits))
 

@@ -497,3 +497,18 @@ def test_metadata_read_as_llama_cpp_reads_it(tmp_path):
     cfg = dj.load_drafter(tmp_path / "window0.gguf", vocab_size=128, num_target_layers=4).config
     assert cfg.layer_types is None and cfg.sliding_window is None
     assert [cfg.layer_attention(i)[1] for i in range(2)] == [None, None]
+
+
+def test_bench_proposal_agreement(tmp_path, target):
+    """`bench --gguf-roundtrip`'s proposal comparison: a drafter agrees with itself on every slot; the file with its
+    attention `.scale` set to 1 proposes differently (on random weights nothing else holds its proposals in place)."""
+    from dflash_jax.bench import speculative as bench
+
+    intact, broken = bench.gguf_roundtrip(_quantized("dflash"), tmp_path, name="d")
+    prompts = [[5, 9, 17, 33], [7, 8]]
+    same = bench.proposal_agreement(target, intact, intact, prompts, new_tokens=12, stride=4)
+    assert same["slots"] == 28 and same["agree"] == 1.0 and same["intact_hits"] == same["broken_hits"]
+    diff = bench.proposal_agreement(target, intact, broken, prompts, new_tokens=12, stride=4)
+    assert diff["slots"] == 28 and diff["agree"] < 0.9
+    assert "of 28 block slots (anchors every 4 tokens of the 12-token greedy answers)" in \
+        bench.format_proposal_agreement(diff)

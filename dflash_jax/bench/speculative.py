@@ -24,9 +24,9 @@ import numpy as np
 from dflash_jax.io.gguf_drafter import load_drafter_gguf, patch_scales, save_gguf
 from dflash_jax.decode.draft_step import draft_step
 from dflash_jax.decode.sampling import SamplingParams
-from dflash_jax.models.drafter import Drafter, append_context, empty_draft_cache
+from dflash_jax.models.drafter import Drafter, append_context, draft_tokens, empty_draft_cache
 from dflash_jax.decode.programs import generate, generate_autoregressive, prefill
-from dflash_jax.models.target import KVCache, Target, forward_with_cache
+from dflash_jax.models.target import KVCache, Target, forward_with_cache, target_forward
 from dflash_jax.quant.linear import backend_scope, program_backend
 
 # Benchmarks run with the persistent compilation cache on (cli.py), which never stores a program with a host
@@ -402,6 +402,38 @@ def replay_figures(result: dict, intact: str, broken: str) -> dict:
             "acceptance": (acc_a, acc_b), "counts": ((a.get("accepted"), a.get("drafted")),
                                                      (b.get("accepted"), b.get("drafted"))),
             "acceptance_ratio": acc_b / acc_a if acc_a > 0 else float("nan")}
+
+
+def proposal_agreement(target: Target, intact: Drafter, broken: Drafter, prompts: Sequence[Sequence[int]], *,
+                       new_tokens: int = 64, stride: int = 8) -> dict:
+    """How far apart two drafters' proposals are, whatever their acceptance: on each prompt's greedy autoregressive
+    answer (`new_tokens`), every `stride`-th answer position is an anchor; both drafters propose the block after it
+    from the same target features (`draft_tokens`, no cache), and their greedy proposals are compared slot by slot
+    with each other and with the answer's own next tokens. A broken drafter that still proposes what the intact one
+    does cannot lose acceptance, however wrong its weights are."""
+    cfg = intact.config
+    bs = cfg.block_size
+    n = agree = hit_a = hit_b = 0
+    for p in prompts:
+        ar = generate_autoregressive(target, [list(p)], max_new_tokens=new_tokens)
+        seq = [int(t) for t in p] + [int(t) for t in ar.token_lists()[0]]
+        _, feats = target_forward(target, jnp.asarray([seq], jnp.int32), cfg.target_layer_ids)  # [1, T, K*H]
+        for c in range(len(p), len(seq) - bs + 1, stride):  # block at positions c..c+bs-1, anchor seq[c]
+            block = np.full((1, bs), cfg.mask_token_id, np.int32)
+            block[0, 0] = seq[c]
+            a = np.asarray(draft_tokens(target, intact, feats[:, :c], jnp.asarray(block)))[0]  # [bs-1]
+            b = np.asarray(draft_tokens(target, broken, feats[:, :c], jnp.asarray(block)))[0]
+            truth = np.asarray(seq[c + 1:c + bs])
+            n, agree = n + truth.size, agree + int((a == b).sum())
+            hit_a, hit_b = hit_a + int((a == truth).sum()), hit_b + int((b == truth).sum())
+    return {"slots": n, "agree": agree / max(n, 1), "intact_hits": hit_a / max(n, 1), "broken_hits": hit_b / max(n, 1),
+            "new_tokens": new_tokens, "stride": stride}
+
+
+def format_proposal_agreement(d: dict) -> str:
+    return (f"greedy proposals agree on {100 * d['agree']:.1f}% of {d['slots']} block slots (anchors every "
+            f"{d['stride']} tokens of the {d['new_tokens']}-token greedy answers); proposal == the answer's token: "
+            f"intact {100 * d['intact_hits']:.1f}%, broken {100 * d['broken_hits']:.1f}%")
 
 
 REPLAY_GOAL = 0.3  # issue 24: the broken file's figure at most 0.3x of the intact file's
