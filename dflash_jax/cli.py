@@ -333,7 +333,8 @@ def _gguf_roundtrip(args, target, drafter, prompts):
     for kind in ("", "dflash2 "):  # why the acceptance moves as much as it does: the proposals themselves
         if f"{kind}nvfp4 gguf" in drafters:
             d = bench.proposal_agreement(target, drafters[f"{kind}nvfp4 gguf"],
-                                         drafters[f"{kind}nvfp4 gguf attn scale=1"], prompts)
+                                         drafters[f"{kind}nvfp4 gguf attn scale=1"], prompts,
+                                         new_tokens=min(64, args.new_tokens[0]))
             print(f"  {kind or 'dflash '}nvfp4 GGUF, intact vs attention .scale = 1: "
                   f"{bench.format_proposal_agreement(d)}")
     print("dflash-jax audit on the written files (scale table):")

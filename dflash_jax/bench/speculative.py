@@ -431,6 +431,8 @@ def proposal_agreement(target: Target, intact: Drafter, broken: Drafter, prompts
 
 
 def format_proposal_agreement(d: dict) -> str:
+    if not d["slots"]:
+        return f"no block fits in {d['new_tokens']}-token answers (nothing compared)"
     return (f"greedy proposals agree on {100 * d['agree']:.1f}% of {d['slots']} block slots (anchors every "
             f"{d['stride']} tokens of the {d['new_tokens']}-token greedy answers); proposal == the answer's token: "
             f"intact {100 * d['intact_hits']:.1f}%, broken {100 * d['broken_hits']:.1f}%")
