@@ -213,11 +213,15 @@ def _pair_table(args, target, drafter, prompts):
 
 
 def _dflash2_drafter(args):
-    """The DFlash2 drafter for the bench: --dflash2 PATH, else the shipped one, else None (with a note)."""
+    """The DFlash2 drafter for the bench: --dflash2 PATH, else the one shipped for the bench's model (code-5m:
+    checkpoints/drafter2, smollm2: checkpoints/smollm2/drafter2), else None (with a note). Never another model's:
+    a drafter reads its own target's hidden states."""
     from dflash_jax.io.gguf_drafter import load_drafter  # folders and GGUF drafters
-    from dflash_jax.io.shipped import checkpoints_dir
+    from dflash_jax.io.shipped import checkpoints_dir, default_model
 
-    path = args.dflash2 or checkpoints_dir() / "drafter2"
+    model = getattr(args, "model", None) or default_model()
+    root = checkpoints_dir() / "smollm2" if model == "smollm2" else checkpoints_dir()
+    path = args.dflash2 or root / "drafter2"
     try:
         d = load_drafter(path)
     except FileNotFoundError:
@@ -310,8 +314,10 @@ def _gguf_roundtrip(args, target, drafter, prompts):
                 audits.append(f"  {name} nvfp4 GGUF, {label}: {len(report.rows)} per-tensor scales, flagged "
                               f"{len(report.flagged)}: {', '.join(report.flagged_names) or '-'}")
     D = args.draft_length or drafter.config.block_size - 1
-    print(f"embedded models, {len(prompts)} held-out prompts, batch 1, greedy, draft length {D}: NVFP4 drafters in "
-          "memory, written with save_gguf and read back, and the same file with every attention .scale set to 1.0")
+    from dflash_jax.io.shipped import default_model
+    print(f"embedded pair {args.model or default_model()}, {len(prompts)} held-out prompts (seed {args.seed}), batch "
+          f"1, greedy, draft length {D}: NVFP4 drafters (RTN, the ModelOpt recipe) in memory, written with save_gguf "
+          "and read back, and the same file with every attention .scale set to 1.0 (what the engine's graph did)")
     (first, d0), *rest = drafters.items()
     results = [bench.compare(target, d0, prompts, max_new_tokens=n, draft_length=D, drafters=dict(rest),
                              temperature=0.0, seed=args.seed) for n in args.new_tokens]
@@ -324,6 +330,13 @@ def _gguf_roundtrip(args, target, drafter, prompts):
         a, b = generate(target, q, [list(p) for p in prompts], **kw), generate(target, loaded, [list(p) for p in prompts], **kw)
         same[f"{name} -> GGUF -> {name}"] = bool(np.array_equal(a.tokens, b.tokens))
     print(bench.format_gguf_goals(results, same))
+    for kind in ("", "dflash2 "):  # why the acceptance moves as much as it does: the proposals themselves
+        if f"{kind}nvfp4 gguf" in drafters:
+            d = bench.proposal_agreement(target, drafters[f"{kind}nvfp4 gguf"],
+                                         drafters[f"{kind}nvfp4 gguf attn scale=1"], prompts,
+                                         new_tokens=min(64, args.new_tokens[0]))
+            print(f"  {kind or 'dflash '}nvfp4 GGUF, intact vs attention .scale = 1: "
+                  f"{bench.format_proposal_agreement(d)}")
     print("dflash-jax audit on the written files (scale table):")
     print("\n".join(audits))
 
@@ -400,7 +413,9 @@ def main(argv=None):
     b.add_argument("--out", default=None, help="with --device-report: output folder")
     b.add_argument("--gguf-roundtrip", action="store_true",
                    help="NVFP4 drafters (DFlash, and DFlash2 when one exists) vs the same written with save_gguf and "
-                        "read back, and vs that file with its attention .scale tensors set to 1.0 (the llama.cpp bug)")
+                        "read back, and vs that file with its attention .scale tensors set to 1.0 (the llama.cpp bug): "
+                        "tau and acceptance rate intact vs broken, and the audit of both files; --model picks the "
+                        "pair (--model smollm2 --seed 1: the SmolLM2 drafter's own held-out eval prompts)")
     b.add_argument("--dflash2", default=None,
                    help="with --nvfp4 / --tau-table: a DFlash2 drafter folder (default: the shipped one)")
     q = sub.add_parser("quality", help="the target as a language model: held-out loss and repetition (seq-rep-4)")

@@ -113,3 +113,34 @@ def test_pair_goals_read_the_right_cells():
     assert "identical to autoregressive: 22/24 runs" in out  # greedy rows only: 4+3+4 per drafter, 2 drafters
     table = bench.format_pair_table(rows, ("dense", "nvfp4"))
     assert len(table.splitlines()) == 2 + len(rows) and " - " in table.splitlines()[-1] + " "
+
+
+def test_gguf_goals_quote_the_acceptance_rate_beside_tau():
+    """`bench --gguf-roundtrip`'s replay line on made-up results: tau counts the bonus token, so a broken drafter
+    that never gets a draft accepted still scores tau 1 (0.81x of an intact tau 1.24, above the 0.3x goal); the
+    acceptance rate (accepted drafts / drafted tokens) is the figure that collapses, and its counts are shown."""
+    from dflash_jax.bench import speculative as bench
+
+    def cell(accepted, steps, D=7):  # a compare() cell from its counts: tau = tokens per step incl. the bonus
+        return {"tau": 1 + accepted / steps, "acceptance_rate": accepted / (steps * D), "accepted": accepted,
+                "drafted": steps * D, "tokens_per_s": 1.0, "speedup": 1.0, "exact_match": "3/3"}
+
+    intact, never = cell(24, 100), cell(0, 128)
+    r = {"max_new_tokens": 128, "draft_length": 7, "nvfp4": intact, "nvfp4 gguf": intact,
+         "nvfp4 gguf attn scale=1": never}
+    fig = bench.replay_figures(r, "nvfp4 gguf", "nvfp4 gguf attn scale=1")
+    assert fig["tau"] == (1.24, 1.0) and abs(fig["tau_floor"] - 1 / 1.24) < 1e-12
+    assert fig["tau_ratio"] > bench.REPLAY_GOAL and fig["acceptance_ratio"] == 0.0
+    line = bench.format_replay(fig)
+    assert "acceptance rate 3.43% (24/700) -> 0.00% (0/896) = 0.00x (goal <= 0.3x: met)" in line
+    assert "tau 1.240 -> 1.000 = 0.81x (floor 1/tau 0.81x)" in line
+    half = dict(r, **{"nvfp4 gguf attn scale=1": cell(12, 100)})  # half the acceptance: not a collapse
+    assert "= 0.50x (goal <= 0.3x: NOT met)" in bench.format_replay(
+        bench.replay_figures(half, "nvfp4 gguf", "nvfp4 gguf attn scale=1"))
+    # DFlash2 rows get their own line; the in-memory vs read-back tau is quoted for each kind
+    both = dict(r, **{"dflash2 nvfp4": intact, "dflash2 nvfp4 gguf": intact, "dflash2 nvfp4 gguf attn scale=1":
+                      cell(1, 100)})
+    out = bench.format_gguf_goals([both], {"nvfp4 -> GGUF -> nvfp4": True})
+    assert out.count("attention .scale = 1 vs intact GGUF: acceptance rate") == 2
+    assert "dflash2 nvfp4: tau 1.240 in memory vs 1.240 read back" in out and "(1/700) = 0.04x" in out
+    assert "nvfp4 -> GGUF -> nvfp4: greedy tokens identical to the in-memory drafter's on every prompt: True" in out

@@ -426,6 +426,24 @@ def test_audit_names_exactly_the_attention_scales_set_to_one(tmp_path, capsys):
     assert cli.main(["audit", str(good), "--no-graph"]) == 0
 
 
+def test_audit_of_a_one_layer_drafter_names_only_the_attention_scales(tmp_path):
+    """The default SmolLM2 drafter has one layer: with its four attention scales at 1.0 the layer's FFN scales must
+    not be called outliers against siblings that are mostly the broken 1.0s (flagged scales are no reference)."""
+    cfg = DFLASH.replace(model=DFLASH.model.replace(num_hidden_layers=1), layer_types=None, sliding_window=None)
+    q = dj.quantize_nvfp4(dj.Drafter(params=random_params(abstract_drafter(cfg), 3, std=0.05), config=cfg))
+    good = dj.save_gguf(tmp_path / "one.gguf", q)
+    assert dj.audit_file(good, graph=False).ok
+    _patch_scales(good, tmp_path / "bug.gguf", 1.0, lambda n: n.split(".")[-2] in ATTN)
+    report = dj.audit_file(tmp_path / "bug.gguf", graph=False)
+    assert sorted(report.flagged_names) == sorted(f"blk.0.{a}.scale" for a in ATTN)
+    # an outlier among the rest is still caught, its unflagged siblings being the references (with two of them
+    # left, their median is dragged too: the audit then names the whole FFN, which is a place to look, not a miss)
+    _patch_scales(tmp_path / "bug.gguf", tmp_path / "bug2.gguf", 3.0, lambda n: n == "blk.0.ffn_up.scale")
+    report = dj.audit_file(tmp_path / "bug2.gguf", graph=False)
+    assert "blk.0.ffn_up.scale" in report.flagged_names
+    assert report.flagged[report.flagged_names.index("blk.0.ffn_up.scale")].flags[0].startswith("outlier")
+
+
 @pytest.mark.parametrize("value,flag", [(0.0, "zero"), (-1e-4, "negative"), (np.nan, "NaN"), (np.inf, "infinite"),
                                         (3.0, "outlier")])
 def test_audit_flags_impossible_scales(tmp_path, value, flag):
@@ -464,3 +482,33 @@ def test_save_gguf_writes_dense_linears_in_half_precision(tmp_path, dtype, qtype
         assert types[gguf_name(name)] == (qtype if half else Q.F32), name
         want = np.asarray(leaf).astype(np_dtype).astype(np.float32) if half else np.asarray(leaf)
         np.testing.assert_array_equal(np.asarray(named_leaves(back.params)[name]), want, err_msg=name)
+
+
+def test_metadata_read_as_llama_cpp_reads_it(tmp_path):
+    """llama.cpp's conventions (ggml-org/llama.cpp common/speculative.cpp @ 001d906a, src/models/dflash.cpp @
+    01b78a15): a stored target layer L is the hidden state entering target layer L, and L = the target's depth is
+    the last layer's output; a sliding window of 0 is no sliding window (the pattern is not read)."""
+    q = _quantized("dflash")  # sliding layer 0 (window 16), full layer 1; taps HF 0 and 2 of a 4-layer target
+    _engine_file(tmp_path / "last.gguf", q, meta_over={"dflash.target_layers": [1, 4]})
+    cfg = dj.load_drafter(tmp_path / "last.gguf", vocab_size=128, num_target_layers=4).config
+    assert cfg.target_layer_ids == (0, 3)  # 4 = the 4-layer target's last layer output = HF layer id 3
+    assert cfg.layer_types == ("sliding_attention", "full_attention") and cfg.sliding_window == 16
+    _engine_file(tmp_path / "window0.gguf", q, meta_over={"dflash.attention.sliding_window": 0})
+    cfg = dj.load_drafter(tmp_path / "window0.gguf", vocab_size=128, num_target_layers=4).config
+    assert cfg.layer_types is None and cfg.sliding_window is None
+    assert [cfg.layer_attention(i)[1] for i in range(2)] == [None, None]
+
+
+def test_bench_proposal_agreement(tmp_path, target):
+    """`bench --gguf-roundtrip`'s proposal comparison: a drafter agrees with itself on every slot; the file with its
+    attention `.scale` set to 1 proposes differently (on random weights nothing else holds its proposals in place)."""
+    from dflash_jax.bench import speculative as bench
+
+    intact, broken = bench.gguf_roundtrip(_quantized("dflash"), tmp_path, name="d")
+    prompts = [[5, 9, 17, 33], [7, 8]]
+    same = bench.proposal_agreement(target, intact, intact, prompts, new_tokens=12, stride=4)
+    assert same["slots"] == 28 and same["agree"] == 1.0 and same["intact_hits"] == same["broken_hits"]
+    diff = bench.proposal_agreement(target, intact, broken, prompts, new_tokens=12, stride=4)
+    assert diff["slots"] == 28 and diff["agree"] < 0.9
+    assert "of 28 block slots (anchors every 4 tokens of the 12-token greedy answers)" in \
+        bench.format_proposal_agreement(diff)

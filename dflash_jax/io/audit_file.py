@@ -133,8 +133,12 @@ def _value_flags(v: float | None, all_zero: bool) -> list[str]:
 
 def _outlier_flags(rows: list[ScaleRow]) -> None:
     """Flag a scale > OUTLIER_DECADES decades from the median of the same kind in other layers AND from the median of
-    its layer's other quantized tensors (whichever of the two exists when only one does)."""
-    good = [r for r in rows if r.scale is not None and math.isfinite(r.scale) and r.scale > 0]
+    its layer's other quantized tensors (whichever of the two exists when only one does).
+
+    Only scales not already flagged serve as references: a value that cannot be right must not make its neighbours
+    look wrong. (In a one-layer drafter whose four attention scales were set to 1.0, the layer's three FFN scales
+    would otherwise sit decades from the median of their six siblings, four of them 1.0.)"""
+    good = [r for r in rows if not r.flags and r.scale is not None and math.isfinite(r.scale) and r.scale > 0]
     for r in good:
         same_kind = [math.log10(o.scale) for o in good if o is not r and o.kind == r.kind]
         siblings = [math.log10(o.scale) for o in good if o is not r and o.layer == r.layer]

@@ -29,8 +29,8 @@ from dflash_jax.quant.nvfp4 import NVFP4Array
 from dflash_jax.params import abstract_drafter, abstract_target, from_named, is_linear_name, map_named, named_leaves
 from dflash_jax.io import gguf_model
 from dflash_jax.io.gguf import GGUFError, GGUFFile, is_gguf
-from dflash_jax.io.safetensors_io import (LazyTensor, SafetensorsError, lazy_safetensors, read_safetensors,
-                                       write_safetensors)
+from dflash_jax.io.lazy_array import LazyArray
+from dflash_jax.io.safetensors_io import SafetensorsError, lazy_safetensors, read_safetensors, write_safetensors
 
 SAVED_MARKER = "dflash_jax.json"
 NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
@@ -165,7 +165,7 @@ def _nvfp4_from_hf(module: str, t: dict[str, np.ndarray], shape: tuple[int, int]
     return NVFP4Array(**fields)
 
 
-def _placed_dense(key: str, arr: LazyTensor, sharding, dtype, path: Path):
+def _placed_dense(key: str, arr: LazyArray, sharding, dtype, path: Path):
     """A global array with `sharding` whose every device shard is read from the file on its own (only that slice,
     only when that device's shard is built), converted to `dtype` and checked for NaN / Inf."""
     np_dtype = np.dtype(dtype)

@@ -11,9 +11,18 @@ for W4A4, `<base>.input_scale`; reading builds the ModelOpt tensors (`weight`, `
 `input_scale`) and goes through `checkpoint._params_from_hf`, the same from-named path as an HF folder, so missing,
 unexpected, mis-shaped and non-finite tensors are refused there with the same messages, before anything compiles.
 
-Metadata: `dflash.target_layers` holds the HF layer id + 1 (llama.cpp counts the hidden state *entering* layer L, so
-HF's output of layer i is its L = i + 1); `dflash.mask_token_id` (or `tokenizer.ggml.mask_token_id`);
-`dflash.block_size`; `dflash.attention.sliding_window` and `.sliding_window_pattern` (per layer, true = sliding);
+Metadata: `dflash.target_layers` holds the HF layer id + 1. Checked against llama.cpp (ggml-org/llama.cpp, read with
+the search tool, not copied): `common/speculative.cpp` @ 001d906a (`common_speculative_impl_draft_dflash`) arms each
+stored id L with `llama_set_embeddings_layer_inp(ctx_tgt, L, true)`, the hidden state *entering* target layer L, i.e.
+the output of layer L - 1, and takes L == the target's layer count as the pre-final-norm state (the last layer's
+output); `src/models/dflash.cpp` @ 01b78a15 reads the array as it is. So HF's output of layer i (`hidden_states[i +
+1]`, our feature id i) is stored as L = i + 1, and a stored value must lie in 1..n_target. (An older converter,
+`conversion/qwen.py` @ 03173d5e, wrote the HF ids unshifted; later ones write `[i + 1 for i in target_layer_ids]`.)
+`dflash.mask_token_id` (or `tokenizer.ggml.mask_token_id`); `dflash.block_size`; `dflash.attention.sliding_window`
+and `.sliding_window_pattern` (per layer, true = sliding): llama.cpp (`src/models/dflash.cpp` @ 01b78a15) turns
+sliding-window attention on only for a window > 0 and reads the pattern only then, so a window of 0 reads here as
+full attention in every layer; `dflash.sample_from_anchor` (llama.cpp reads it only in DSpark mode, where true
+means slot k predicts token p+k+1; a DFlash drafter predicts token p+k: written false, true refused);
 `dflash.attention.causal`; `dflash.embedding_scale`, `dflash.logit_scale`, `dflash.final_logit_softcapping`;
 DFlash2 `dflash.conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`. The engine's files carry no
 vocabulary size and no target depth (both come from the target at run time): `save_gguf` also writes
@@ -150,6 +159,7 @@ def config_metadata(cfg: DrafterConfig) -> list[tuple[str, int, Any]]:
                (f"{a}.rope.scaling.factor", T_FLOAT32, m.rope_scaling_factor)]
     kv += [
         (f"{a}.block_size", T_UINT32, cfg.block_size),
+        # llama.cpp's layer-input ids: HF layer i's output enters layer i + 1 (module docstring, speculative.cpp)
         (f"{a}.target_layers", T_ARRAY, (T_INT32, [i + 1 for i in cfg.target_layer_ids])),
         (f"{a}.target_hidden_size", T_UINT32, m.hidden_size),
         (f"{a}.target_block_count", T_UINT32, cfg.num_target_layers),
@@ -237,6 +247,7 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict, path, *, vocab_siz
     stored = need(f"{a}.target_layers")
     if not isinstance(stored, list) or not stored or not all(isinstance(i, int) for i in stored):
         raise GGUFError(f"{path}: {a}.target_layers must be a non-empty integer array, got {stored!r}")
+    # n_target itself is legal: llama.cpp reads it as the pre-final-norm state, the output of the last layer
     bad = [i for i in stored if not 1 <= i <= n_target]
     if bad:
         raise GGUFError(f"{path}: {a}.target_layers {bad} out of range: stored as HF layer id + 1, each must be in "
@@ -266,13 +277,15 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict, path, *, vocab_siz
                         bos_token_id=None if bos is None else int(bos), eos_token_id=None if eos is None else int(eos),
                         param_dtype=param_dtype, compute_dtype=compute_dtype)
     pattern = meta.get(f"{a}.attention.sliding_window_pattern")
+    window = meta.get(f"{a}.attention.sliding_window")
+    if window is not None and num(f"{a}.attention.sliding_window") == 0:
+        window = pattern = None  # llama.cpp: no sliding window unless it is > 0, and then no pattern is read
     layer_types = None
     if pattern is not None:
         if not isinstance(pattern, list) or len(pattern) != n_layers:
             raise GGUFError(f"{path}: {a}.attention.sliding_window_pattern must list one flag per layer "
                             f"({n_layers}), got {pattern!r}")
         layer_types = tuple("sliding_attention" if p else "full_attention" for p in pattern)
-    window = meta.get(f"{a}.attention.sliding_window")
     if window is not None and layer_types is None:
         layer_types = ("sliding_attention",) * n_layers  # a window with no pattern: every layer slides
     kind = "dflash2" if f"{a}.conv_kernel_size" in meta or "selector_hidden.weight" in tensors else "dflash"

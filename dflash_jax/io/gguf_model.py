@@ -17,6 +17,7 @@ import re
 import numpy as np
 
 from dflash_jax.io.gguf import GGUFError, GGUFFile
+from dflash_jax.io.lazy_array import LazyArray
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -36,29 +37,30 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF tensor name of a GGUF tensor of these architectures, or None when it has none."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}"
+def _rename(name: str, names: dict, layer_names: dict, layer_re: re.Pattern, layer_fmt: str) -> str | None:
+    """`name` looked up in one direction of the tables above: a global name, or a layer name with its index."""
+    if name in names:
+        return names[name]
+    m = layer_re.match(name)
+    if m and m.group(2) in layer_names:
+        return layer_fmt.format(int(m.group(1)), layer_names[m.group(2)])
     return None
 
 
+# the same two tables seen from the HF side
 _HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
 _HF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
+def hf_name(gguf_name: str) -> str | None:
+    """The HF tensor name of a GGUF tensor of these architectures, or None when it has none."""
+    return _rename(gguf_name, _GLOBAL_NAMES, _LAYER_NAMES, _LAYER_RE, "model.layers.{}.{}")
+
+
 def gguf_name(hf: str) -> str | None:
     """The inverse of `hf_name`."""
-    if hf in _HF_GLOBAL:
-        return _HF_GLOBAL[hf]
-    m = _HF_LAYER_RE.match(hf)
-    if m and m.group(2) in _HF_LAYER:
-        return f"blk.{int(m.group(1))}.{_HF_LAYER[m.group(2)]}"
-    return None
+    return _rename(hf, _HF_GLOBAL, _HF_LAYER, _HF_LAYER_RE, "blk.{}.{}")
 
 
 def check_against(g: GGUFFile, tensors: dict, expected: dict[str, tuple[int, ...]]) -> None:
@@ -135,7 +137,7 @@ def hf_config(g: GGUFFile) -> dict:
     return d
 
 
-class GGUFTensor:
+class GGUFTensor(LazyArray):
     """One GGUF tensor under its HF name and layout, not decoded yet: `read(index)` decodes (only the rows of the
     outermost axis that `index` selects, when it can) into float32; `np.asarray(t)` decodes it whole. `heads`: undo
     llama.cpp's Q/K row permutation for that many heads."""
@@ -150,14 +152,6 @@ class GGUFTensor:
             raise GGUFError(f"{g.path}: tensor {name!r} has shape {list(self.shape)}, which cannot hold {heads} "
                             "heads of an even head dimension")
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
     def read(self, index=()) -> np.ndarray:
         index = index if isinstance(index, tuple) else (index,)
         if self.heads is None and index and isinstance(index[0], slice) and len(self.shape) > 1:
@@ -167,10 +161,6 @@ class GGUFTensor:
             rows, cols = full.shape
             full = full.reshape(self.heads, rows // self.heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
         return full[index]
-
-    def __array__(self, dtype=None, copy=None):
-        arr = self.read()
-        return arr if dtype is None else arr.astype(dtype)
 
     def __repr__(self):
         return f"GGUFTensor({self.name}, {self.info.type_name}{list(self.shape)})"

@@ -16,6 +16,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from dflash_jax.io.lazy_array import LazyArray
+
 _DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
@@ -87,21 +89,13 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     return out
 
 
-class LazyTensor:
+class LazyTensor(LazyArray):
     """One tensor of a safetensors file, not read yet: `read(index)` maps only this tensor's bytes, copies the slice
     `index` out and unmaps them again, so loading a checkpoint shard by shard never holds more than one slice (plus
     what was already placed) in host memory. `np.asarray(t)` reads it whole."""
 
     def __init__(self, path: Path, dtype: np.dtype, shape: tuple[int, ...], offset: int):
         self.path, self.dtype, self.shape, self.offset = Path(path), dtype, tuple(shape), int(offset)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
 
     @property
     def nbytes(self) -> int:
@@ -115,10 +109,6 @@ class LazyTensor:
             return np.array(mm[index], copy=True)
         finally:
             del mm
-
-    def __array__(self, dtype=None, copy=None):
-        arr = self.read()
-        return arr if dtype is None else arr.astype(dtype)
 
     def __repr__(self):
         return f"LazyTensor({self.path.name}, {self.dtype}{list(self.shape)})"

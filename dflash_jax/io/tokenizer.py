@@ -27,62 +27,31 @@ PAD_TOKEN = "<|pad|>"  # optional; the shipped tokenizer has none (pad_id is Non
 SPECIAL_TOKENS: tuple[str, ...] = (EOS_TOKEN, MASK_TOKEN)  # order fixes ids 0, 1
 
 
-class Tokenizer:
-    """Byte-level BPE tokenizer with EOS (``<|endoftext|>``) and ``<|mask|>``."""
+class _TokenizerBase:
+    """What `Tokenizer` and `ModelTokenizer` share: the HF tokenizer, its size, the EOS / pad ids and `decode`.
+    Subclasses set `_hf`, `_eos_id` and `_pad_id`."""
 
-    def __init__(self, hf: HFTokenizer) -> None:
-        self._hf = hf
-        # Not persisted in tokenizer.json, so it must be set on every load.
-        self._hf.encode_special_tokens = True
-        eos = hf.token_to_id(EOS_TOKEN)
-        mask = hf.token_to_id(MASK_TOKEN)
-        if eos is None or mask is None:
-            raise ValueError(f"tokenizer lacks required special tokens {EOS_TOKEN!r}/{MASK_TOKEN!r}")
-        self._eos_id: int = eos
-        self._mask_id: int = mask
-        self._pad_id: int | None = hf.token_to_id(PAD_TOKEN)
-
-    # --- construction / persistence -------------------------------------------------
-    @classmethod
-    def from_file(cls, path: str | Path) -> "Tokenizer":
-        return cls(HFTokenizer.from_file(str(path)))
-
-    def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._hf.save(str(path), pretty=False)
+    _hf: HFTokenizer
+    _eos_id: int | None
+    _pad_id: int | None
 
     @property
     def hf(self) -> HFTokenizer:
         """The underlying HF tokenizer (escape hatch; prefer the methods below)."""
         return self._hf
 
-    # --- ids ----------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
         """Number of ids, special tokens included (embedding table size)."""
         return self._hf.get_vocab_size(with_added_tokens=True)
 
     @property
-    def eos_id(self) -> int:
+    def eos_id(self) -> int | None:
         return self._eos_id
-
-    @property
-    def mask_id(self) -> int:
-        return self._mask_id
 
     @property
     def pad_id(self) -> int | None:
         return self._pad_id
-
-    # --- text <-> ids ---------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        """Encode text to ids. Never emits special ids and never adds BOS/EOS."""
-        return self._hf.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Like :meth:`encode` for many texts; runs in parallel inside the Rust core."""
-        return [e.ids for e in self._hf.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
         """Decode ids to text.
@@ -97,6 +66,46 @@ class Tokenizer:
 
     def __len__(self) -> int:
         return self.vocab_size
+
+
+class Tokenizer(_TokenizerBase):
+    """Byte-level BPE tokenizer with EOS (``<|endoftext|>``) and ``<|mask|>``."""
+
+    def __init__(self, hf: HFTokenizer) -> None:
+        self._hf = hf
+        # Not persisted in tokenizer.json, so it must be set on every load.
+        self._hf.encode_special_tokens = True
+        eos = hf.token_to_id(EOS_TOKEN)
+        mask = hf.token_to_id(MASK_TOKEN)
+        if eos is None or mask is None:
+            raise ValueError(f"tokenizer lacks required special tokens {EOS_TOKEN!r}/{MASK_TOKEN!r}")
+        self._eos_id = eos
+        self._mask_id: int = mask
+        self._pad_id = hf.token_to_id(PAD_TOKEN)
+
+    # --- construction / persistence -------------------------------------------------
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Tokenizer":
+        return cls(HFTokenizer.from_file(str(path)))
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._hf.save(str(path), pretty=False)
+
+    # --- ids (vocab_size, eos_id: never None here, pad_id: _TokenizerBase) -------------------------------------
+    @property
+    def mask_id(self) -> int:
+        return self._mask_id
+
+    # --- text <-> ids ---------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Encode text to ids. Never emits special ids and never adds BOS/EOS."""
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Like :meth:`encode` for many texts; runs in parallel inside the Rust core."""
+        return [e.ids for e in self._hf.encode_batch(list(texts), add_special_tokens=False)]
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, mask_id={self.mask_id}, pad_id={self.pad_id})"
@@ -225,7 +234,7 @@ def _json_specials(path: Path, hf: HFTokenizer) -> dict:
             "add_bos": bool(conf.get("add_bos_token", False))}
 
 
-class ModelTokenizer:
+class ModelTokenizer(_TokenizerBase):
     """The tokenizer of a pretrained model (a GGUF file's or a tokenizer.json): `encode` / `decode` as `Tokenizer`,
     `eos_id` / `bos_id` / `pad_id` from the file, and `apply_chat_template` rendering the file's own template.
 
@@ -238,24 +247,8 @@ class ModelTokenizer:
         self.chat_template, self.add_bos, self.source = chat_template, add_bos, source
 
     @property
-    def hf(self) -> HFTokenizer:
-        return self._hf
-
-    @property
-    def vocab_size(self) -> int:
-        return self._hf.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def eos_id(self) -> int | None:
-        return self._eos_id
-
-    @property
     def bos_id(self) -> int | None:
         return self._bos_id
-
-    @property
-    def pad_id(self) -> int | None:
-        return self._pad_id
 
     def token_to_id(self, token: str) -> int | None:
         return self._hf.token_to_id(token)
@@ -273,10 +266,6 @@ class ModelTokenizer:
 
     def encode_batch(self, texts: Sequence[str], *, allow_special: bool = False) -> list[list[int]]:
         return self._encode(list(texts), allow_special)
-
-    def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
-        """As `Tokenizer.decode`: negative ids (padding) are dropped."""
-        return self._hf.decode([int(i) for i in ids if int(i) >= 0], skip_special_tokens=skip_special)
 
     def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True, **kwargs) -> str:
         """The file's chat template rendered with jinja2 (sandboxed, trim_blocks / lstrip_blocks and a
@@ -296,9 +285,6 @@ class ModelTokenizer:
 
     def _token(self, tid: int | None) -> str:
         return "" if tid is None else (self._hf.id_to_token(tid) or "")
-
-    def __len__(self) -> int:
-        return self.vocab_size
 
     def __repr__(self) -> str:
         return (f"ModelTokenizer({self.source}: vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
