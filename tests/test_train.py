@@ -152,6 +152,8 @@ def test_loss_over_the_data_vocabulary_is_the_full_softmax_restricted_to_it(tiny
     vocab = td.loss_vocabulary({"tokens": tokens, "lengths": np.array([30, 26])})
     np.testing.assert_array_equal(vocab, np.unique(tokens[:, :26]))
     assert 50 not in vocab
+    with_low = td.loss_vocabulary({"tokens": tokens, "lengths": np.array([30, 26])}, first_ids=30)
+    np.testing.assert_array_equal(with_low, np.arange(30))  # ids 0..29 plus the data's (all < 20)
     full = td.training_logits(drafter.params, batch, cfg, target.config)  # [B, N, bs-1, V]
     labels, valid = td.training_labels(batch, cfg.block_size)
     sub = full[..., vocab]

@@ -149,12 +149,14 @@ def training_labels(batch, block_size: int) -> tuple[jax.Array, jax.Array]:
     return labels.reshape(label_pos.shape), valid
 
 
-def loss_vocabulary(data: dict[str, np.ndarray]) -> np.ndarray:
-    """The sorted token ids that occur in the training sequences (prompts and answers, up to each length): with
-    `--loss-vocab data` the drafter's softmax is taken over these alone (see `drafter_loss`)."""
+def loss_vocabulary(data: dict[str, np.ndarray], first_ids: int = 0) -> np.ndarray:
+    """The sorted token ids that occur in the training sequences (prompts and answers, up to each length), plus the
+    ids below `first_ids`: with `--loss-vocab data` the drafter's softmax is taken over these alone (see
+    `drafter_loss`). A BPE vocabulary numbers its tokens in merge order, so the low ids are the common pieces: as
+    negatives they keep the drafter from scoring frequent tokens the data happens to lack."""
     tokens, lengths = data["tokens"], data["lengths"]
     live = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
-    return np.unique(tokens[live]).astype(np.int32)
+    return np.union1d(tokens[live], np.arange(first_ids)).astype(np.int32)
 
 
 def restricted_head(target: Target, vocab_ids: jax.Array) -> Target:
@@ -485,6 +487,9 @@ def main(argv=None):
                     help="softmax of the training loss over the full vocabulary, or only over the tokens the "
                          "training data contains (several times cheaper steps when the target's vocabulary is "
                          "large and its answers use little of it; drafting always uses the full vocabulary)")
+    ap.add_argument("--loss-vocab-first-ids", type=int, default=8192,
+                    help="with --loss-vocab data, also every token id below this (a BPE vocabulary's common pieces, "
+                         "as negatives)")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -497,10 +502,11 @@ def main(argv=None):
     work.mkdir(parents=True, exist_ok=True)
     data = build_data_or_exit(target, tok, cfg, work, args)
     eval_prompts, d7 = eval_prompts_and_length(tok, cfg, args)
-    vocab_ids = loss_vocabulary(data) if args.loss_vocab == "data" else None
+    vocab_ids = (loss_vocabulary(data, min(args.loss_vocab_first_ids, target.config.vocab_size))
+                 if args.loss_vocab == "data" else None)
     if vocab_ids is not None:
-        print(f"loss vocabulary: {len(vocab_ids):,} of {target.config.vocab_size:,} tokens occur in the training "
-              f"data", flush=True)
+        print(f"loss vocabulary: {len(vocab_ids):,} of {target.config.vocab_size:,} tokens (those in the training "
+              f"data and ids < {args.loss_vocab_first_ids})", flush=True)
     drafter, history = train_and_save(cfg, target, data, args, work, drafter_loss(cfg, target.config,
                                                                                   vocab_ids=vocab_ids),
                                       tau_eval_fn(target, cfg, eval_prompts, args.eval_tokens, d7, eval_eos(tok, args)),
