@@ -121,6 +121,17 @@ def tiny(command: str, tmp: Path) -> tuple[object, list[str]]:
 
 COMMANDS = documented_commands()
 
+# Documented commands whose shrunk run another test makes anyway, with a larger budget and stronger checks: run there,
+# not twice (on CI's two cores each is tens of seconds of compiles). prefix -> (test file, test, the call it makes).
+RUN_ELSEWHERE = {
+    "python -m dflash_jax.bench.device_report": (
+        "test_pallas_nvfp4.py", "test_device_report_smoke", 'device_report.main(["--smoke", "--out", str(tmp_path)'),
+}
+
+
+def _run_elsewhere(command: str):
+    return next((v for k, v in RUN_ELSEWHERE.items() if command.startswith(k)), None)
+
 
 def test_the_docs_document_commands():
     """The collector finds the commands it must (a parsing regression would otherwise pass silently)."""
@@ -133,6 +144,21 @@ def test_commands_that_shrink_to_the_same_run_run_once():
     assert _same_tiny_run("dflash-jax train-target --out checkpoints/target_v2") == "dflash-jax train-target"
     assert _same_tiny_run("dflash-jax train-target") is None
     assert _same_tiny_run("dflash-jax quality") is None
+
+
+def test_commands_run_elsewhere_are_run_there_as_documented(tmp_path):
+    """A documented command skipped here is documented (so the skip is not stale), its shrunk form takes nothing
+    beyond the tiny flags, the output folder and the budget, and the named test makes that very call."""
+    for prefix, (file, test, call) in RUN_ELSEWHERE.items():
+        commands = [c for c in COMMANDS if c.startswith(prefix)]
+        assert commands, f"{prefix!r} is no longer documented: drop it from RUN_ELSEWHERE"
+        for command in commands:
+            main, args = tiny(command, tmp_path)
+            rest = [a for a in args if a not in TINY_FLAGS]
+            options = {rest[i] for i in range(0, len(rest), 2)}
+            assert len(rest) % 2 == 0 and options <= {"--budget-s", *OUTPUTS}, (command, args)
+        source = (ROOT / "tests" / file).read_text()
+        assert f"def {test}(" in source and call in source, (file, test, call)
 
 
 def test_budget_overrides_are_generic():
@@ -168,6 +194,9 @@ def test_documented_command_runs(command, tmp_path, monkeypatch, capsys):
     same = _same_tiny_run(command)
     if same is not None:
         pytest.skip(f"shrunk, it is the same run as {same!r}")
+    elsewhere = _run_elsewhere(command)
+    if elsewhere is not None:
+        pytest.skip(f"shrunk, it is the run tests/{elsewhere[0]}::{elsewhere[1]} makes (with a full budget)")
     if "--target smollm2" in command:
         # Shrunk, it still compiles every program of the 30-layer, 49k-vocabulary SmolLM2 (generation, features,
         # training, tau) on CPU: over 10 minutes. tests/test_smollm2.py runs the SmolLM2 default end to end instead.
