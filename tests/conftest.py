@@ -31,7 +31,8 @@ FILE_SECONDS = {
     "test_audit.py": 50, "test_dflash2_cli.py": 45, "test_compilebench.py": 40, "test_llama_qwen2.py": 40,
     "test_gguf.py": 40, "test_gguf_drafter.py": 40, "test_drafter_reference.py": 40, "test_dflash2_reference.py": 40,
     "test_dflash2_generate.py": 40, "test_dflash2_checkpoint.py": 40, "test_target.py": 40, "test_eos.py": 30,
-    "test_programs.py": 30, "test_device_lowering.py": 30,
+    "test_programs.py": 30, "test_device_lowering.py": 30, "test_cli.py": 50, "test_train_cli.py": 50,
+    "test_attention.py": 30,
 }
 DEFAULT_FILE_SECONDS = 20
 
