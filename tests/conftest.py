@@ -16,6 +16,43 @@ os.environ.setdefault("DFLASH_JAX_DEFAULT_MODEL", "code-5m")
 _WORKER_FIGURES: list[str] = []  # lines sent back by pytest-xdist workers (the figures live in their processes)
 
 
+# -- scheduling under `pytest -n 2 --dist loadfile` (the README's command) ------------------------------------------
+# xdist hands whole files to the two workers from one queue. By default it sorts that queue by the NUMBER of tests
+# per file, which puts the few-but-slow files (shipped models, sharding, DFlash2 sampling, the CLI benches) last: the
+# run then ends with one worker busy on a minute-long file and the other idle, or holding a prefetched one. Instead
+# the queue runs longest file first (LPT scheduling): the tail is made of files of a few seconds, so both workers
+# finish within seconds of each other. FILE_SECONDS is a rough cost per file (CI seconds, from `--durations`); only
+# the order matters, and a file not listed counts as DEFAULT_FILE_SECONDS. Update it when a file becomes slow.
+FILE_SECONDS = {
+    "test_docs_commands.py": 350, "test_sampling.py": 250, "test_notebooks.py": 200, "test_pallas_nvfp4.py": 170,
+    "test_dflash2_sampling.py": 150, "test_sharding.py": 130, "test_shipped.py": 110, "test_generate.py": 110,
+    "test_checkpoint.py": 90, "test_train.py": 90, "test_train_dflash2.py": 90, "test_compile.py": 80,
+    "test_unlikelihood.py": 70, "test_dflash2_nvfp4.py": 70, "test_quantize.py": 65, "test_smollm2.py": 60,
+    "test_audit.py": 50, "test_dflash2_cli.py": 45, "test_compilebench.py": 40, "test_llama_qwen2.py": 40,
+    "test_gguf.py": 40, "test_gguf_drafter.py": 40, "test_drafter_reference.py": 40, "test_dflash2_reference.py": 40,
+    "test_dflash2_generate.py": 40, "test_dflash2_checkpoint.py": 40, "test_target.py": 40, "test_eos.py": 30,
+    "test_programs.py": 30, "test_device_lowering.py": 30, "test_cli.py": 50, "test_train_cli.py": 50,
+    "test_attention.py": 30,
+}
+DEFAULT_FILE_SECONDS = 20
+
+
+def pytest_configure(config):
+    # Keep the collection order below (xdist's --loadscope-reorder re-sorts files by test count); a no-op without
+    # xdist. Runs in the controller too: this conftest is an initial one (`pytest ... tests`).
+    if getattr(config.option, "loadscopereorder", None) is not None:
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Files longest first (FILE_SECONDS); the order of the tests inside a file is kept (a stable sort)."""
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.path.name, i)
+    items.sort(key=lambda item: (-FILE_SECONDS.get(item.path.name, DEFAULT_FILE_SECONDS),
+                                 first_seen[item.path.name]))
+
+
 def pytest_sessionfinish(session):
     """On a pytest-xdist worker: hand its recorded figures (tests/report.py) to the controller."""
     if hasattr(session.config, "workeroutput"):

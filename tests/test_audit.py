@@ -191,6 +191,19 @@ def test_misapplied_scale_is_named(change, leaf, unreachable):
         audit.raise_if_missing()
 
 
+@pytest.mark.parametrize("change,leaf", [(_reuse_block0, "layers[0].up"), (_shift_rows, "layers[1].down")],
+                         ids=["reuse_block0", "shift_rows"])
+def test_unlocalized_audit_finds_the_same_fault_without_naming_the_leaf(change, leaf):
+    """localize=False (what tests auditing a deliberately broken forward use: naming the leaf is one op-by-op forward
+    per leaf): the same reachability result and output error, still not ok, the mismatch reported as a whole."""
+    named = audit_scales(_tampered(leaf, change), _params(), _x())
+    whole = audit_scales(_tampered(leaf, change), _params(), _x(), localize=False)
+    assert whole.missing == named.missing and whole.output_error == named.output_error > 1e-3
+    assert not whole.ok and whole.mismatched == ("<all NVFP4 leaves together>",), str(whole)
+    assert "localize=False" in str(whole)
+    assert audit_scales(forward, _params(), _x(), localize=False).ok  # a correct forward passes either way
+
+
 def test_dropped_block_scale_names_the_element():
     audit = audit_scales(_tampered("layers[1].up", _drop_one_block), _params(), _x())
     assert "1 of 128 block scales do not reach the output (first at [3, 1])" in str(audit)

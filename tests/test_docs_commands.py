@@ -121,6 +121,31 @@ def tiny(command: str, tmp: Path) -> tuple[object, list[str]]:
 
 COMMANDS = documented_commands()
 
+# Documented commands whose shrunk run another test makes anyway, with a larger budget and stronger checks: run there,
+# not twice (on CI's two cores each is tens of seconds of compiles). prefix -> (test file, test, the call it makes).
+RUN_ELSEWHERE = {
+    "python -m dflash_jax.bench.device_report": (
+        "test_pallas_nvfp4.py", "test_device_report_smoke", 'device_report.main(["--smoke", "--out", str(tmp_path)'),
+}
+
+
+def _run_elsewhere(command: str):
+    return next((v for k, v in RUN_ELSEWHERE.items() if command.startswith(k)), None)
+
+
+# Documented commands that, shrunk, are another documented command's shrunk run plus options whose code path another
+# test runs: prefix -> (the other command, the extra options, the test running them, what that test passes).
+# README's DFlash2 example adds only `--eval-every 0` (no evaluation) to `train-drafter --kind dflash2`.
+SAME_RUN_PLUS = {
+    "dflash-jax train-drafter --kind dflash2 --work-dir /tmp/d2": (
+        "dflash-jax train-drafter --kind dflash2", ("--eval-every", "0"),
+        "test_train_dflash2.py::test_cli_trains_end_to_end_and_resumes", '"--eval-every", "0"'),
+}
+
+
+def _same_run_plus(command: str):
+    return next((v for k, v in SAME_RUN_PLUS.items() if command.startswith(k)), None)
+
 
 def test_the_docs_document_commands():
     """The collector finds the commands it must (a parsing regression would otherwise pass silently)."""
@@ -133,6 +158,39 @@ def test_commands_that_shrink_to_the_same_run_run_once():
     assert _same_tiny_run("dflash-jax train-target --out checkpoints/target_v2") == "dflash-jax train-target"
     assert _same_tiny_run("dflash-jax train-target") is None
     assert _same_tiny_run("dflash-jax quality") is None
+
+
+def test_commands_run_elsewhere_are_run_there_as_documented(tmp_path):
+    """A documented command skipped here is documented (so the skip is not stale), its shrunk form takes nothing
+    beyond the tiny flags, the output folder and the budget, and the named test makes that very call."""
+    for prefix, (file, test, call) in RUN_ELSEWHERE.items():
+        commands = [c for c in COMMANDS if c.startswith(prefix)]
+        assert commands, f"{prefix!r} is no longer documented: drop it from RUN_ELSEWHERE"
+        for command in commands:
+            main, args = tiny(command, tmp_path)
+            rest = [a for a in args if a not in TINY_FLAGS]
+            options = {rest[i] for i in range(0, len(rest), 2)}
+            assert len(rest) % 2 == 0 and options <= {"--budget-s", *OUTPUTS}, (command, args)
+        source = (ROOT / "tests" / file).read_text()
+        assert f"def {test}(" in source and call in source, (file, test, call)
+
+
+def test_commands_that_add_options_run_elsewhere_are_the_same_run_plus_those():
+    """The skipped command's shrunk form is exactly the other documented command's plus the named options (order
+    aside), the other command runs here, and the named test passes those options."""
+    def groups(command):
+        return set(_tiny_run_key(command)[2])  # option groups, output paths already sent to one temporary folder
+    for prefix, (other, extra, test, passes) in SAME_RUN_PLUS.items():
+        commands = [c for c in COMMANDS if c.startswith(prefix)]
+        assert commands and other in COMMANDS, (prefix, other)
+        assert _same_tiny_run(other) is None and _run_elsewhere(other) is None and _same_run_plus(other) is None
+        for command in commands:
+            assert _tiny_run_key(command)[:2] == _tiny_run_key(other)[:2], (command, other)  # same entry, subcommand
+            assert groups(command) - groups(other) == {tuple(extra)}, (command, other)
+            assert groups(other) - groups(command) == set(), (command, other)
+        file, name = test.split("::")
+        source = (ROOT / "tests" / file).read_text()
+        assert f"def {name}(" in source and passes in source, test
 
 
 def test_budget_overrides_are_generic():
@@ -168,6 +226,12 @@ def test_documented_command_runs(command, tmp_path, monkeypatch, capsys):
     same = _same_tiny_run(command)
     if same is not None:
         pytest.skip(f"shrunk, it is the same run as {same!r}")
+    elsewhere = _run_elsewhere(command)
+    if elsewhere is not None:
+        pytest.skip(f"shrunk, it is the run tests/{elsewhere[0]}::{elsewhere[1]} makes (with a full budget)")
+    plus = _same_run_plus(command)
+    if plus is not None:
+        pytest.skip(f"shrunk, it is the run of {plus[0]!r} plus {' '.join(plus[1])} (run by tests/{plus[2]})")
     if "--target smollm2" in command:
         # Shrunk, it still compiles every program of the 30-layer, 49k-vocabulary SmolLM2 (generation, features,
         # training, tau) on CPU: over 10 minutes. tests/test_smollm2.py runs the SmolLM2 default end to end instead.
