@@ -116,7 +116,7 @@ def programs_section(target, drafter, *, n_prompts: int = 100, max_len: int = 10
     buckets = sorted({G.prompt_bucket(int(n)) for n in lens})
     print(f"{n_prompts} prompts, lengths {lens.min()}..{lens.max()}: {l1 - l0} loop program(s), {p1 - p0} prefill "
           f"programs ({len(buckets)} prompt buckets {buckets[0]}..{buckets[-1]}; cache bucket rule: powers of two >= "
-          f"{G.cache_bucket_min()} up to {G.FINE_ABOVE} slots, then multiples of {G.FINE_STEP}) "
+          f"{G.CACHE_BUCKET_MIN} up to {G.FINE_ABOVE} slots, then multiples of {G.FINE_STEP}) "
           f"({time.perf_counter() - c0:.1f} s in all)", flush=True)
     prompt = [rng.integers(2, V, 20).tolist()]
     for temperature in (0.0, 0.5, 0.8, 1.0):
