@@ -166,7 +166,8 @@ def draft_costs(target: Target, drafters: dict, *, context_len: int = 64, draft_
 
     @jax.jit
     def decode(target, tcache, tok):
-        logits, _, c = forward_with_cache(target, tok, tcache)
+        with _as_in_the_loop(program_backend(target)):
+            logits, _, c = forward_with_cache(target, tok, tcache)
         return jnp.argmax(logits, -1), c.lengths
 
     calls = {"decode": (decode, (target, tcache, prompt[:, -1:]))}
