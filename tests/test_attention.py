@@ -1,6 +1,7 @@
 """The one attention function: the visibility rule against a naive mask, chunked vs dense against a float64
 reference (chunk boundaries, ragged and per-query lengths, windows, fresh keys with a mask), NaN-safe stale slots,
-and the per-layer window / chunk arguments through the target's layers and the whole generation program."""
+the live-length loop (CPU's rule) against the same reference and the static form, and the per-layer window / chunk
+arguments through the target's layers and the whole generation program."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pytest
 
 import dflash_jax as dj
 from random_models import make_drafter, make_target
-from dflash_jax.models.attention import attention, attention_chunk, visible
+from dflash_jax.bench.lowering import loop_report
+from dflash_jax.decode import programs as G
+from dflash_jax.models.attention import LIVE_CHUNK, attention, attention_chunk, live_length_loop, visible
 from dflash_jax.config import DrafterConfig, Qwen3Config
 from dflash_jax.models.target import KVCache, forward_with_cache
 
@@ -66,11 +69,12 @@ def reference(q, q_pos, ck, cv, clen, k, v, k_pos, k_mask, causal, window):
     return out.reshape(B, T, nH * hd)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "window", "chunk", "fresh"))
-def _attn(q, q_pos, ck, cv, clen, k, v, k_pos, k_mask, *, causal, window, chunk, fresh):
+@functools.partial(jax.jit, static_argnames=("causal", "window", "chunk", "fresh", "live"))
+def _attn(q, q_pos, ck, cv, clen, k, v, k_pos, k_mask, *, causal, window, chunk, fresh, live=False):
     kw = dict(k=k, v=v, k_pos=k_pos, k_mask=k_mask) if fresh else {}
-    return attention(q, q_pos, cache_k=ck, cache_v=cv, cache_len=clen, causal=causal, window=window, chunk=chunk,
-                     **kw)
+    with live_length_loop(live):
+        return attention(q, q_pos, cache_k=ck, cache_v=cv, cache_len=clen, causal=causal, window=window,
+                         chunk=chunk, **kw)
 
 
 def _case(seed, B=3, T=4, S=37, nH=4, nKV=2, hd=8):
@@ -129,6 +133,56 @@ def test_stale_slots_never_leak_nan():
         np.testing.assert_array_equal(got, ref[c])
 
 
+def _long_case(seed, window_rows=False):
+    """Rows whose queries all sit late (positions >= 30 in a 37-slot cache), so a window of 5 starts the live-length
+    loop past block 0; or ragged rows (0, 13, 37 live slots)."""
+    q, q_pos, ck, cv, clen, k, v, k_pos, k_mask = _case(seed)
+    if window_rows:
+        clen = np.array([30, 33, 37], np.int32)
+        q_pos = (clen[:, None] + np.arange(4)).astype(np.int32)
+    return q, q_pos, ck, cv, clen, k, v, q_pos, k_mask
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (True, 5), (False, None), (False, 9)])
+@pytest.mark.parametrize("late", [False, True])
+def test_live_length_loop_equals_static_and_reference(causal, window, late):
+    """CPU's rule: cached keys visited only from the first block a window reaches to the last live one, in a loop
+    whose trip count is data. Same result as the reference and as the static form (whole bucket, masked), at block
+    sizes crossing every boundary, the default LIVE_CHUNK (bigger than this cache: one pass), and per-query lengths."""
+    q, q_pos, ck, cv, clen, k, v, k_pos, k_mask = _long_case(3, late)
+    want = reference(q, q_pos, ck, cv, clen, k, v, k_pos, k_mask, causal, window)
+    assert LIVE_CHUNK > ck.shape[1]
+    for chunk in (None, 8, 5, 3):
+        args = (q, q_pos, ck, cv, clen, k, v, k_pos, k_mask)
+        live = np.asarray(_attn(*args, causal=causal, window=window, chunk=chunk, fresh=True, live=True))
+        static = np.asarray(_attn(*args, causal=causal, window=window, chunk=chunk, fresh=True))
+        np.testing.assert_allclose(live, want, rtol=2e-5, atol=2e-5, err_msg=f"chunk {chunk}")
+        np.testing.assert_allclose(live, static, rtol=1e-6, atol=1e-6, err_msg=f"chunk {chunk}")
+    per_query = np.minimum(clen[:, None] + np.array([0, 2, 1, 3]), 37).astype(np.int32)  # [B, T] lengths
+    got = np.asarray(_attn(q, q_pos, ck, cv, per_query, k, v, k_pos, None, causal=causal, window=window, chunk=4,
+                           fresh=False, live=True))
+    np.testing.assert_allclose(got, reference(q, q_pos, ck, cv, per_query, None, None, None, None, causal, window),
+                               rtol=2e-5, atol=2e-5)
+
+
+def test_live_length_loop_is_a_data_dependent_loop_and_off_by_default():
+    """The live-length loop really is one (a while whose trip count the checker cannot prove static), only under
+    live_length_loop(True); by default (what trainers, audits and accelerator programs get) every loop is static."""
+    q, q_pos, ck, cv, clen, k, v, k_pos, k_mask = _case(4)
+
+    def report(**kw):
+        low = jax.jit(lambda *a: _attn(*a, causal=True, window=5, chunk=8, fresh=True, **kw)).lower(
+            q, q_pos, ck, cv, clen, k, v, k_pos, k_mask)
+        return loop_report(low.as_text())
+
+    assert report(live=True)["dynamic"] >= 1
+    static = report()
+    assert static["dynamic"] == 0 and static["static"] >= 1, static
+    # The rule per platform: CPU programs take the live-length loop, accelerators the static form.
+    assert G.uses_live_length_loop("cpu") and not G.uses_live_length_loop("cuda")
+    assert not G.uses_live_length_loop("gpu") and not G.uses_live_length_loop("tpu")
+
+
 # -- through the model -------------------------------------------------------------------------------------------
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
@@ -174,6 +228,27 @@ def test_generation_with_chunked_attention_is_exact():
         sp = dj.generate(target, drafter, prompts, max_new_tokens=24)
     np.testing.assert_array_equal(sp.tokens, ar.tokens)
     assert (sp.num_tokens == 24).all()
+
+
+def test_generation_live_length_loop_equals_static_form(monkeypatch):
+    """Greedy DFlash and autoregressive decoding through the live-length loop (CPU's rule, 8-slot blocks, ragged
+    rows) give exactly the tokens of the static form (accelerators' rule) and of each other."""
+    dcfg = DrafterConfig(model=CFG.replace(num_hidden_layers=1), block_size=4, mask_token_id=63,
+                         target_layer_ids=(0, 2), num_target_layers=3)
+    target, drafter = make_target(CFG, 5), make_drafter(dcfg, 6)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 63, n).tolist() for n in (30, 5, 17)]
+    out = {}
+    for live in (True, False):
+        monkeypatch.setitem(G.LIVE_LENGTH_LOOP, "cpu", live)
+        call = G.speculative_call(target, drafter, prompts, max_new_tokens=24)
+        assert call.loop_static["live_length"] is (live if jax.default_backend() == "cpu" else False)
+        with attention_chunk(8):
+            out[live] = (dj.generate(target, drafter, prompts, max_new_tokens=24, max_cache_len=96),
+                         dj.generate_autoregressive(target, prompts, max_new_tokens=24, max_cache_len=96))
+    for res in (*out[True], out[False][0]):
+        np.testing.assert_array_equal(res.tokens, out[False][1].tokens)
+    np.testing.assert_array_equal(out[True][0].acceptance_lengths, out[False][0].acceptance_lengths)
 
 
 def test_prefill_memory_is_linear_in_the_prompt():

@@ -6,7 +6,9 @@ loop that is not provably static (the generation loop itself, at the top level),
 counter to a constant and steps it by a constant (scan / fori_loop with static bounds: attention's key and query
 blocks, DFlash2's selector walk), and no conditional at all. Greedy and sampled (top-k, top-p and p_min all on),
 DFlash and DFlash2, with attention blocks small enough that every block loop is present, and an NVFP4 drafter on the
-Pallas backend (its kernel lowers to one Triton call, opaque here)."""
+Pallas backend (its kernel lowers to one Triton call, opaque here). The CUDA export takes the accelerators'
+execution settings whatever host exports it; the program CPU builds does use the live-length loop (attention's
+data-dependent chunk loops, free on a CPU) and the CUDA export of the same call does not."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from jax import export
 import dflash_jax as dj
 from dflash_jax.bench.lowering import loop_report, prefill_module, speculative_module
 from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.decode import programs as G
+from dflash_jax.models.attention import attention_chunk
 from dflash_jax.quant import pallas_nvfp4 as P
 from random_models import make_drafter, make_target, nontrivial_dflash2
 
@@ -57,6 +61,27 @@ def test_speculative_step_has_no_data_dependent_loop_or_conditional(models, kind
     assert rep["dynamic_nested"] >= 2 and rep["static"] >= rep["dynamic_nested"], rep
     pre = loop_report(prefill_module(target, drafters[kind], PROMPTS, chunk=CHUNK, max_new_tokens=16, **kw))
     assert pre["dynamic"] == 0 and pre["conditionals"] == 0 and pre["static"] >= 2, pre
+
+
+def test_cpu_program_uses_the_live_length_loop_and_the_cuda_export_does_not(models):
+    """Same call, two platforms: the loop program `generate` builds on this CPU host (lowered for it, as it runs) and
+    a CPU export hold attention's data-dependent chunk loops nested in the generation loop (its trip count follows
+    the longest live row); the CUDA export, made on this same host, holds none (the accelerators' rule)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU rule is checked on a CPU host")
+    target, drafters = models
+    call = G.speculative_call(target, drafters["dflash"], PROMPTS, max_new_tokens=16)
+    assert call.loop_static["live_length"] is True
+    with attention_chunk(CHUNK):
+        built = loop_report(call.lower()[1].as_text())  # the program generate compiles here
+    cpu = loop_report(_export(target, drafters["dflash"], platform="cpu"))
+    cuda = loop_report(_export(target, drafters["dflash"]))
+    for rep in (built, cpu):
+        # the generation loop, and attention's live-length loops nested in it (target cache, drafter context)
+        assert rep["dynamic_at_top"] == 1 and rep["dynamic"] >= 3 and rep["dynamic_nested"] >= 2, rep
+        assert rep["conditionals"] == 0, rep
+    assert cuda["dynamic"] == 1 and cuda["dynamic_at_top"] == 1 and cuda["conditionals"] == 0, cuda
+    assert cuda["static"] >= 2, cuda  # its attention block loops, with static trip counts
 
 
 def test_nvfp4_drafter_on_pallas_lowers_without_loops_or_conditionals(models, monkeypatch):

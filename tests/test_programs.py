@@ -2,7 +2,7 @@
 
 - a new prompt-length bucket compiles a new prefill program only: 100 prompt lengths over 1..1000 -> 1 loop program;
 - batches run in a batch bucket whose padding rows are inert (never in the result, never changing a real row);
-- cache buckets: powers of two (at least 2048) up to 4k slots, then multiples of 1k;
+- cache buckets: powers of two (at least 2048, every platform) up to 4k slots, then multiples of 1k;
 - attention_mask (left / right padding) and prompt_lengths give each row what it gets alone (greedy, float32);
 - return_prompt and GenerationResult.decode; a SamplingParams object == the keywords; EOS from the config by default.
 """
@@ -48,11 +48,10 @@ def _alone(fn, rows, **kw):
 # -- programs: prefill apart from the loop ---------------------------------------------------------------------------
 
 def test_prompt_lengths_compile_prefill_only(pair, monkeypatch):
-    """100 prompt lengths over 1..1000 (7 prompt buckets): 7 prefill programs, 1 loop program; a later call with a
-    new prompt bucket traces prefill again and not the loop."""
+    """100 prompt lengths over 1..1000 (7 prompt buckets): 7 prefill programs, 1 loop program, on CPU as on
+    accelerators (one 2048-slot minimum cache bucket; CPU's attention visits only the live blocks of it); a later
+    call with a new prompt bucket traces prefill again and not the loop."""
     monkeypatch.setattr(G, "_COMPILED", {})  # fresh jit caches: the counts below are this test's compiles
-    # The accelerator rule (one 2048-slot minimum bucket); the CPU rule's count is checked at the end.
-    monkeypatch.setitem(G.CACHE_BUCKET_MIN, "cpu", 2048)
     target, drafter = pair
     before = dict(G.TRACE_COUNTS)
     lens = np.linspace(1, 1000, 100).astype(int)
@@ -72,10 +71,10 @@ def test_prompt_lengths_compile_prefill_only(pair, monkeypatch):
         call = G.speculative_call(target, drafter, [[1] * int(n)], max_new_tokens=2)
         return tuple(sorted(call.loop_static.items())), call.prefill_static["cache_len"], call.args[2].shape[0]
     assert len({loop_key(n) for n in lens}) == 1
-    # CPU's rule (256-slot minimum: attention reads the whole bucket) keys the same range by 3 cache buckets
-    monkeypatch.setitem(G.CACHE_BUCKET_MIN, "cpu", 256)
-    assert len({loop_key(n) for n in lens}) == 3
-    monkeypatch.setitem(G.CACHE_BUCKET_MIN, "cpu", 2048)
+    # the accelerators' rule keys the same range by one loop program too (static trip counts: only the flag differs)
+    monkeypatch.setitem(G.LIVE_LENGTH_LOOP, "cpu", False)
+    assert len({loop_key(n) for n in lens}) == 1
+    monkeypatch.setitem(G.LIVE_LENGTH_LOOP, "cpu", True)
     # a prompt of 1800 tokens: 1800 + 256 + 4 slots -> the next cache bucket (4096): one more loop program
     dj.generate(target, drafter, [[3] * 1800], max_new_tokens=2, eos_ids=())
     assert G.compiled_counts() == {"prefill": len(buckets) + 1, "speculative": 2, "autoregressive": 0}
@@ -102,10 +101,8 @@ def test_loop_program_has_no_host_op_and_takes_a_device_handoff(pair):
 
 def test_bucket_rules():
     assert [G.batch_bucket(n) for n in (1, 2, 3, 5, 9, 16, 17, 33)] == [1, 2, 4, 8, 16, 16, 32, 48]
-    assert [G.cache_bucket(n, "gpu") for n in (1, 300, 2048, 2049, 4096, 4097, 8200, 16385)] == [
+    assert [G.cache_bucket(n) for n in (1, 300, 2048, 2049, 4096, 4097, 8200, 16385)] == [
         2048, 2048, 2048, 4096, 4096, 5120, 9216, 17408]
-    assert [G.cache_bucket(n, "cpu") for n in (1, 300, 2048, 2049, 4096, 4097, 8200, 16385)] == [
-        256, 512, 2048, 4096, 4096, 5120, 9216, 17408]
     assert [G.prompt_bucket(n) for n in (1, 17, 4096, 4097, 5000)] == [16, 32, 4096, 5120, 5120]
     # above 4k the waste is under 1024 slots (a power of two would have been up to 2x)
     for n in range(4097, 40000, 997):

@@ -5,7 +5,8 @@
 
 Sections:
   attention  verify step (D+1 tokens) at 64 live tokens in caches of 256 and 16,384 slots: ms each and the ratio
-             (attention visits only the live chunks, so the ratio should be ~1), and decode / draft for reference.
+             (on CPU attention visits only the live blocks, so the ratio should be ~1; on accelerators it reads the
+             whole bucket, static trip counts), and decode / draft for reference.
   programs   compiled loop programs and prefill programs, counted apart, for 100 prompts with lengths spread over
              1..1000 tokens (a new prompt bucket compiles prefill only), for 4 temperatures x 3 EOS sets x 3 budgets
              on one prompt shape (traced sampling and budgets), and for batches of 1..8 rows (batch buckets).
@@ -116,7 +117,8 @@ def programs_section(target, drafter, *, n_prompts: int = 100, max_len: int = 10
     buckets = sorted({G.prompt_bucket(int(n)) for n in lens})
     print(f"{n_prompts} prompts, lengths {lens.min()}..{lens.max()}: {l1 - l0} loop program(s), {p1 - p0} prefill "
           f"programs ({len(buckets)} prompt buckets {buckets[0]}..{buckets[-1]}; cache bucket rule: powers of two >= "
-          f"{G.cache_bucket_min()} up to {G.FINE_ABOVE} slots, then multiples of {G.FINE_STEP}) "
+          f"{G.CACHE_BUCKET_MIN} up to {G.FINE_ABOVE} slots, then multiples of {G.FINE_STEP}; attention over the "
+          f"cache: {'live-length loop' if G.uses_live_length_loop() else 'static trip counts'}) "
           f"({time.perf_counter() - c0:.1f} s in all)", flush=True)
     prompt = [rng.integers(2, V, 20).tolist()]
     for temperature in (0.0, 0.5, 0.8, 1.0):

@@ -5,7 +5,9 @@ each execution (unless command buffers with conditional nodes are on). `loop_rep
 `jax.export(..., platforms=["cuda"]).mlir_module()`, exported on any host) and splits its while loops into those
 with a provably static trip count (the condition is `counter < constant` and the body steps the counter by a
 constant: `lax.scan`, `fori_loop` with static bounds) and the rest, and counts the conditionals.
-`speculative_loop_report` does it for the speculative program `generate` runs.
+`speculative_module` exports the speculative loop program `generate` would build for a platform, with that
+platform's execution settings whatever host exports it (a CUDA export takes the accelerator rule: attention with
+static trip counts; a CPU export the live-length loop: `programs.uses_live_length_loop`).
 """
 
 from __future__ import annotations
@@ -81,14 +83,16 @@ def speculative_module(target, drafter, prompts, *, platform: str = "cuda", chun
                        **generate_kw) -> str:
     """The StableHLO text of the speculative loop program `generate` would run (the generation `while_loop` that holds
     every draft / verify / accept step; prefill is a program of its own), exported for `platform` (no device of
-    that kind needed). chunk: attention blocks (`attention_chunk`), e.g. small to make every block loop appear."""
+    that kind needed) with `platform`'s execution settings, not the host's. chunk: attention blocks
+    (`attention_chunk`), e.g. small to make every block loop appear."""
     call = G.speculative_call(target, drafter, prompts, prefill_timing="rerun", **generate_kw)
     target, drafter, prompt, lens, keys, sampling, budget = call.args
+    static = dict(call.loop_static, live_length=G.uses_live_length_loop(platform))
     with attention_chunk(chunk):
         # the loop program takes prefill's handoff: its shapes are enough to export it (nothing runs here)
         pre = jax.eval_shape(lambda *a: call.prefill_program(*a, **call.prefill_static), target, drafter, prompt, lens)
         exp = export.export(call.loop_program, platforms=[platform], disabled_checks=[TRITON])(
-            target, drafter, pre, keys, sampling, budget, **call.loop_static)
+            target, drafter, pre, keys, sampling, budget, **static)
     return exp.mlir_module()
 
 

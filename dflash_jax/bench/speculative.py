@@ -11,6 +11,7 @@ Timings are never asserted anywhere: these machines are noisy, so read the media
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
@@ -25,7 +26,8 @@ from dflash_jax.io.gguf_drafter import load_drafter_gguf, patch_scales, save_ggu
 from dflash_jax.decode.draft_step import draft_step
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.models.drafter import Drafter, append_context, draft_tokens, empty_draft_cache
-from dflash_jax.decode.programs import generate, generate_autoregressive, prefill
+from dflash_jax.decode.programs import generate, generate_autoregressive, prefill, uses_live_length_loop
+from dflash_jax.models.attention import live_length_loop
 from dflash_jax.models.target import KVCache, Target, forward_with_cache, target_forward
 from dflash_jax.quant.linear import backend_scope, program_backend
 
@@ -102,13 +104,22 @@ def greedy_draft(drafter: Drafter, target: Target, dcache: KVCache, pending: jax
     return drafts, dc
 
 
+@contextlib.contextmanager
+def _as_in_the_loop(backend):
+    """What generate's loop program is traced under on this platform: the NVFP4 backend, and the attention rule
+    (the live-length loop on CPU, static trip counts on accelerators), so a step costs here what it costs there."""
+    with backend_scope(backend), live_length_loop(uses_live_length_loop()):
+        yield
+
+
 # The step programs are module-level, so every `step_functions` / `draft_costs` call with the same shapes shares them
 # (the target's decode and verify across drafters, e.g.); the NVFP4 backend is a static argument, as in generate.
+
 
 @functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(1,))
 def _decode_rolled_back(target, tcache, tok, backend):
     """One decode step (1 token) on a donated cache whose lengths are rolled back, as a rejected step does."""
-    with backend_scope(backend):
+    with _as_in_the_loop(backend):
         logits, _, c = forward_with_cache(target, tok, tcache)
     return jnp.argmax(logits, -1), c.replace(lengths=tcache.lengths)
 
@@ -116,7 +127,7 @@ def _decode_rolled_back(target, tcache, tok, backend):
 @functools.partial(jax.jit, static_argnums=(3, 4), donate_argnums=(1,))
 def _verify_rolled_back(target, tcache, toks, layer_ids, backend):
     """One verify (D+1 tokens, tapped features) on a donated cache whose lengths are rolled back."""
-    with backend_scope(backend):
+    with _as_in_the_loop(backend):
         logits, feats, c = forward_with_cache(target, toks, tcache, layer_ids)
     return (jnp.argmax(logits, -1), feats), c.replace(lengths=tcache.lengths)
 
@@ -124,7 +135,7 @@ def _verify_rolled_back(target, tcache, toks, layer_ids, backend):
 @functools.partial(jax.jit, static_argnums=(5, 6), donate_argnums=(2,))
 def _draft_rolled_back(drafter, target, dcache, pending, block, D, backend):
     """`greedy_draft` on a donated draft cache whose lengths are rolled back."""
-    with backend_scope(backend):
+    with _as_in_the_loop(backend):
         tokens, dc = greedy_draft(drafter, target, dcache, pending, block, D)
     return tokens, dc.replace(lengths=dcache.lengths)
 
@@ -132,7 +143,7 @@ def _draft_rolled_back(drafter, target, dcache, pending, block, D, backend):
 @functools.partial(jax.jit, static_argnums=(5, 6))
 def _draft_only(drafter, target, dcache, pending, block, D, backend):
     """`greedy_draft`'s drafts alone (the cache is not donated: `draft_costs` reuses it every repetition)."""
-    with backend_scope(backend):
+    with _as_in_the_loop(backend):
         return greedy_draft(drafter, target, dcache, pending, block, D)[0]
 
 
@@ -155,7 +166,8 @@ def draft_costs(target: Target, drafters: dict, *, context_len: int = 64, draft_
 
     @jax.jit
     def decode(target, tcache, tok):
-        logits, _, c = forward_with_cache(target, tok, tcache)
+        with _as_in_the_loop(program_backend(target)):
+            logits, _, c = forward_with_cache(target, tok, tcache)
         return jnp.argmax(logits, -1), c.lengths
 
     calls = {"decode": (decode, (target, tcache, prompt[:, -1:]))}

@@ -22,6 +22,12 @@ so one program serves all their values. Buckets (`prompt_bucket`, `cache_bucket`
 budget): the output buffer, the caches and the batch are sized by bucket and the loop stops at the exact count on
 device, so any request maps to one of a few programs; padding rows of a batch bucket are inert (length 0: done from
 the start, they write nothing and never reach the result).
+
+Attention over the caches inside the loop is chosen per platform when the program is built (`live_length`, a static
+flag of the loop programs, `uses_live_length_loop`): on accelerators every loop in a step has a static trip count
+(attention masks the whole cache bucket), so the device never waits on the host inside a step; on CPU attention
+visits only the blocks up to the longest live row (`dflash_jax.models.attention.live_length_loop`), whose
+data-dependent trip count costs nothing there, so one large cache bucket serves short and long prompts alike.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from jax.experimental import io_callback
 from dflash_jax.parallel import sharding as shd
 from dflash_jax.config import check_pair
 from dflash_jax.decode.draft_step import draft_step
+from dflash_jax.models.attention import live_length_loop
 from dflash_jax.models.drafter import Drafter, empty_draft_cache, append_context
 from dflash_jax.quant.linear import backend_scope, program_backend
 from dflash_jax.decode.sampling import SamplingParams, accept_block, sample_tokens
@@ -337,15 +344,16 @@ TRACE_COUNTS: dict[str, int] = {"prefill": 0, "speculative": 0, "autoregressive"
 
 def _jit_program(name: str, program, static: tuple[str, ...], donate: tuple[int, ...] = ()):
     """`program` under jax.jit: static `static` arguments plus `backend`, the NVFP4 backend the program is traced
-    under. Each trace (= each compile) bumps TRACE_COUNTS[name]."""
-    def traced(*args, backend, **kwargs):
+    under, and `live_length`, the attention rule it is traced under (see `uses_live_length_loop`; prefill never
+    attends a cache and takes the default). Each trace (= each compile) bumps TRACE_COUNTS[name]."""
+    def traced(*args, backend, live_length: bool = False, **kwargs):
         TRACE_COUNTS[name] += 1
-        with backend_scope(backend), shd.mesh_scope(kwargs.get("mesh")):
+        with backend_scope(backend), shd.mesh_scope(kwargs.get("mesh")), live_length_loop(live_length):
             return program(*args, **kwargs)
 
     traced.__name__ = traced.__qualname__ = f"dflash_{name}"
     # The loop takes the prefill handoff (argument 2) as donated: its caches are reused in place, not held twice.
-    return jax.jit(traced, static_argnames=("backend", *static), donate_argnums=donate)
+    return jax.jit(traced, static_argnames=("backend", "live_length", *static), donate_argnums=donate)
 
 
 PREFILL_STATIC = ("cache_len", "stamp", "mesh")
@@ -394,16 +402,14 @@ def _round_up(n: int, multiple: int) -> int:
 PROMPT_BUCKET_MIN = 16
 # Budgets share one program up to this many tokens: a bigger output buffer costs only memory, a new bucket a compile.
 BUDGET_BUCKET_MIN = 256
-# Cache buckets: powers of two from the minimum up to FINE_ABOVE slots, then multiples of FINE_STEP. On accelerators
-# the minimum is 2048: below 4k slots the memory is small and a compile is not, so one coarse bucket serves every
-# prompt up to ~1.7k tokens (with a 256-token budget bucket). On CPU it is 256: attention reads every slot of the
-# bucket (static trip counts), and on a small model that cost dominates a decode step (the shipped 5.8M pair decoded
-# 279 vs 467 tokens/s with a 2048- vs 256-slot minimum, same run), so CPU programs follow the need more closely and
-# compile a few more loops (3 instead of 1 for prompts over 1..1000). Above 4k a power of two could double the KV
-# memory (64 rows x 8.2k tokens of Qwen3-8B would take the 16k bucket), so the rule turns linear: the waste is
-# < FINE_STEP slots, i.e. < 25% of the need at 4k+1 and < 12.5% from 8k on (8.2k -> 9216 slots, not 16384). Prompt
-# buckets above FINE_ABOVE follow the same step.
-CACHE_BUCKET_MIN = {"cpu": 256, "default": 2048}
+# Cache buckets: powers of two from CACHE_BUCKET_MIN up to FINE_ABOVE slots, then multiples of FINE_STEP. Below 4k
+# slots the memory is small and a compile is not, so one coarse bucket serves every prompt up to ~1.7k tokens (with a
+# 256-token budget bucket), on every platform. (On accelerators attention reads the whole bucket; on CPU, where that
+# cost would dominate a small model's step, the live-length loop reads only the live blocks: `uses_live_length_loop`.)
+# Above 4k a power of two could double the KV memory (64 rows x 8.2k tokens of Qwen3-8B would take the 16k bucket),
+# so the rule turns linear: the waste is < FINE_STEP slots, i.e. < 25% of the need at 4k+1 and < 12.5% from 8k on
+# (8.2k -> 9216 slots, not 16384). Prompt buckets above FINE_ABOVE follow the same step.
+CACHE_BUCKET_MIN = 2048
 FINE_ABOVE = 4096
 FINE_STEP = 1024
 # Batch buckets: powers of two up to BATCH_FINE_ABOVE rows, then multiples of it (inert rows fill a bucket).
@@ -422,17 +428,28 @@ def prompt_bucket(n: int) -> int:
     return bucket(n) if n <= FINE_ABOVE else _round_up(int(n), FINE_STEP)
 
 
-def cache_bucket_min(platform: str | None = None) -> int:
-    """The smallest cache bucket on `platform` (default: JAX's default backend); see CACHE_BUCKET_MIN."""
+def cache_bucket(n: int) -> int:
+    """Cache slots for a need of n slots (the loop program's key): a power of two >= n, at least CACHE_BUCKET_MIN
+    (2048), up to 4096; then the multiple of 1024 >= n (see CACHE_BUCKET_MIN for the worst-case waste)."""
+    return bucket(n, CACHE_BUCKET_MIN) if n <= FINE_ABOVE else _round_up(int(n), FINE_STEP)
+
+
+# Attention over the cache inside a loop program, per platform: True = the live-length loop (only the blocks up to
+# the longest live row, a data-dependent trip count: free on CPU), False = static trip counts over the whole bucket
+# (an accelerator would copy a data-dependent loop's predicate to the host on every iteration).
+LIVE_LENGTH_LOOP = {"cpu": True, "default": False}
+
+
+def uses_live_length_loop(platform: str | None = None) -> bool:
+    """Whether loop programs for `platform` ("cpu", "cuda", "gpu", "tpu", ...; default: JAX's default backend) attend
+    their caches with the live-length loop (see LIVE_LENGTH_LOOP). Exports for another platform ask with its name."""
     platform = platform or jax.default_backend()
-    return CACHE_BUCKET_MIN.get(platform, CACHE_BUCKET_MIN["default"])
+    return LIVE_LENGTH_LOOP.get(platform, LIVE_LENGTH_LOOP["default"])
 
 
-def cache_bucket(n: int, platform: str | None = None) -> int:
-    """Cache slots for a need of n slots (the loop program's key): a power of two >= n, at least
-    `cache_bucket_min()` (2048 on accelerators, 256 on CPU), up to 4096; then the multiple of 1024 >= n (see
-    CACHE_BUCKET_MIN for the worst-case waste)."""
-    return bucket(n, cache_bucket_min(platform)) if n <= FINE_ABOVE else _round_up(int(n), FINE_STEP)
+def _mesh_platform(mesh) -> str | None:
+    """The platform of a mesh's devices (None without a mesh: the default backend's)."""
+    return None if mesh is None else mesh.devices.flat[0].platform
 
 
 def batch_bucket(n: int) -> int:
@@ -589,7 +606,7 @@ class ProgramCall:
     name: str  # "speculative" | "autoregressive" (the loop program)
     args: tuple  # (target, drafter | None, prompt [B, Tp], lens [B], keys [B, 2], SamplingParams, Budget)
     prefill_static: dict  # static keyword arguments of prefill: cache bucket, stamp, backend, mesh
-    loop_static: dict  # static keyword arguments of the loop: budget bucket, draft length, backend, mesh
+    loop_static: dict  # static keyword arguments of the loop: budget bucket, draft length, backend, mesh, live_length
     max_new: int
     draft_length: int
     eos: tuple[int, ...]
@@ -615,11 +632,12 @@ class ProgramCall:
         """Prefill then the loop as one plain function of `args`, static arguments bound (to inspect the jaxpr)."""
         loop_fn = _speculative_loop if self.name == "speculative" else _autoregressive_loop
         pst = {k: v for k, v in self.prefill_static.items() if k != "backend"}
-        lst = {k: v for k, v in self.loop_static.items() if k != "backend"}
+        lst = {k: v for k, v in self.loop_static.items() if k not in ("backend", "live_length")}
 
         def fn(target, drafter, prompt, lens, keys, sampling, budget):
             pre = _prefill_program(target, drafter, prompt, lens, **pst)
-            return loop_fn(target, drafter, pre, keys, sampling, budget, **lst)
+            with live_length_loop(self.loop_static.get("live_length", False)):
+                return loop_fn(target, drafter, pre, keys, sampling, budget, **lst)
         return fn
 
     def run_prefill(self, *args):
@@ -684,7 +702,8 @@ def _prepare(name, target, drafter, prompt, *, max_new_tokens, draft_length, tem
     extra = 1 if drafter is None else draft_length + 1
     prefill_static = dict(cache_len=_cache_len(int(lens.max()), out_len, extra, limit), stamp=stamp,
                           backend=backend, mesh=mesh)
-    loop_static = dict(out_len=out_len, backend=backend, mesh=mesh)
+    loop_static = dict(out_len=out_len, backend=backend, mesh=mesh,
+                       live_length=uses_live_length_loop(_mesh_platform(mesh)))
     if drafter is not None:
         loop_static["draft_length"] = int(draft_length)
     budget = Budget(max_new=np.int32(max_new_tokens), max_steps=np.int32(int(max_new_tokens) - 1),

@@ -1,7 +1,7 @@
 """Softmax attention: the one function behind the target (prefill, verify, decode), the drafter (context + block) and
-both trainers. Every loop in it has a trip count fixed at trace time, so on an accelerator a decode step never
-waits on the host for a loop predicate (a data-dependent trip count costs one device-to-host copy per iteration on
-XLA:GPU), and its memory is bounded by a block, never by T x T.
+both trainers. By default every loop in it has a trip count fixed at trace time, so on an accelerator a decode step
+never waits on the host for a loop predicate (a data-dependent trip count costs one device-to-host copy per iteration
+on XLA:GPU), and its memory is bounded by a block, never by T x T.
 
 Keys come in two parts. Each part is reduced to a partial softmax (running max `m`, sum of weights `l`, weighted
 values `o`), and the parts are merged by log-sum-exp, so the result is exactly the softmax over their union:
@@ -22,6 +22,13 @@ a decode or verify step at batch 1 reads a 16k-slot cache in one pass, not in 32
 iteration is several kernel launches). `chunk` (an argument, or the `attention_chunk` context, a jit-cache key so
 that changing it retraces) sets both block sizes exactly.
 
+The live-length loop (`live_length_loop`, an execution setting chosen per platform when a program is built, off by
+default): cached keys are visited LIVE_CHUNK slots at a time (or `chunk`) only up to the longest live row (and from
+the first block a sliding window can reach), in a loop whose trip count is data. On a CPU such a loop costs nothing
+extra, and a step then pays for its live context, not for the capacity of the cache bucket, so CPU programs can share
+one large bucket; the generation programs switch it on for CPU only (`dflash_jax.decode.programs`). It is never on
+for an accelerator, and never where a gradient is taken (a loop with a traced trip count has no reverse mode).
+
 On top of validity, a key at position k is visible to a query at position q (z-lab's rule):
   causal: k <= q;   sliding window w (None = full): q - k < w, and when not causal also k - q < w.
 A query that sees no key at all returns zeros (padding rows, dropped training anchors).
@@ -40,6 +47,11 @@ SCORE_BUDGET = 1 << 20  # by default, a key block holds up to this many scores p
 # `with attention_chunk(64): ...` retraces programs traced under another value. Results agree across values up to
 # float rounding of the online softmax.
 attention_chunk = jax.make_user_context(default_value=None)
+# The live-length loop over cached keys (module doc): False (default) = the whole bucket with masks, static trip
+# counts; True = only the blocks up to the longest live row, a data-dependent trip count (CPU programs only). A
+# jit-cache-sensitive context, like attention_chunk.
+live_length_loop = jax.make_user_context(default_value=False)
+LIVE_CHUNK = 256  # cached keys per iteration of the live-length loop (unless a chunk is given)
 
 
 def block_sizes(B: int, T: int, chunk: int | None = None) -> tuple[int, int]:
@@ -98,12 +110,14 @@ def _empty(qg):
     return m, jnp.zeros((B, nKV, G, T), jnp.float32), jnp.zeros((B, nKV, G, T, hd), jnp.float32)
 
 
-def _key_blocks(qg, q_pos, k, v, k_pos, valid: Callable, causal, window, chunk):
+def _key_blocks(qg, q_pos, k, v, k_pos, valid: Callable, causal, window, chunk, live=None):
     """Partial softmax over all S keys of k/v [B, S, nKV, hd] (positions k_pos [B, S]), `chunk` keys at a time.
 
     valid(start, size) -> bool [B, T or 1, size]: which of keys start..start+size-1 each query may see.
-    The loop runs ceil(S / chunk) times, fixed at trace time. The last block is clamped to end at S (S need not be
-    a multiple of chunk); keys it shares with the block before are counted once, by the `>= c * chunk` test.
+    The loop runs ceil(S / chunk) times, fixed at trace time; or, with live = (lo, hi) (traced block indices: the
+    live-length loop), over blocks lo..hi-1 only, the blocks outside holding no key any query sees. The last block
+    is clamped to end at S (S need not be a multiple of chunk); keys it shares with the block before are counted
+    once, by the `>= c * chunk` test.
     """
     S = k.shape[1]
     if S <= chunk:
@@ -117,12 +131,13 @@ def _key_blocks(qg, q_pos, k, v, k_pos, valid: Callable, causal, window, chunk):
         new = (start + jnp.arange(chunk, dtype=jnp.int32)) >= c * chunk  # [chunk]
         return _merge(acc, _partial(qg, q_pos, kc, vc, pc, valid(start, chunk) & new, causal, window))
 
-    return jax.lax.fori_loop(0, -(-S // chunk), body, _empty(qg))
+    lo, hi = (0, -(-S // chunk)) if live is None else live
+    return jax.lax.fori_loop(lo, hi, body, _empty(qg))
 
 
-def _attend(qg, q_pos, cache_k, cache_v, cache_len, k, v, k_pos, k_mask, causal, window, chunk):
-    # chunk: keys per block
-    """(m, l, o) of one query block over both key parts (see `attention` for the arguments)."""
+def _attend(qg, q_pos, cache_k, cache_v, cache_len, k, v, k_pos, k_mask, causal, window, chunk, live_chunk=None):
+    """(m, l, o) of one query block over both key parts (see `attention` for the arguments). chunk: keys per block;
+    live_chunk: cached keys per block of the live-length loop (None: the cache's static-trip-count blocks)."""
     B = qg.shape[0]
     acc = _empty(qg)
     if cache_k is not None:
@@ -133,7 +148,13 @@ def _attend(qg, q_pos, cache_k, cache_v, cache_len, k, v, k_pos, k_mask, causal,
         def cached_valid(start, size):
             return (start + jnp.arange(size, dtype=jnp.int32))[None, None, :] < lens[..., None]  # [B, T|1, size]
 
-        acc = _key_blocks(qg, q_pos, cache_k, cache_v, slots, cached_valid, causal, window, chunk)
+        if live_chunk is None:
+            acc = _key_blocks(qg, q_pos, cache_k, cache_v, slots, cached_valid, causal, window, chunk)
+        else:  # blocks from the first a window can reach to the last holding a live slot (data: CPU only)
+            hi = (jnp.max(lens) + live_chunk - 1) // live_chunk
+            lo = 0 if window is None else jnp.maximum(jnp.min(q_pos) - window + 1, 0) // live_chunk
+            acc = _key_blocks(qg, q_pos, cache_k, cache_v, slots, cached_valid, causal, window, live_chunk,
+                              live=(lo, hi))
     if k is not None:
         def fresh_valid(start, size):
             if k_mask is None:
@@ -154,10 +175,15 @@ def attention(q: jax.Array, q_pos: jax.Array, *, cache_k: jax.Array | None = Non
     cache_k/cache_v [B, S, nKV, hd] (slot = position) valid below cache_len [B] or [B, T]; k/v [B, Tk, nKV, hd] at
     k_pos [B, Tk], restricted by k_mask [B, T, Tk] when given. causal / window: the visibility rule (module doc);
     chunk: keys and queries per block (None: the `attention_chunk` context, else the defaults; see `block_sizes`).
+    Under `live_length_loop(True)` cached keys go `chunk` (default LIVE_CHUNK) at a time up to the longest live row.
     Returns [B, T, nH * hd] in q.dtype.
     """
     B, T, nH, hd = q.shape
+    explicit = chunk is not None or attention_chunk.value is not None
     q_block, chunk = block_sizes(B, T, chunk)
+    # The live-length loop's blocks: a given chunk, else LIVE_CHUNK (the default key block is sized to read a whole
+    # cache in one pass, which is what the live-length loop is there to avoid).
+    live_chunk = (chunk if explicit else LIVE_CHUNK) if live_length_loop.value else None
     nKV = (cache_k if cache_k is not None else k).shape[2]
     qg = q.reshape(B, T, nKV, nH // nKV, hd)  # [B, T, nKV, G, hd]
     q_pos = q_pos.astype(jnp.int32)
@@ -165,7 +191,7 @@ def attention(q: jax.Array, q_pos: jax.Array, *, cache_k: jax.Array | None = Non
     k_pos = None if k_pos is None else k_pos.astype(jnp.int32)
     args = (cache_k, cache_v, cache_len, k, v, k_pos, k_mask)
     if T <= q_block:
-        _, l, o = _attend(qg, q_pos, *args, causal, window, chunk)
+        _, l, o = _attend(qg, q_pos, *args, causal, window, chunk, live_chunk)
     else:
         # Query blocks, one at a time (a static-length lax.map): only one block's scores are live. Padded queries
         # (past T) sit at position -1 with no keys (k_mask False, length 0); their rows are dropped.
@@ -183,7 +209,7 @@ def attention(q: jax.Array, q_pos: jax.Array, *, cache_k: jax.Array | None = Non
         def one(x):
             qb, pb, lb, mb = x
             return _attend(qb, pb, cache_k, cache_v, lb if per_query_len else cache_len, k, v, k_pos, mb, causal,
-                           window, chunk)[1:]
+                           window, chunk, live_chunk)[1:]
 
         l, o = jax.lax.map(one, xs)  # [nq, B, nKV, G, q_block(, hd)]
         l = jnp.moveaxis(l, 0, 3).reshape(B, nKV, nH // nKV, nq * q_block)[..., :T]
@@ -192,4 +218,5 @@ def attention(q: jax.Array, q_pos: jax.Array, *, cache_k: jax.Array | None = Non
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, nH * hd).astype(q.dtype)
 
 
-__all__ = ["attention", "attention_chunk", "block_sizes", "DEFAULT_CHUNK", "SCORE_BUDGET", "visible"]
+__all__ = ["attention", "attention_chunk", "block_sizes", "DEFAULT_CHUNK", "LIVE_CHUNK", "live_length_loop",
+           "SCORE_BUDGET", "visible"]
