@@ -168,8 +168,9 @@ def constrain_cache(cache, cfg: Qwen3Config, mesh: Mesh | None):
         return cache
     kv, lens = cache_sharding(cfg, mesh)
     c = jax.lax.with_sharding_constraint
-    return cache.replace(k=tuple(c(k, kv) for k in cache.k), v=tuple(c(v, kv) for v in cache.v),
-                         lengths=c(cache.lengths, lens))
+    # DeltaNet layers of a hybrid target hold no K/V (None); their states stay where XLA puts them
+    return cache.replace(k=tuple(None if k is None else c(k, kv) for k in cache.k),
+                         v=tuple(None if v is None else c(v, kv) for v in cache.v), lengths=c(cache.lengths, lens))
 
 
 # The mesh a program is traced for (set by decoding's jitted programs, from their static `mesh` argument), so that
