@@ -1,0 +1,293 @@
+"""Hybrid (Qwen3.5-style) targets: Gated DeltaNet + gated attention, and the exact rollback of recurrent states.
+
+Oracle: transformers 5.x `Qwen3_5ForCausalLM` (the tests that need it skip on an older transformers). The
+speculative tests use the hand-built copy drafters of tests/helpers.py against a hybrid target whose embeddings and
+head are the copy pair's and whose mixing layers are scaled to 0.3: the target follows the copy cycle only now and
+then, so acceptance is partial and ragged across rows, and its tokens depend on the recurrent states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+import dflash_jax.decode.programs as programs
+import helpers as H
+from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.io.checkpoint import CheckpointError
+from dflash_jax.io.safetensors_io import read_safetensors, write_safetensors
+from dflash_jax.models import deltanet as dn
+from dflash_jax.models.target import KVCache, commit_states, forward_with_cache
+from dflash_jax.params import abstract_drafter, abstract_target
+from random_models import random_params
+
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4)
+# the copy pair's sizes (vocab 48, hidden 64, 2 target layers: taps (1, 0)), a DeltaNet layer then gated attention
+HCFG = Qwen3Config(vocab_size=48, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, rope_theta=10000.0, model_type="qwen3_5",
+                   layer_types=("linear_attention", "full_attention"), partial_rotary_factor=0.25, **LINEAR)
+
+
+def hybrid_copy_target(scale: float = 0.3) -> dj.Target:
+    copy_target, _ = H.build_copy_pair()
+    tp = random_params(abstract_target(HCFG), 5)
+    l0, l1 = tp.layers
+    l0 = dataclasses.replace(l0, linear_attn=dataclasses.replace(l0.linear_attn,
+                                                                 out_proj=scale * l0.linear_attn.out_proj),
+                             mlp=dataclasses.replace(l0.mlp, down_proj=scale * l0.mlp.down_proj))
+    l1 = dataclasses.replace(l1, self_attn=dataclasses.replace(l1.self_attn, o_proj=scale * l1.self_attn.o_proj),
+                             mlp=dataclasses.replace(l1.mlp, down_proj=scale * l1.mlp.down_proj))
+    tp = dataclasses.replace(tp, embed_tokens=copy_target.params.embed_tokens, lm_head=copy_target.params.lm_head,
+                             norm=jnp.zeros((64,), jnp.float32), layers=(l0, l1))  # zero-centred: w = 0 is identity
+    return dj.Target(params=tp, config=HCFG)
+
+
+PROMPTS = H.COPY_PROMPTS + [H.cycle_prompt(27, 12)]  # batch 4, lengths 11, 13, 10, 12
+
+
+@pytest.fixture(scope="module")
+def target():
+    return hybrid_copy_target()
+
+
+@pytest.fixture(scope="module")
+def ar(target):
+    return dj.generate_autoregressive(target, PROMPTS, max_new_tokens=40)
+
+
+# -- the delta rule's two forms ----------------------------------------------------------------------------------
+
+def test_chunked_and_recurrent_forms_agree():
+    rng = np.random.default_rng(0)
+    B, T, nV, dk, dv = 2, 37, 3, 8, 6  # 37 tokens in chunks of 8: five chunks, the last padded
+    q = dn.l2norm(jnp.asarray(rng.standard_normal((B, T, nV, dk)), jnp.float32)) * dk ** -0.5
+    k = dn.l2norm(jnp.asarray(rng.standard_normal((B, T, nV, dk)), jnp.float32))
+    v = jnp.asarray(rng.standard_normal((B, T, nV, dv)), jnp.float32)
+    g = -jnp.asarray(rng.uniform(0.01, 1.0, (B, T, nV)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, (B, T, nV)), jnp.float32)
+    s0 = jnp.asarray(rng.standard_normal((B, nV, dk, dv)), jnp.float32)
+    o_r, s_r = dn.recurrent_rule(q, k, v, g, beta, s0)
+    for chunk in (8, 64):
+        o_c, s_c = dn.chunked_rule(q, k, v, g, beta, s0, chunk)
+        np.testing.assert_allclose(o_c, o_r, atol=2e-5)
+        np.testing.assert_allclose(s_c, s_r, atol=2e-5)
+    # the recurrent form with keep = n leaves exactly the state after n tokens
+    _, s_keep = dn.recurrent_rule(q, k, v, g, beta, s0, keep=jnp.asarray([0, 5]))
+    np.testing.assert_array_equal(s_keep[0], s0[0])
+    np.testing.assert_array_equal(s_keep[1], dn.recurrent_rule(q[1:, :5], k[1:, :5], v[1:, :5], g[1:, :5],
+                                                               beta[1:, :5], s0[1:])[1][0])
+
+
+# -- rollback at every acceptance length ----------------------------------------------------------------------------
+
+def _rollback_gap(target, shift: int = 0):
+    """Rows b = 0..T of one prompt verify the same T = 8 tokens (deferred), then keep n = b of them (+ shift: a planted
+    off-by-one). Returns the largest difference between each row's DeltaNet states and the states that single-token
+    steps over exactly its n tokens leave (conv windows, recurrent state)."""
+    cfg = target.config
+    T = 8
+    B = T + 1
+    prompt = np.tile(np.asarray(H.cycle_prompt(3, 9), np.int32), (B, 1))
+    verify = np.tile(np.asarray([5, 6, 7, 0, 12, 13, 40, 41], np.int32), (B, 1))
+    n = jnp.arange(B, dtype=jnp.int32)
+
+    @jax.jit
+    def prefill(tokens):
+        cache = KVCache.empty(cfg, B, 32)
+        return forward_with_cache(target, tokens, cache, empty_cache=True)[2]
+
+    @jax.jit
+    def verify_and_commit(cache, tokens, keep):
+        _, _, c = forward_with_cache(target, tokens, cache, defer_states=True)
+        return commit_states(c, keep, cfg)
+
+    @jax.jit
+    def step(cache, tokens):
+        return forward_with_cache(target, tokens, cache)[2]
+
+    cache0 = prefill(prompt)
+    got = verify_and_commit(cache0, verify, jnp.clip(n + shift, 0, T))
+    refs = [cache0]
+    for t in range(T):  # the autoregressive path: one token at a time (the recurrent form)
+        refs.append(step(refs[-1], verify[:, t:t + 1]))
+    gap = 0.0
+    for i in cfg.linear_layer_ids:
+        want_conv = np.stack([np.asarray(refs[b].conv[i][b]) for b in range(B)])
+        want_state = np.stack([np.asarray(refs[b].state[i][b]) for b in range(B)])
+        gap = max(gap, float(np.abs(np.asarray(got.conv[i]) - want_conv).max()),
+                  float(np.abs(np.asarray(got.state[i]) - want_state).max()))
+    return gap
+
+
+def test_rollback_at_every_acceptance_length(target):
+    assert _rollback_gap(target) < 1e-5
+
+
+def test_planted_off_by_one_rollback_is_caught(target):
+    assert _rollback_gap(target, shift=1) > 1e-2
+    assert _rollback_gap(target, shift=-1) > 1e-2
+
+
+# -- speculative == autoregressive ----------------------------------------------------------------------------------
+
+def test_greedy_speculative_equals_autoregressive_ragged(target, ar):
+    _, flawed = H.build_copy_pair(H.FLAW)
+    sp = dj.generate(target, flawed, PROMPTS, max_new_tokens=40)
+    H.assert_same(target, PROMPTS, ar, sp, "hybrid")
+    tau = sp.tau_per_row
+    print(f"\n[hybrid speculative] tau {sp.tau:.2f}, per row {np.round(tau, 2).tolist()}")
+    assert 1.5 <= sp.tau <= 5 and tau.max() - tau.min() > 1  # partial and ragged acceptance
+    # a mutant commit (one token too many; too few is caught by the rollback test) breaks it: the greedy tokens
+    # depend on the rollback
+    original = programs.commit_states
+    for shift in (1,):
+        saved = dict(programs._COMPILED)
+        try:
+            programs.commit_states = lambda c, n, cfg, s=shift: original(c, jnp.clip(n + s, 0, 8), cfg)
+            programs._COMPILED.clear()
+            bad = dj.generate(target, flawed, PROMPTS, max_new_tokens=40)
+        finally:
+            programs.commit_states = original
+            programs._COMPILED.clear()
+            programs._COMPILED.update(saved)
+        assert not all(np.array_equal(a, b) for a, b in zip(ar.tokens, bad.tokens)), shift
+
+
+def test_eos_inside_a_block(target, ar):
+    _, flawed = H.build_copy_pair(H.FLAW)
+    row = ar.token_lists()[2]
+    eos = row[5]  # a token of row 2's 6th output: the row stops there, inside a verify block
+    ar_e = dj.generate_autoregressive(target, PROMPTS, max_new_tokens=40, eos_ids=[eos])
+    sp_e = dj.generate(target, flawed, PROMPTS, max_new_tokens=40, eos_ids=[eos])
+    H.assert_same(target, PROMPTS, ar_e, sp_e, "hybrid eos")
+    assert sp_e.finish_reason[2] == "eos" and sp_e.num_tokens[2] == row.index(eos) + 1
+
+
+# -- bad input ----------------------------------------------------------------------------------------------------
+
+def test_bad_hybrid_configs_are_named():
+    with pytest.raises(ValueError, match="sliding_attention"):
+        HCFG.replace(layer_types=("sliding_attention", "full_attention"))
+    with pytest.raises(ValueError, match="linear_num_value_heads"):
+        HCFG.replace(linear_num_value_heads=3)
+    with pytest.raises(ValueError, match="model_type 'qwen3_5'"):
+        HCFG.replace(model_type="qwen3")
+    d = HCFG.to_hf_dict()
+    d["layer_types"] = ["linear_attention", "mamba"]
+    with pytest.raises(NotImplementedError, match="mamba"):
+        Qwen3Config.from_hf_dict(d)
+
+
+def test_drafter_taps_beyond_the_hybrid_target_are_refused(target):
+    m = H.PDCFG.model
+    far = DrafterConfig(m, 8, H.PMASK, (1, 3), 4)  # built for a 4-layer target
+    drafter = dj.Drafter(params=random_params(abstract_drafter(far), 1), config=far)
+    with pytest.raises(ValueError, match=r"target_layer_ids \[3\] outside"):
+        dj.generate(target, drafter, PROMPTS[:1], max_new_tokens=4)
+
+
+def test_saved_hf_folder_roundtrip_and_mismatched_weights(tmp_path, target):
+    folder = dj.save_hf(tmp_path / "t", target)
+    again = dj.load_target(folder, param_dtype="float32", compute_dtype="float32")
+    assert again.config == target.config
+    for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(target.params)):
+        np.testing.assert_array_equal(a, b)
+    for key, value, named in (("linear_conv_kernel_dim", 3, "conv1d"), ("linear_num_value_heads", 2, "in_proj_b")):
+        H.edit_config(folder, lambda d: d.update({key: value, "linear_value_head_dim": 16}
+                                                 if key == "linear_num_value_heads" else {key: value}))
+        with pytest.raises(CheckpointError, match=named):
+            dj.load_target(folder)
+        (folder / "config.json").write_text(json.dumps(target.config.to_hf_dict()))
+
+
+# -- against transformers 5.x ----------------------------------------------------------------------------------------
+
+def _hf_model(tmp_path_factory):
+    qwen3_5 = pytest.importorskip("transformers.models.qwen3_5", reason="the qwen3_5 oracle needs transformers 5.x")
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    c = qwen3_5.Qwen3_5TextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, **{k: v for k, v in LINEAR.items()},
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    m = qwen3_5.Qwen3_5ForCausalLM(c).eval().float()
+    with torch.no_grad():  # O(1) random weights (HF's init makes every layer ~identity), confident logits
+        for name, p in m.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                continue
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.5 if "embed" in name or "lm_head" in name else 0.15)
+    folder = tmp_path_factory.mktemp("qwen3_5") / "text"
+    m.save_pretrained(folder)
+    return m, folder
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    return _hf_model(tmp_path_factory)
+
+
+def test_logits_and_features_match_transformers(hf):
+    import torch
+    m, folder = hf
+    t = dj.load_target(folder, param_dtype="float32", compute_dtype="float32")
+    assert t.config.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert t.config.rotary_dim == 4
+    ids = np.random.default_rng(0).integers(0, 96, (2, 150))  # 150 tokens: three chunks of the chunked form
+    with torch.no_grad():
+        r = m(torch.tensor(ids), output_hidden_states=True)
+    ref = r.logits.numpy()
+    taps = (0, 1, 2)  # the last layer's HF hidden state is the final-normed one, not the layer output
+    logits, feats = dj.target_forward(t, ids, taps)
+    want = np.concatenate([r.hidden_states[i + 1].numpy() for i in taps], axis=-1)
+    d_logits = float(np.abs(np.asarray(logits) - ref).max())
+    d_feats = float(np.abs(np.asarray(feats) - want).max())
+    print(f"\n[qwen3_5 vs transformers] logits |max| {np.abs(ref).max():.1f}: max abs diff {d_logits:.2e}; "
+          f"features {d_feats:.2e}")
+    assert np.abs(ref).max() > 10  # confident logits
+    assert d_logits <= 2e-3 and d_feats <= 2e-3
+
+
+def test_multimodal_layout_loads_identically(hf, tmp_path):
+    _, folder = hf
+    text = dj.load_target(folder, param_dtype="float32", compute_dtype="float32")
+    cfg = json.loads((folder / "config.json").read_text())
+    tensors = read_safetensors(folder / "model.safetensors")
+    mm = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+          for k, v in tensors.items()}
+    mm["model.visual.patch_embed.proj.weight"] = np.zeros((8, 3, 2, 4, 4), np.float32)
+    mm["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
+    out = tmp_path / "mm"
+    out.mkdir()
+    write_safetensors(out / "model.safetensors", mm)
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": cfg,
+        "vision_config": {"depth": 1, "hidden_size": 32, "model_type": "qwen3_5_vision"},
+        "image_token_id": 248056, "tie_word_embeddings": False}))  # an image token outside the vocabulary: harmless
+    with pytest.warns(UserWarning, match="model.visual"):
+        loaded = dj.load_target(out, param_dtype="float32", compute_dtype="float32")
+    assert loaded.config == text.config
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(text.params)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_greedy_autoregressive_matches_transformers(hf):
+    import torch
+    m, folder = hf
+    t = dj.load_target(folder, param_dtype="float32", compute_dtype="float32")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 96, n).tolist() for n in (5, 17, 9)]  # ragged: right padding stays out of the states
+    res = dj.generate_autoregressive(t, prompts, max_new_tokens=64)
+    for b, p in enumerate(prompts):
+        with torch.no_grad():
+            g = m.generate(torch.tensor([p]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
+        np.testing.assert_array_equal(res.tokens[b][:64], g[0, len(p):].numpy(), err_msg=f"row {b}")
