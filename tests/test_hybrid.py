@@ -291,3 +291,61 @@ def test_greedy_autoregressive_matches_transformers(hf):
         with torch.no_grad():
             g = m.generate(torch.tensor([p]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
         np.testing.assert_array_equal(res.tokens[b][:64], g[0, len(p):].numpy(), err_msg=f"row {b}")
+
+
+# -- sampling stays lossless (the exact-law test of tests/test_sampling.py, on a hybrid target) ------------------------
+
+def _sampled_pair():
+    import test_sampling as ts
+    V = ts.V
+    cfg = Qwen3Config(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, rope_theta=10000.0, model_type="qwen3_5",
+                      layer_types=("linear_attention", "full_attention"), partial_rotary_factor=0.5,
+                      linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=4, linear_value_head_dim=4,
+                      linear_conv_kernel_dim=4)
+    dcfg = DrafterConfig(model=cfg.drafter_stack(1), block_size=4, mask_token_id=V - 1, target_layer_ids=(0, 1),
+                         num_target_layers=2)
+    target = dj.Target(params=ts._random_params(abstract_target(cfg), 0, 0.6), config=cfg)
+    drafter = dj.Drafter(params=ts._random_params(abstract_drafter(dcfg), 1, 0.6), config=dcfg)
+    return ts, target, drafter
+
+
+SAMPLED_ROWS = 10_000  # a quarter of test_sampling's N (this file's time); the planted rollback bug moves TV by ~0.9
+
+
+def test_sampled_speculative_output_has_the_hybrid_target_distribution():
+    """Speculative sampling at T = 1.0 and 0.6 on a hybrid target: every position's marginal and two joints match the
+    exact law (enumerated over all continuations) within the suite's bound; with the rollback committing one token too
+    many, the law is off and the same checks fail."""
+    import stats
+    ts, target, drafter = _sampled_pair()
+    logits = np.asarray(dj.target_forward(target, np.asarray(
+        [ts.PROMPT + list(c) for c in __import__("itertools").product(range(ts.V), repeat=ts.L)], np.int32))[0])
+
+    def run(temperature):
+        return dj.generate(target, drafter, [ts.PROMPT] * SAMPLED_ROWS, max_new_tokens=ts.NEW, draft_length=3,
+                           temperature=temperature, seed=0)
+
+    for temperature in (1.0, 0.6):
+        res = run(temperature)
+        hist = res.tau_histogram
+        print(f"\n[hybrid sampled T={temperature}] tau {res.tau:.3f}, steps by committed tokens {hist[1:].tolist()}")
+        assert hist[1] > 0 and hist[2:].sum() > 0.05 * hist.sum()  # rejections and partial acceptance both happen
+        stats.assert_matches("test_hybrid", f"hybrid speculative T={temperature}",
+                             ts.compare(res.tokens, ts.exact_law(logits, temperature)))
+    original = programs.commit_states
+    saved = dict(programs._COMPILED)
+    try:
+        programs.commit_states = lambda c, n, cfg: original(c, jnp.minimum(n + 1, 4), cfg)
+        programs._COMPILED.clear()
+        bad = run(1.0)
+    finally:
+        programs.commit_states = original
+        programs._COMPILED.clear()
+        programs._COMPILED.update(saved)
+    stats.assert_fails("hybrid rollback one token too many", ts.compare(bad.tokens, ts.exact_law(logits, 1.0)))
+
+
+def test_zz_false_alarm_budget():
+    import stats
+    stats.assert_within_budget("test_hybrid")
