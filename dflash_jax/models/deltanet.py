@@ -40,6 +40,7 @@ class DeltaInputs:
 
     xin: jax.Array  # [B, K-1+T, C] the conv window before the pass, then the pass's conv inputs
     q: jax.Array  # [B, T, nV, dk] float32, L2-normalised and scaled by dk^-0.5, repeated to the value heads
+    #   (`commit` does not read q: inside the loop program XLA never keeps it)
     k: jax.Array  # [B, T, nV, dk] float32, L2-normalised
     v: jax.Array  # [B, T, nV, dv] float32
     g: jax.Array  # [B, T, nV] float32 log decay
@@ -71,28 +72,49 @@ def causal_conv(xin: jax.Array, weight: jax.Array) -> jax.Array:
     return jax.nn.silu(out).astype(xin.dtype)
 
 
+def _masked(g, beta, keep):
+    """g and beta with the tokens at t >= keep[b] made no-ops: exp(0) = 1 leaves S as it is and beta = 0 writes 0,
+    so such a token leaves the state bit for bit unchanged (finite states)."""
+    if keep is None:
+        return g, beta
+    live = (jnp.arange(g.shape[1], dtype=jnp.int32)[None, :] < keep.astype(jnp.int32)[:, None])[..., None]
+    return jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
+
+
+def _step(S, kt, vt, gt, bt):
+    """One token's update of S [B, nV, dk, dv]: decay, then the delta rule's write."""
+    S = S * jnp.exp(gt)[..., None, None]
+    kv_mem = jnp.einsum("bhkv,bhk->bhv", S, kt)
+    delta = (vt - kv_mem) * bt[..., None]
+    return S + kt[..., :, None] * delta[..., None, :]
+
+
 def recurrent_rule(q, k, v, g, beta, state, keep: jax.Array | None = None):
     """The gated delta rule one token at a time (a `lax.scan` over T).
 
     q, k [B, T, nV, dk], v [B, T, nV, dv], g, beta [B, T, nV] (float32; q already scaled), state [B, nV, dk, dv].
     keep [B] (optional): token t updates row b's state only where t < keep[b] (the rollback of a verify).
     Returns (o [B, T, nV, dv], final state)."""
-    B, T = q.shape[:2]
-    keep = jnp.full((B,), T, jnp.int32) if keep is None else keep.astype(jnp.int32)
+    g, beta = _masked(g, beta, keep)
 
     def step(S, xs):
-        t, qt, kt, vt, gt, bt = xs  # [B, nV, dk], [B, nV, dk], [B, nV, dv], [B, nV], [B, nV]
-        S_new = S * jnp.exp(gt)[..., None, None]
-        kv_mem = jnp.einsum("bhkv,bhk->bhv", S_new, kt)
-        delta = (vt - kv_mem) * bt[..., None]
-        S_new = S_new + kt[..., :, None] * delta[..., None, :]
-        o = jnp.einsum("bhkv,bhk->bhv", S_new, qt)
-        S = jnp.where((t < keep)[:, None, None, None], S_new, S)
-        return S, o
+        qt, kt, vt, gt, bt = xs  # [B, nV, dk], [B, nV, dk], [B, nV, dv], [B, nV], [B, nV]
+        S = _step(S, kt, vt, gt, bt)
+        return S, jnp.einsum("bhkv,bhk->bhv", S, qt)
 
-    xs = (jnp.arange(T, dtype=jnp.int32), *(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)))
-    state, o = jax.lax.scan(step, state, xs)
+    state, o = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)))
     return jnp.moveaxis(o, 0, 1), state
+
+
+def recurrent_state(k, v, g, beta, state, keep: jax.Array | None = None) -> jax.Array:
+    """`recurrent_rule`'s final state alone (no outputs: what a rollback needs)."""
+    g, beta = _masked(g, beta, keep)
+
+    def step(S, xs):
+        return _step(S, *xs), None
+
+    state, _ = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (k, v, g, beta)))
+    return state
 
 
 def chunked_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
@@ -192,10 +214,7 @@ def deltanet(p: GatedDeltaNet, h: jax.Array, cfg: Qwen3Config, conv: jax.Array, 
     chex.assert_shape(conv, (B, K1, cfg.linear_conv_dim))
     chex.assert_shape(state, (B, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
     d, z = _inputs(p, h, conv, cfg)
-    g, beta = d.g, d.beta
-    if keep is not None:  # a token past keep neither decays nor writes the state (its own output is never read)
-        live = (jnp.arange(T, dtype=jnp.int32)[None, :] < keep.astype(jnp.int32)[:, None])[..., None]  # [B, T, 1]
-        g, beta = jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
+    g, beta = _masked(d.g, d.beta, keep)  # a token past keep neither decays nor writes (its output is never read)
     if T == 1:
         o, new_state = recurrent_rule(d.q, d.k, d.v, g, beta, state)
     else:
@@ -213,9 +232,8 @@ def commit(d: DeltaInputs, state: jax.Array, n: jax.Array, conv_width: int) -> t
     The recurrent form runs over the pass's tokens with token t's update kept only where t < n[b], so the result is
     the state a pass over exactly those tokens leaves (up to float rounding between the pass's and a one-token step's
     inputs), for every n at once with static shapes."""
-    _, state = recurrent_rule(d.q, d.k, d.v, d.g, d.beta, state, keep=n)
-    return _window(d.xin, n, conv_width), state
+    return _window(d.xin, n, conv_width), recurrent_state(d.k, d.v, d.g, d.beta, state, keep=n)
 
 
-__all__ = ["DeltaInputs", "CHUNK", "chunked_rule", "recurrent_rule", "causal_conv", "commit", "deltanet",
+__all__ = ["DeltaInputs", "CHUNK", "chunked_rule", "recurrent_rule", "recurrent_state", "causal_conv", "commit", "deltanet",
            "empty_states", "l2norm"]
