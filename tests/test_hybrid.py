@@ -349,3 +349,15 @@ def test_sampled_speculative_output_has_the_hybrid_target_distribution():
 def test_zz_false_alarm_budget():
     import stats
     stats.assert_within_budget("test_hybrid")
+
+
+def test_acceptance_lengths_equal_the_cache_free_reference_loop(target):
+    """z-lab's loop, cache-free (tests/helpers.py `reference_acceptance`: every step re-runs the target over the whole
+    committed sequence, so no state is ever rolled back): per-step acceptance lengths equal the loop's, per row."""
+    _, flawed = H.build_copy_pair(H.FLAW)
+    res = dj.generate(target, flawed, PROMPTS, max_new_tokens=40)
+    for b in (0, 2):  # the rows with partial acceptance (tau 2.7 and 4.4)
+        acc, out = H.reference_acceptance(target, flawed, PROMPTS[b], max_new=40, max_steps=40)
+        got = res.acceptance_lengths[b][res.acceptance_lengths[b] > 0].tolist()
+        assert got == acc, (b, got, acc)
+        assert res.token_lists()[b] == out[:40]
