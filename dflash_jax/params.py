@@ -327,9 +327,10 @@ def map_named(fn: Callable[[str, Any], Any], tree):
 
 
 def is_linear_name(name: str) -> bool:
-    """Linear weights [out, in] (NVFP4-quantizable): fc, every *_proj, DFlash2's conv `kernel_projection` and
-    selector `hidden_projection`, lm_head. Norms, embeddings, codebooks and conv base kernels are not."""
-    return bool(re.search(r"(^fc$|_proj$|_projection$|^lm_head$)", name))
+    """Linear weights [out, in] (NVFP4-quantizable): fc, every *_proj (a Gated DeltaNet's in_proj_qkv / z / a / b
+    too), DFlash2's conv `kernel_projection` and selector `hidden_projection`, lm_head. Norms, embeddings, codebooks,
+    conv kernels and the DeltaNet's A_log / dt_bias are not."""
+    return bool(re.search(r"(^fc$|_proj$|_projection$|^lm_head$|(^|\.)in_proj_(qkv|z|a|b)$)", name))
 
 
 def param_bytes(tree) -> int:

@@ -361,3 +361,18 @@ def test_acceptance_lengths_equal_the_cache_free_reference_loop(target):
         got = res.acceptance_lengths[b][res.acceptance_lengths[b] > 0].tolist()
         assert got == acc, (b, got, acc)
         assert res.token_lists()[b] == out[:40]
+
+
+def test_nvfp4_deltanet_projections_and_audit(target):
+    """quantize_nvfp4 takes the DeltaNet's projections too (in_proj_qkv / z / a / b, out_proj), and every scale of
+    every one reaches the hybrid target's logits (`audit_scales`)."""
+    from dflash_jax.quant.nvfp4 import NVFP4Array
+    q = dj.quantize_nvfp4(target)
+    net = q.params.layers[0].linear_attn
+    assert all(isinstance(getattr(net, f), NVFP4Array) for f in ("in_proj_qkv", "in_proj_z", "in_proj_a",
+                                                                   "in_proj_b", "out_proj"))
+    assert not isinstance(net.A_log, NVFP4Array) and not isinstance(net.conv1d, NVFP4Array)
+    tokens = np.asarray([H.cycle_prompt(3, 12)], np.int32)
+    audit = dj.audit_scales(lambda params, t: dj.target_forward(q.replace(params=params), t)[0], q.params, tokens)
+    # ok: no scale misses the output, and the forward equals the one with every leaf dequantized exactly
+    assert audit.ok and any("in_proj_qkv" in n for n in audit.checked), audit
