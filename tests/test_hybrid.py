@@ -185,6 +185,17 @@ def test_bad_hybrid_configs_are_named():
         Qwen3Config.from_hf_dict(d)
 
 
+def test_drafter_configs_with_rope_parameters_or_rope_theta_read_the_same():
+    """transformers 5.x writes `rope_parameters` (rope_theta inside, none at the top) for drafters too; z-lab's
+    published drafter configs have a top-level rope_theta: both read as one config."""
+    dcfg = DrafterConfig(HCFG.drafter_stack(1).replace(rope_theta=5e5), 8, 47, (0, 1), 2)
+    zlab = dcfg.to_hf_dict()
+    v5 = {k: v for k, v in zlab.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5}
+    assert DrafterConfig.from_hf_dict(zlab) == DrafterConfig.from_hf_dict(v5) == dcfg.replace(
+        model=dcfg.model.replace(compute_dtype=DrafterConfig.from_hf_dict(zlab).model.compute_dtype))
+
+
 def test_drafter_taps_beyond_the_hybrid_target_are_refused(target):
     m = H.PDCFG.model
     far = DrafterConfig(m, 8, H.PMASK, (1, 3), 4)  # built for a 4-layer target
@@ -198,6 +209,10 @@ def test_saved_hf_folder_roundtrip_and_mismatched_weights(tmp_path, target):
     again = dj.load_target(folder, param_dtype="float32", compute_dtype="float32")
     assert again.config == target.config
     for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(target.params)):
+        np.testing.assert_array_equal(a, b)
+    saved = dj.load_target(dj.save(tmp_path / "orbax", target), param_dtype="float32", compute_dtype="float32")
+    assert saved.config == target.config  # the orbax format too
+    for a, b in zip(jax.tree.leaves(saved.params), jax.tree.leaves(target.params)):
         np.testing.assert_array_equal(a, b)
     for key, value, named in (("linear_conv_kernel_dim", 3, "conv1d"), ("linear_num_value_heads", 2, "in_proj_b")):
         H.edit_config(folder, lambda d: d.update({key: value, "linear_value_head_dim": 16}
