@@ -391,3 +391,15 @@ def test_nvfp4_deltanet_projections_and_audit(target):
     audit = dj.audit_scales(lambda params, t: dj.target_forward(q.replace(params=params), t)[0], q.params, tokens)
     # ok: no scale misses the output, and the forward equals the one with every leaf dequantized exactly
     assert audit.ok and any("in_proj_qkv" in n for n in audit.checked), audit
+
+
+def test_hybrid_loop_lowers_without_data_dependent_loops_or_conditionals(target):
+    """As tests/test_device_lowering.py for dense targets: the speculative program, exported for CUDA, has one
+    data-dependent while (the generation loop itself) and no conditional; the DeltaNet's chunk scan and the rollback
+    scan are static loops; prefill has no data-dependent loop."""
+    from dflash_jax.bench.lowering import loop_report, prefill_module, speculative_module
+    _, flawed = H.build_copy_pair(H.FLAW)
+    rep = loop_report(speculative_module(target, flawed, PROMPTS, chunk=8, max_new_tokens=16))
+    assert rep["conditionals"] == 0 and rep["dynamic"] == 1 and rep["dynamic_at_top"] == 1, rep
+    pre = loop_report(prefill_module(target, flawed, PROMPTS, chunk=8, max_new_tokens=16))
+    assert pre["dynamic"] == 0 and pre["conditionals"] == 0, pre
