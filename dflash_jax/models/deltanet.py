@@ -16,7 +16,7 @@ inputs and q, k, v, g, beta per token; the rollback reads dk + dv + 2 floats per
 acceptance length n is known per row, `commit` runs the recurrent form over those tokens keeping the update of token t only where t < n, and
 takes the conv window ending at token n - 1. Keeping the per-position states instead would hold dk x dv floats per
 value head and token: at Qwen3.5-27B shapes (48 DeltaNet layers of 48 value heads of 128 x 128) and D = 15 that is
-2,304 MiB per row against 72 MiB of inputs (README, "Hybrid targets").
+2,304 MiB per row against 54 MiB of inputs (README, "Hybrid targets").
 """
 
 from __future__ import annotations
