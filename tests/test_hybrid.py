@@ -403,3 +403,43 @@ def test_hybrid_loop_lowers_without_data_dependent_loops_or_conditionals(target)
     assert rep["conditionals"] == 0 and rep["dynamic"] == 1 and rep["dynamic_at_top"] == 1, rep
     pre = loop_report(prefill_module(target, flawed, PROMPTS, chunk=8, max_new_tokens=16))
     assert pre["dynamic"] == 0 and pre["conditionals"] == 0, pre
+
+
+def test_states_after_prefill_and_every_step_match_transformers(hf):
+    """The DeltaNet states themselves (conv window, recurrent state) after prefill and after each of 8 decode steps
+    equal transformers' cache (HF keeps the last K conv inputs, this the last K - 1: the ones a next step reads)."""
+    import torch
+    m, folder = hf
+    t = dj.load_target(folder, param_dtype="float32", compute_dtype="float32")
+    cfg = t.config
+    prompt = np.random.default_rng(2).integers(0, 96, (1, 70))  # 70 tokens: two chunks of the chunked form
+
+    @jax.jit
+    def prefill(tokens):
+        return forward_with_cache(t, tokens, KVCache.empty(cfg, 1, 96), empty_cache=True)
+
+    @jax.jit
+    def step(cache, tokens):
+        return forward_with_cache(t, tokens, cache)
+
+    logits, _, cache = prefill(jnp.asarray(prompt, jnp.int32))
+    with torch.no_grad():
+        out = m(torch.tensor(prompt), use_cache=True)
+    past, worst = out.past_key_values, 0.0
+    for s in range(9):
+        for i in cfg.linear_layer_ids:
+            hf_conv = past.get_conv_state(i).numpy()[:, :, -(cfg.linear_conv_kernel_dim - 1):].transpose(0, 2, 1)
+            hf_state = past.get_recurrent_state(i).numpy()
+            scale = max(1.0, float(np.abs(hf_state).max()))
+            worst = max(worst, float(np.abs(np.asarray(cache.conv[i]) - hf_conv).max()),
+                        float(np.abs(np.asarray(cache.state[i]) - hf_state).max()) / scale)
+        if s == 8:
+            break
+        tok = int(np.asarray(logits)[0, -1].argmax())
+        assert tok == int(out.logits[0, -1].argmax())
+        logits, _, cache = step(cache, jnp.asarray([[tok]], jnp.int32))
+        with torch.no_grad():
+            out = m(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+    print(f"\n[qwen3_5 states vs transformers] after prefill and 8 steps: max diff {worst:.2e}")
+    assert worst <= 2e-3
