@@ -443,3 +443,19 @@ def test_states_after_prefill_and_every_step_match_transformers(hf):
         past = out.past_key_values
     print(f"\n[qwen3_5 states vs transformers] after prefill and 8 steps: max diff {worst:.2e}")
     assert worst <= 2e-3
+
+
+def test_sharded_load_and_generation(tmp_path):
+    """tests/hybrid_sharded_run.py on 4 virtual CPU devices: sharded HF loading (DeltaNet value heads along "model")
+    and greedy speculative tokens equal to one device."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = tmp_path / "out.json"
+    here = Path(__file__).resolve().parent
+    subprocess.run([sys.executable, str(here / "hybrid_sharded_run.py"), str(out)], check=True, timeout=900,
+                   cwd=here.parent)
+    res = json.loads(out.read_text())
+    print(f"\n[hybrid on a data 2 x model 2 mesh] {res}")
+    assert res["values"] and res["placement"] and res["tokens_equal"], res
+    assert res["value_heads_split"] == ["model"], res
