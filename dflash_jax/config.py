@@ -35,12 +35,20 @@ def _dtype_name(value: Any) -> str:
 # The decoder families one target config describes. They differ only by feature switches (see TargetConfig):
 #   qwen3: per-head q/k RMSNorm, no biases;  qwen2: q/k/v biases, no q/k norm;  llama: neither;
 #   mistral: Llama's layers (its sliding window must be off: `sliding_window: null`).
-MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+#   qwen3_5: hybrid (Qwen3.5 / 3.6 / 3.8 text): Gated DeltaNet layers ("linear_attention") between gated full-attention
+#   layers with q/k norm and partial rotary; every RMSNorm but the DeltaNet's gated one is zero-centred (x * (1 + w)).
+MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_5")
 HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-                    "mistral": "MistralForCausalLM"}
+                    "mistral": "MistralForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}
 _FEATURES = {"qwen3": dict(qk_norm=True, attention_bias=False), "qwen2": dict(qk_norm=False, attention_bias=True),
-             "llama": dict(qk_norm=False, attention_bias=False), "mistral": dict(qk_norm=False, attention_bias=False)}
+             "llama": dict(qk_norm=False, attention_bias=False), "mistral": dict(qk_norm=False, attention_bias=False),
+             "qwen3_5": dict(qk_norm=True, attention_bias=False)}
 ROPE_TYPES = ("default", "linear", "llama3")
+# Target layer kinds (`layer_types`): softmax attention with a KV cache, or a Gated DeltaNet with a conv window and a
+# recurrent state (qwen3_5 only).
+TARGET_LAYER_TYPES = ("full_attention", "linear_attention")
+_LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                  "linear_conv_kernel_dim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +88,14 @@ class Qwen3Config:
     rope_low_freq_factor: float = 1.0  # llama3 only
     rope_high_freq_factor: float = 4.0  # llama3 only
     rope_original_max_position_embeddings: int | None = None  # llama3 only
+    # Hybrid (qwen3_5) fields. layer_types: per layer "full_attention" | "linear_attention"; None = all full attention.
+    layer_types: tuple[str, ...] | None = None
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dims of each head
+    linear_num_key_heads: int = 0  # Gated DeltaNet sizes (0 without linear-attention layers)
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -97,6 +113,7 @@ class Qwen3Config:
         for name, value in _FEATURES[self.model_type].items():  # one canonical form: configs are static metadata
             object.__setattr__(self, name, value if getattr(self, name) is None else bool(getattr(self, name)))
         self._canonical_rope()
+        self._canonical_hybrid()
         object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype))
         object.__setattr__(self, "compute_dtype", _dtype_name(self.compute_dtype))
 
@@ -131,6 +148,79 @@ class Qwen3Config:
             object.__setattr__(self, "rope_high_freq_factor", 4.0)
             object.__setattr__(self, "rope_original_max_position_embeddings", None)
 
+    def _canonical_hybrid(self):
+        factor = float(self.partial_rotary_factor)
+        rotary = int(self.head_dim * factor)
+        if not (0 < factor <= 1) or rotary < 2 or rotary % 2:
+            raise ValueError(f"config: partial_rotary_factor {self.partial_rotary_factor!r} gives {rotary} rotary dims "
+                             f"of head_dim {self.head_dim} (need 0 < factor <= 1 and an even count >= 2)")
+        if factor != 1.0 and self.model_type != "qwen3_5":
+            raise ValueError(f"config: partial_rotary_factor={factor} is only supported for model_type 'qwen3_5'")
+        object.__setattr__(self, "partial_rotary_factor", factor)
+        types = None if self.layer_types is None else tuple(str(t) for t in self.layer_types)
+        if types is not None:
+            if len(types) != self.num_hidden_layers:
+                raise ValueError(f"config: layer_types has {len(types)} entries for {self.num_hidden_layers} layers")
+            unknown = sorted(set(types) - set(TARGET_LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"config: layer_types entries {unknown} are not known (one of {TARGET_LAYER_TYPES})")
+            if "linear_attention" in types and self.model_type != "qwen3_5":
+                raise ValueError(f"config: linear_attention layers need model_type 'qwen3_5', got {self.model_type!r}")
+            if set(types) == {"full_attention"}:
+                types = None  # one canonical form: configs are static metadata
+        object.__setattr__(self, "layer_types", types)
+        if types is None:  # no DeltaNet: its sizes are meaningless, one canonical value
+            for name in _LINEAR_FIELDS:
+                object.__setattr__(self, name, 0)
+            return
+        for name in _LINEAR_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or int(value) != value or int(value) < 1:
+                raise ValueError(f"config: {name} must be an integer >= 1 with linear_attention layers, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"config: linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({self.linear_num_key_heads})")
+
+    # -- hybrid helpers ------------------------------------------------------------------------------------------
+    def layer_type(self, i: int) -> str:
+        return "full_attention" if self.layer_types is None else self.layer_types[i]
+
+    @property
+    def linear_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.layer_type(i) == "linear_attention")
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.linear_layer_ids)
+
+    @property
+    def attn_output_gate(self) -> bool:
+        """q_proj yields the query and a sigmoid output gate per head (Qwen3.5's gated attention)."""
+        return self.model_type == "qwen3_5"
+
+    @property
+    def zero_centered_norm(self) -> bool:
+        """RMSNorm weights are stored as w and applied as (1 + w) (Qwen3.5's `Qwen3_5RMSNorm`)."""
+        return self.model_type == "qwen3_5"
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the DeltaNet's depthwise conv: q, k and v side by side."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
     @property
     def dtype(self):
         return _DTYPES[self.compute_dtype]
@@ -146,14 +236,18 @@ class Qwen3Config:
         """The layer stack of a DFlash drafter for this target: Qwen3 layers (q/k norm, no biases) of the target's
         sizes and RoPE, whatever the target's family (z-lab's drafters are Qwen3 layers for every target)."""
         return self.replace(num_hidden_layers=num_hidden_layers, model_type="qwen3", qk_norm=True,
-                            attention_bias=False)
+                            attention_bias=False, layer_types=None, partial_rotary_factor=1.0,
+                            **{name: 0 for name in _LINEAR_FIELDS})
 
     # -- HF config.json ----------------------------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: dict, *, param_dtype: str | None = None, compute_dtype: str | None = None,
                      **overrides) -> "Qwen3Config":
-        """A config from an HF `config.json` of a Qwen3, Qwen2, Llama or Mistral causal LM; what this decoder cannot
-        run is refused with an error naming the key."""
+        """A config from an HF `config.json` of a Qwen3, Qwen2, Llama, Mistral or Qwen3.5 (`qwen3_5`, text-only or the
+        multimodal layout whose text model sits under `text_config`) causal LM; what this decoder cannot run is
+        refused with an error naming the key."""
+        if d.get("model_type") in ("qwen3_5", "qwen3_5_text") or isinstance(d.get("text_config"), dict):
+            return cls._from_qwen3_5(d, param_dtype=param_dtype, compute_dtype=compute_dtype, **overrides)
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in d]
         if missing:
@@ -174,9 +268,11 @@ class Qwen3Config:
             raise NotImplementedError("config.json: mlp_bias=true is not supported (the MLP has no biases)")
         if d.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"config.json: hidden_act={d['hidden_act']!r} is not supported (silu only)")
-        if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise NotImplementedError(f"config.json: partial_rotary_factor={d['partial_rotary_factor']} is not "
-                                      "supported (RoPE over the whole head)")
+        partial = d.get("partial_rotary_factor", (d.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+                        if isinstance(d.get("rope_parameters"), dict) else 1.0)
+        if float(partial) != 1.0:
+            raise NotImplementedError(f"config.json: partial_rotary_factor={partial} is not supported for model_type "
+                                      f"{model_type!r} (RoPE over the whole head)")
         n_heads = int(d["num_attention_heads"])
         head_dim = int(d.get("head_dim") or d["hidden_size"] // n_heads)
         rope_theta = d.get("rope_theta")
@@ -224,7 +320,96 @@ class Qwen3Config:
         kwargs.update(overrides)
         return cls(**kwargs)
 
+    @classmethod
+    def _from_qwen3_5(cls, d: dict, *, param_dtype: str | None, compute_dtype: str | None,
+                      **overrides) -> "Qwen3Config":
+        """Qwen3.5 / 3.6 / 3.8 (transformers 5.x `qwen3_5`): `Qwen3_5ForCausalLM`'s text config, or the multimodal
+        `Qwen3_5ForConditionalGeneration` config whose text model is `text_config` (the vision config and the image
+        token ids are not read: a text-only decoder never meets them, so an image_token_id outside a test model's
+        vocabulary is harmless)."""
+        text = d.get("text_config")
+        if text is not None and not isinstance(text, dict):
+            raise ValueError(f"config.json: text_config must be an object, got {type(text).__name__}")
+        t = dict(text) if text is not None else dict(d)
+        if text is not None:  # a few keys may sit at the top level only (older exports)
+            for key in ("tie_word_embeddings", "torch_dtype", "dtype", "eos_token_id", "bos_token_id"):
+                if key not in t and key in d:
+                    t[key] = d[key]
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in t]
+        if missing:
+            raise ValueError(f"config.json: {'text_config' if text is not None else 'config'} is missing required "
+                             f"keys: {missing}")
+        if t.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"config.json: hidden_act={t['hidden_act']!r} is not supported (silu only)")
+        if t.get("attention_bias", False):
+            raise NotImplementedError("config.json: attention_bias=true is not supported for qwen3_5")
+        rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"config.json: rope_parameters must be an object, got {type(rope).__name__}")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise NotImplementedError(f"config.json: rope_parameters.rope_type {kind!r} is not supported for qwen3_5 "
+                                      "(default, with multimodal sections that are equal for text)")
+        # transformers 5.x: partial_rotary_factor may sit only inside rope_parameters; its default for qwen3_5 is 0.25
+        partial = t.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
+        rope_theta = t.get("rope_theta", rope.get("rope_theta", 10000.0))
+        n = int(t["num_hidden_layers"])
+        layer_types = t.get("layer_types")
+        if layer_types is None:  # HF's default: every full_attention_interval-th layer is full attention
+            interval = int(t.get("full_attention_interval", 4))
+            layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+        if not isinstance(layer_types, list) or len(layer_types) != n:
+            raise ValueError(f"config.json: layer_types must be a list of {n} entries (num_hidden_layers), got "
+                             f"{layer_types!r}")
+        unknown = sorted({str(x) for x in layer_types} - set(TARGET_LAYER_TYPES))
+        if unknown:
+            raise NotImplementedError(f"config.json: layer_types entries {unknown} are not supported "
+                                      f"(one of {list(TARGET_LAYER_TYPES)})")
+        n_heads = int(t["num_attention_heads"])
+        eos = t.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        dtype_in_file = t.get("torch_dtype") or t.get("dtype") or "float32"
+        linear_defaults = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                               linear_value_head_dim=128, linear_conv_kernel_dim=4)  # HF Qwen3_5TextConfig's
+        kwargs = dict(
+            vocab_size=int(t["vocab_size"]), hidden_size=int(t["hidden_size"]),
+            intermediate_size=int(t["intermediate_size"]), num_hidden_layers=n, num_attention_heads=n_heads,
+            num_key_value_heads=int(t.get("num_key_value_heads") or n_heads),
+            head_dim=int(t.get("head_dim") or 256), rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta), max_position_embeddings=int(t.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(t.get("tie_word_embeddings", False)), bos_token_id=t.get("bos_token_id"),
+            eos_token_id=eos,
+            param_dtype=param_dtype or (dtype_in_file if dtype_in_file in _DTYPES else "float32"),
+            compute_dtype=compute_dtype or default_compute_dtype(), model_type="qwen3_5",
+            layer_types=tuple(str(x) for x in layer_types), partial_rotary_factor=float(partial),
+            **{k: int(t.get(k, v)) for k, v in linear_defaults.items()})
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def _to_qwen3_5_dict(self) -> dict:
+        d = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+             "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
+             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                 "partial_rotary_factor": self.partial_rotary_factor},
+             "max_position_embeddings": self.max_position_embeddings,
+             "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": False, "attention_dropout": 0.0,
+             "layer_types": [self.layer_type(i) for i in range(self.num_hidden_layers)],
+             "torch_dtype": self.param_dtype}
+        d.update({name: getattr(self, name) or 1 for name in _LINEAR_FIELDS})
+        if self.bos_token_id is not None:
+            d["bos_token_id"] = self.bos_token_id
+        if self.eos_token_id is not None:
+            d["eos_token_id"] = self.eos_token_id
+        return d
+
     def to_hf_dict(self) -> dict:
+        if self.model_type == "qwen3_5":
+            return self._to_qwen3_5_dict()
         if (self.qk_norm, self.attention_bias) != tuple(_FEATURES[self.model_type].values()):
             raise ValueError(f"config: model_type {self.model_type!r} with qk_norm={self.qk_norm}, attention_bias="
                              f"{self.attention_bias} has no HF config.json form (the {self.model_type} family has "

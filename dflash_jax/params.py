@@ -34,7 +34,7 @@ def static_field(**kwargs):
 class ParamSpec:
     shape: tuple[int, ...]
     logical_axes: tuple[str, ...]
-    init: str = "normal"  # "normal" (std 0.02) | "ones" | "zeros" | "unit_normal" (std 1) | "conv_identity"
+    init: str = "normal"  # "normal" (std 0.02) | "ones" | "zeros" | "unit_normal" (std 1) | "conv_identity" | "a_log"
 
     def __post_init__(self):
         if len(self.shape) != len(self.logical_axes):
@@ -112,9 +112,35 @@ class DFlash2Layer:
 
 
 @_dataclass
+class GatedDeltaNet:
+    """Qwen3.5's linear attention (HF `Qwen3_5GatedDeltaNet`, see models/deltanet.py). Kd = key heads x key dim,
+    Vd = value heads x value dim, C = 2 Kd + Vd conv channels (q, k, v side by side), nV value heads."""
+
+    in_proj_qkv: Any  # [C, H]
+    in_proj_z: Any  # [Vd, H]: the output gate of the gated norm
+    in_proj_b: Any  # [nV, H]: beta = sigmoid(b), the delta rule's write strength
+    in_proj_a: Any  # [nV, H]: the decay's input, g = -exp(A_log) * softplus(a + dt_bias)
+    conv1d: Any  # [C, 1, K] depthwise causal conv (HF's Conv1d weight layout), no bias
+    A_log: Any  # [nV]
+    dt_bias: Any  # [nV]
+    norm: Any  # [dv] the gated RMSNorm's weight (applied as w, not 1 + w)
+    out_proj: Any  # [H, Vd]
+
+
+@_dataclass
+class LinearAttnLayer:
+    """A Qwen3.5 decoder layer whose token mixer is a Gated DeltaNet (HF `linear_attn`) instead of attention."""
+
+    input_layernorm: Any  # [H]
+    linear_attn: GatedDeltaNet
+    post_attention_layernorm: Any  # [H]
+    mlp: MLP
+
+
+@_dataclass
 class TargetParams:
     embed_tokens: Any  # [V, H]
-    layers: tuple[DecoderLayer, ...]
+    layers: tuple[DecoderLayer | LinearAttnLayer, ...]  # by the config's layer_types
     norm: Any  # [H]
     lm_head: Any  # [V, H], or None when tied to embed_tokens
 
@@ -136,16 +162,53 @@ class DFlash2Params:
     candidate_selector: CandidateSelector
 
 
-def abstract_layer(cfg: Qwen3Config) -> DecoderLayer:
+def _norm_init(cfg: Qwen3Config) -> str:
+    return "zeros" if cfg.zero_centered_norm else "ones"  # a zero-centred norm's identity is w = 0
+
+
+def abstract_mlp(cfg: Qwen3Config) -> MLP:
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    return MLP(gate_proj=ParamSpec((I, H), ("mlp", "embed")), up_proj=ParamSpec((I, H), ("mlp", "embed")),
+               down_proj=ParamSpec((H, I), ("embed", "mlp")))
+
+
+def abstract_linear_attn_layer(cfg: Qwen3Config) -> LinearAttnLayer:
+    """A Gated DeltaNet layer. Its heads shard along "model" (logical axes linear_*): the conv channels, the gates
+    and the per-head decay parameters follow the heads they belong to."""
+    H, C, nV = cfg.hidden_size, cfg.linear_conv_dim, cfg.linear_num_value_heads
+    Vd, K = cfg.linear_value_dim, cfg.linear_conv_kernel_dim
+    net = GatedDeltaNet(
+        in_proj_qkv=ParamSpec((C, H), ("linear_conv", "embed")),
+        in_proj_z=ParamSpec((Vd, H), ("linear_v", "embed")),
+        in_proj_b=ParamSpec((nV, H), ("linear_heads", "embed")),
+        in_proj_a=ParamSpec((nV, H), ("linear_heads", "embed")),
+        conv1d=ParamSpec((C, 1, K), ("linear_conv", "conv_one", "conv_taps")),
+        A_log=ParamSpec((nV,), ("linear_heads",), "a_log"),
+        dt_bias=ParamSpec((nV,), ("linear_heads",), "ones"),
+        norm=ParamSpec((cfg.linear_value_head_dim,), ("head_dim",), "ones"),
+        out_proj=ParamSpec((H, Vd), ("embed", "linear_v")),
+    )
+    return LinearAttnLayer(input_layernorm=ParamSpec((H,), ("embed",), _norm_init(cfg)), linear_attn=net,
+                           post_attention_layernorm=ParamSpec((H,), ("embed",), _norm_init(cfg)),
+                           mlp=abstract_mlp(cfg))
+
+
+def abstract_layer(cfg: Qwen3Config, i: int | None = None) -> DecoderLayer | LinearAttnLayer:
+    """Layer i of the config's stack (by `layer_types`); i=None: an attention layer (drafters, dense targets)."""
+    if i is not None and cfg.layer_type(i) == "linear_attention":
+        return abstract_linear_attn_layer(cfg)
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    # Gated attention (qwen3_5): q_proj yields, per head, the query's hd rows then the output gate's hd rows.
+    q_out = 2 * q if cfg.attn_output_gate else q
+    norm_init = _norm_init(cfg)
     attn = dict(
-        q_proj=ParamSpec((q, H), ("q_heads", "embed")),
+        q_proj=ParamSpec((q_out, H), ("q_heads", "embed")),
         k_proj=ParamSpec((kv, H), ("kv_heads", "embed")),
         v_proj=ParamSpec((kv, H), ("kv_heads", "embed")),
         o_proj=ParamSpec((H, q), ("embed", "q_heads")),
-        q_norm=ParamSpec((hd,), ("head_dim",), "ones") if cfg.qk_norm else None,
-        k_norm=ParamSpec((hd,), ("head_dim",), "ones") if cfg.qk_norm else None,
+        q_norm=ParamSpec((hd,), ("head_dim",), norm_init) if cfg.qk_norm else None,
+        k_norm=ParamSpec((hd,), ("head_dim",), norm_init) if cfg.qk_norm else None,
     )
     if cfg.attention_bias:  # a bias shards like its projection's out axis
         self_attn = BiasedAttention(**attn, q_bias=ParamSpec((q,), ("q_heads",), "zeros"),
@@ -154,14 +217,10 @@ def abstract_layer(cfg: Qwen3Config) -> DecoderLayer:
     else:
         self_attn = Attention(**attn)
     return DecoderLayer(
-        input_layernorm=ParamSpec((H,), ("embed",), "ones"),
+        input_layernorm=ParamSpec((H,), ("embed",), norm_init),
         self_attn=self_attn,
-        post_attention_layernorm=ParamSpec((H,), ("embed",), "ones"),
-        mlp=MLP(
-            gate_proj=ParamSpec((I, H), ("mlp", "embed")),
-            up_proj=ParamSpec((I, H), ("mlp", "embed")),
-            down_proj=ParamSpec((H, I), ("embed", "mlp")),
-        ),
+        post_attention_layernorm=ParamSpec((H,), ("embed",), norm_init),
+        mlp=abstract_mlp(cfg),
     )
 
 
@@ -169,8 +228,8 @@ def abstract_target(cfg: Qwen3Config) -> TargetParams:
     V, H = cfg.vocab_size, cfg.hidden_size
     return TargetParams(
         embed_tokens=ParamSpec((V, H), ("vocab", "embed")),
-        layers=tuple(abstract_layer(cfg) for _ in range(cfg.num_hidden_layers)),
-        norm=ParamSpec((H,), ("embed",), "ones"),
+        layers=tuple(abstract_layer(cfg, i) for i in range(cfg.num_hidden_layers)),
+        norm=ParamSpec((H,), ("embed",), _norm_init(cfg)),
         lm_head=None if cfg.tie_word_embeddings else ParamSpec((V, H), ("vocab", "embed")),
     )
 
@@ -215,6 +274,8 @@ def init_from_abstract(abstract, key: jax.Array, dtype, std: float = 0.02):
             out.append(jnp.zeros(spec.shape, dtype))
         elif spec.init == "conv_identity":  # [2, Kc, H]: out_t = x_t on both sides
             out.append(jnp.zeros(spec.shape, dtype).at[:, 0].set(1))
+        elif spec.init == "a_log":  # HF's init: A ~ U(0.01, 16), stored as log A (decay rates of the DeltaNet heads)
+            out.append(jnp.log(jax.random.uniform(k, spec.shape, jnp.float32, 0.01, 16.0)).astype(dtype))
         elif spec.init == "unit_normal":
             out.append(jax.random.normal(k, spec.shape, jnp.float32).astype(dtype))
         else:
@@ -266,9 +327,10 @@ def map_named(fn: Callable[[str, Any], Any], tree):
 
 
 def is_linear_name(name: str) -> bool:
-    """Linear weights [out, in] (NVFP4-quantizable): fc, every *_proj, DFlash2's conv `kernel_projection` and
-    selector `hidden_projection`, lm_head. Norms, embeddings, codebooks and conv base kernels are not."""
-    return bool(re.search(r"(^fc$|_proj$|_projection$|^lm_head$)", name))
+    """Linear weights [out, in] (NVFP4-quantizable): fc, every *_proj (a Gated DeltaNet's in_proj_qkv / z / a / b
+    too), DFlash2's conv `kernel_projection` and selector `hidden_projection`, lm_head. Norms, embeddings, codebooks,
+    conv kernels and the DeltaNet's A_log / dt_bias are not."""
+    return bool(re.search(r"(^fc$|_proj$|_projection$|^lm_head$|(^|\.)in_proj_(qkv|z|a|b)$)", name))
 
 
 def param_bytes(tree) -> int:

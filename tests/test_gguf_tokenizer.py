@@ -79,7 +79,8 @@ def test_smollm2_chat_template_matches_transformers(smol, reference):
         for gen in (True, False):
             text = reference.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
             assert smol.render_chat(messages, add_generation_prompt=gen) == text
-            ids = reference.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True)
+            # transformers 5.x returns a BatchEncoding unless return_dict=False (4.x: the ids)
+            ids = reference.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True, return_dict=False)
             assert smol.apply_chat_template(messages, add_generation_prompt=gen) == list(ids)
     assert smol.apply_chat_template(chats[0])[:2] == [1, 9690]  # <|im_start|> system (the default system prompt)
 

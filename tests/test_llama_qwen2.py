@@ -187,10 +187,17 @@ def test_llama3_rope_frequencies_match_transformers(case):
     assert (ours < base).any() and (ours == base).any()  # some bands stretched, some kept
     if case == "tiny_all_bands":  # and some blended: strictly between the two
         assert ((ours > base / 4.0 * (1 + 1e-6)) & (ours < base * (1 - 1e-6))).any()
-    # The newer `rope_parameters` layout reads the same.
+    # Both layouts read the same: `rope_scaling` + top-level `rope_theta` (transformers 4.x) and `rope_parameters`
+    # holding rope_theta (5.x); the one this transformers wrote is rewritten as the other.
     d = hf_cfg.to_dict()
-    params = dict(d.pop("rope_scaling"), rope_theta=d.pop("rope_theta"))
-    assert TargetConfig.from_hf_dict({**d, "rope_parameters": params}) == cfg
+    if "rope_scaling" in d and d["rope_scaling"]:
+        params = dict(d.pop("rope_scaling"), rope_theta=d.pop("rope_theta"))
+        assert TargetConfig.from_hf_dict({**d, "rope_parameters": params}) == cfg
+    else:
+        params = dict(d.pop("rope_parameters"))
+        d.pop("rope_scaling", None)
+        theta = params.pop("rope_theta")
+        assert TargetConfig.from_hf_dict({**d, "rope_scaling": params, "rope_theta": theta}) == cfg
     # And the config writes it back.
     assert TargetConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
 

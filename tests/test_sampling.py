@@ -2,7 +2,7 @@
 negative controls.
 
 Statistics (tests/stats.py). Every check is a likelihood-ratio (G) test of a histogram against an EXACT law, at the
-per-check level ALPHA = 0.1% / 400 = 2.5e-6 (Bonferroni over the at most 400 checks one run of the suite makes; this
+per-check level ALPHA = 0.1% / 432 = 2.3e-6 (Bonferroni over the at most 432 checks one run of the suite makes; this
 module's checks are counted and `test_zz_false_alarm_budget` asserts the share). So if the sampler is exact, a run
 of the whole suite fails any of these checks with probability <= 0.1% (seeds are fixed: a run that passes keeps
 passing). Power, from `python tests/stats_power.py` (noncentral chi-square, confirmed by simulation there): a check

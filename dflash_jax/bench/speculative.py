@@ -28,7 +28,7 @@ from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.models.drafter import Drafter, append_context, draft_tokens, empty_draft_cache
 from dflash_jax.decode.programs import generate, generate_autoregressive, prefill, uses_live_length_loop
 from dflash_jax.models.attention import live_length_loop
-from dflash_jax.models.target import KVCache, Target, forward_with_cache, target_forward
+from dflash_jax.models.target import KVCache, Target, commit_states, forward_with_cache, target_forward
 from dflash_jax.quant.linear import backend_scope, program_backend
 
 # Benchmarks run with the persistent compilation cache on (cli.py), which never stores a program with a host
@@ -76,7 +76,8 @@ def step_functions(target: Target, drafter: Drafter, *, context_len: int = 64, d
     return {"decode_ms": (lambda c: _decode_rolled_back(target, c, tok, tb)[1], tcache),
             "verify_ms": (lambda c: _verify_rolled_back(target, c, toks, layer_ids, tb)[1], tcache2),
             "draft_ms": (lambda c: _draft_rolled_back(drafter, target, c, pending, block, D, db)[1], dcache),
-            "_meta": dict(context_len=context_len, draft_length=D, batch=batch, cache_len=cache_len)}
+            "_meta": dict(context_len=context_len, draft_length=D, batch=batch, cache_len=cache_len,
+                          state_bytes_per_row=tcache.state_bytes_per_row())}  # a hybrid target's DeltaNet states
 
 
 def step_costs(target: Target, drafter: Drafter, *, context_len: int = 64, draft_length: int | None = None,
@@ -126,9 +127,13 @@ def _decode_rolled_back(target, tcache, tok, backend):
 
 @functools.partial(jax.jit, static_argnums=(3, 4), donate_argnums=(1,))
 def _verify_rolled_back(target, tcache, toks, layer_ids, backend):
-    """One verify (D+1 tokens, tapped features) on a donated cache whose lengths are rolled back."""
+    """One verify (D+1 tokens, tapped features) on a donated cache whose lengths are rolled back. A hybrid target's
+    DeltaNet states are deferred and committed as the loop does (here keeping one token: a rejection at slot 1)."""
     with _as_in_the_loop(backend):
-        logits, feats, c = forward_with_cache(target, toks, tcache, layer_ids)
+        hybrid = target.config.is_hybrid
+        logits, feats, c = forward_with_cache(target, toks, tcache, layer_ids, defer_states=hybrid)
+        if hybrid:
+            c = commit_states(c, jnp.ones(toks.shape[:1], jnp.int32), target.config)
     return (jnp.argmax(logits, -1), feats), c.replace(lengths=tcache.lengths)
 
 

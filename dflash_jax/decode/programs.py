@@ -51,7 +51,7 @@ from dflash_jax.models.attention import live_length_loop
 from dflash_jax.models.drafter import Drafter, empty_draft_cache, append_context
 from dflash_jax.quant.linear import backend_scope, program_backend
 from dflash_jax.decode.sampling import SamplingParams, accept_block, sample_tokens
-from dflash_jax.models.target import KVCache, Target, forward_with_cache
+from dflash_jax.models.target import KVCache, Target, commit_states, forward_with_cache
 
 PAD = -1
 
@@ -202,8 +202,10 @@ def prefill(target: Target, prompt: jax.Array, lens: jax.Array, cache_len: int, 
     B, _ = prompt.shape
     layer_ids = () if drafter is None else drafter.config.target_layer_ids
     cache = shd.constrain_cache(KVCache.empty(target.config, B, cache_len), target.config, mesh)
+    # state_keep: a hybrid target's DeltaNet states absorb each row's real prompt only, not its right padding
     logits, feats, cache = forward_with_cache(target, prompt, cache, layer_ids,
-                                              logits_at=jnp.maximum(lens - 1, 0)[:, None], empty_cache=True)
+                                              logits_at=jnp.maximum(lens - 1, 0)[:, None], empty_cache=True,
+                                              state_keep=lens if target.config.is_hybrid else None)
     cache = shd.constrain_cache(cache.replace(lengths=lens), target.config, mesh)
     dcache = None
     if drafter is not None:
@@ -295,9 +297,13 @@ def _speculative_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sa
         # drafts [B, D]; d_logits [B, D, V]; d_probs: the DFlash2 selector's q (None for DFlash)
         drafts, d_logits, d_probs, keys = draft_step(drafter, target, block, dcache, D, s.key, sampling)
         verify_in = jnp.concatenate([s.last[:, None], drafts], axis=1)  # [B, D+1]
-        v_logits, v_feats, tcache = forward_with_cache(target, verify_in, s.tcache, layer_ids)
+        # A hybrid target's DeltaNet states are deferred: they absorb each row's accepted prefix below
+        v_logits, v_feats, tcache = forward_with_cache(target, verify_in, s.tcache, layer_ids,
+                                                       defer_states=target.config.is_hybrid)
         q_kw = {} if d_probs is None else {"draft_probs": d_probs}
         n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, keys, sampling, **q_kw)  # [B], [B, D+1]
+        # rollback of recurrent states: `last` and the accepted drafts (a + 1 tokens) per active row, none otherwise
+        tcache = commit_states(tcache, jnp.where(active, n_acc + 1, 0), target.config)
         chex.assert_shape(committed, (B, D + 1))
         out, n_out, done = _commit(s, committed, n_acc + 1, budget)
         new_start = jnp.where(active, s.start + n_acc + 1, s.start)

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import jax
@@ -57,7 +58,7 @@ def _dense_keys(kind: str, name: str) -> tuple[str, ...]:
     module = _hf_prefix(kind, name)
     if _BIAS.search(name):  # `self_attn.q_bias` is HF's `self_attn.q_proj.bias`
         return (_BIAS.sub(r".\1_proj", module) + ".bias",)
-    if name.endswith(".base_kernel"):
+    if name.endswith((".base_kernel", ".A_log", ".dt_bias")):  # HF parameters of their own, no `.weight`
         return (module,)
     if name.endswith("_codebook"):
         return (module, module + ".weight")
@@ -367,9 +368,37 @@ def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dty
     if "DFlashDraftModel" in arch or "DFlash2DraftModel" in arch:
         raise CheckpointError(f"{path}: is a DFlash drafter ({arch[0]}), not a target (use load_drafter)")
     cfg = Qwen3Config.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
+    tensors = None
+    if cfg.model_type == "qwen3_5":
+        tensors = _qwen3_5_text_tensors(path, _read_tensors(path, lazy=mesh is not None))
     params = _params_from_hf("target", path, abstract_target(cfg), cfg.storage_dtype, read_quant_config(path, d),
-                             mesh=mesh, cfg=cfg)
+                             mesh=mesh, cfg=cfg, tensors=tensors)
     return Target(params=params, config=cfg)
+
+
+# Tensors of a Qwen3.5 checkpoint that a text decoder does not run: the vision tower of the multimodal layout and
+# the multi-token-prediction head (HF skips `mtp.*` on load as well).
+_QWEN3_5_SKIPPED = ("model.visual.", "mtp.")
+
+
+def _qwen3_5_text_tensors(path: Path, tensors: dict) -> dict:
+    """The text model's tensors under the text-only names (`model.layers...`): the multimodal layout
+    (`Qwen3_5ForConditionalGeneration`) keeps them under `model.language_model.`; skipped tensors are noted."""
+    out, skipped = {}, []
+    for key, arr in tensors.items():
+        if key.startswith(_QWEN3_5_SKIPPED):
+            skipped.append(key)
+        elif key.startswith("model.language_model."):
+            out["model." + key[len("model.language_model."):]] = arr
+        else:
+            out[key] = arr
+    if len(out) + len(skipped) != len(tensors):
+        raise CheckpointError(f"{path}: a tensor is stored under both the text-only and the multimodal name")
+    if skipped:
+        kinds = sorted({k.split(".")[0] + ("." + k.split(".")[1] if k.startswith("model.") else "") for k in skipped})
+        warnings.warn(f"{path}: {len(skipped)} tensors the text decoder does not use were skipped "
+                      f"({', '.join(kinds)})", stacklevel=3)
+    return out
 
 
 def _load_gguf_target(path: Path, param_dtype: str, compute_dtype: str, mesh):

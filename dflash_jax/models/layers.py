@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from dflash_jax.models.attention import attention
 from dflash_jax.config import Qwen3Config
 from dflash_jax.quant.linear import linear
-from dflash_jax.params import MLP, Attention, DecoderLayer
+from dflash_jax.models.deltanet import deltanet
+from dflash_jax.params import MLP, Attention, DecoderLayer, LinearAttnLayer
 from dflash_jax.parallel.sharding import constrain_kv
 
 
@@ -28,10 +29,21 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return y.astype(x.dtype) * weight.astype(x.dtype)
 
 
+def norm(x: jax.Array, weight: jax.Array, cfg: Qwen3Config) -> jax.Array:
+    """The config's RMSNorm: `rms_norm`, or Qwen3.5's zero-centred one (x * (1 + w), all in float32, then cast)."""
+    if not cfg.zero_centered_norm:
+        return rms_norm(x, weight, cfg.rms_norm_eps)
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
 def rope_inv_freq(cfg: Qwen3Config) -> jax.Array:
-    """The rotary inverse frequencies [hd/2] float32 for the config's rope type (HF's `ROPE_INIT_FUNCTIONS`)."""
-    half = cfg.head_dim // 2
-    exponent = jnp.arange(0, half, dtype=jnp.float32) * 2.0 / cfg.head_dim
+    """The rotary inverse frequencies [rd/2] float32 for the config's rope type (HF's `ROPE_INIT_FUNCTIONS`); rd is
+    the rotated part of a head (`rotary_dim`: the whole head but for partial rotary)."""
+    rd = cfg.rotary_dim
+    half = rd // 2
+    exponent = jnp.arange(0, half, dtype=jnp.float32) * 2.0 / rd
     inv_freq = 1.0 / (cfg.rope_theta ** exponent)  # [hd/2]
     if cfg.rope_type == "linear":
         return inv_freq / cfg.rope_scaling_factor
@@ -50,17 +62,22 @@ def rope_inv_freq(cfg: Qwen3Config) -> jax.Array:
 
 
 def rope(x: jax.Array, positions: jax.Array, cfg: Qwen3Config) -> jax.Array:
-    """NeoX rotate-half RoPE. x [B, T, n, hd], positions [B, T] (absolute)."""
-    half = cfg.head_dim // 2
-    inv_freq = rope_inv_freq(cfg)  # [hd/2]
+    """NeoX rotate-half RoPE over the first `rotary_dim` dims of each head (the rest pass). x [B, T, n, hd],
+    positions [B, T] (absolute). Qwen3.5's multimodal sections rotate by three position streams that are equal for
+    text, which is this."""
+    rd = cfg.rotary_dim
+    half = rd // 2
+    inv_freq = rope_inv_freq(cfg)  # [rd/2]
     # Angles in f32: bf16 cannot even represent position 257.
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
     x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., :half], x32[..., half:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    x1, x2 = x32[..., :half], x32[..., half:rd]
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if rd < cfg.head_dim:
+        parts.append(x32[..., rd:])
+    return jnp.concatenate(parts, axis=-1).astype(x.dtype)
 
 
 def _project(h: jax.Array, weight, bias, heads: int, cfg: Qwen3Config) -> jax.Array:
@@ -80,7 +97,7 @@ def _qk_norm(x: jax.Array, weight, cfg: Qwen3Config) -> jax.Array:
     if (weight is not None) != cfg.qk_norm:
         raise ValueError(f"config qk_norm={cfg.qk_norm} but the layer's params "
                          f"{'have' if weight is not None else 'have no'} q_norm / k_norm")
-    return rms_norm(x, weight, cfg.rms_norm_eps) if cfg.qk_norm else x
+    return norm(x, weight, cfg) if cfg.qk_norm else x
 
 
 def project_kv(attn: Attention, h: jax.Array, positions: jax.Array, cfg: Qwen3Config):
@@ -92,6 +109,13 @@ def project_kv(attn: Attention, h: jax.Array, positions: jax.Array, cfg: Qwen3Co
 
 
 def project_q(attn: Attention, h: jax.Array, positions: jax.Array, cfg: Qwen3Config) -> jax.Array:
+    """Queries [B, T, nH, hd]; with an output gate (Qwen3.5) (queries, gate [B, T, nH * hd])."""
+    if cfg.attn_output_gate:
+        B, T, _ = h.shape
+        nH, hd = cfg.num_attention_heads, cfg.head_dim
+        y = linear(h, attn.q_proj).reshape(B, T, nH, 2 * hd)  # per head: the query's hd, then the gate's hd
+        q, gate = y[..., :hd], y[..., hd:].reshape(B, T, nH * hd)
+        return rope(_qk_norm(q, attn.q_norm, cfg), positions, cfg), gate
     q = _project(h, attn.q_proj, getattr(attn, "q_bias", None), cfg.num_attention_heads, cfg)
     return rope(_qk_norm(q, attn.q_norm, cfg), positions, cfg)
 
@@ -115,8 +139,9 @@ def decoder_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cfg: 
     Writing before reading lets XLA update the cache in place: a read of the old cache next to an in-place write of
     it forces a copy of the whole cache every step.
     """
-    h = rms_norm(x, layer.input_layernorm, cfg.rms_norm_eps)
+    h = norm(x, layer.input_layernorm, cfg)
     q = project_q(layer.self_attn, h, positions, cfg)
+    q, gate = q if cfg.attn_output_gate else (q, None)
     k, v = project_kv(layer.self_attn, h, positions, cfg)
     if write:
         cache_k, cache_v = write_rows(cache_k, k, positions), write_rows(cache_v, v, positions)
@@ -125,9 +150,23 @@ def decoder_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cfg: 
     else:
         a = attention(q, positions, cache_k=cache_k, cache_v=cache_v, cache_len=cache_len, k=k, v=v,
                       k_pos=positions, k_mask=mask, causal=causal, window=window, chunk=chunk)
+    if gate is not None:  # Qwen3.5: a sigmoid output gate per head and dim
+        a = a * jax.nn.sigmoid(gate)
     x = x + linear(a, layer.self_attn.o_proj)
-    x = x + mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm, cfg.rms_norm_eps))
+    x = x + mlp(layer.mlp, norm(x, layer.post_attention_layernorm, cfg))
     return (x, cache_k, cache_v) if write else (x, k, v)
+
+
+def linear_attn_layer(layer: LinearAttnLayer, x: jax.Array, cfg: Qwen3Config, conv: jax.Array, state: jax.Array, *,
+                      keep: jax.Array | None = None, defer: bool = False):
+    """One Qwen3.5 Gated DeltaNet decoder layer over x [B, T, H] from its states (see `models.deltanet.deltanet`).
+
+    Returns (x, new conv, new state), or with defer=True (x, DeltaInputs) and the states untouched."""
+    out, *states = deltanet(layer.linear_attn, norm(x, layer.input_layernorm, cfg), cfg, conv, state, keep=keep,
+                            defer=defer)
+    x = x + out
+    x = x + mlp(layer.mlp, norm(x, layer.post_attention_layernorm, cfg))
+    return (x, *states)
 
 
 def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:

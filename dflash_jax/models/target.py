@@ -4,6 +4,11 @@ One function (`forward_with_cache`) serves prefill, extend and verify: the new t
 current length, the tokens attend causally to the cache (slots below length + T), and the cache comes back with
 lengths advanced by T. Rollback is arithmetic on `lengths`; rejected slots stay in
 memory, are never visible (only slots below a length are), and get overwritten by the next write.
+
+Hybrid targets (Qwen3.5: `layer_types`) mix attention layers with Gated DeltaNet layers (models/deltanet.py), whose
+cache entry is a conv window and a recurrent state instead of K/V. Those cannot roll back by a length: a verify pass
+(`defer_states=True`) leaves them untouched and records its delta-rule inputs in `KVCache.deferred`, and
+`commit_states` applies each row's accepted prefix once acceptance is known.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import Qwen3Config
-from dflash_jax.models.layers import decoder_layer, rms_norm, write_rows
+from dflash_jax.models import deltanet as dn
+from dflash_jax.models.layers import decoder_layer, linear_attn_layer, norm, write_rows
 from dflash_jax.quant.linear import backend_scope, linear, program_backend
 from dflash_jax.params import (TargetParams, abstract_target, init_from_abstract, static_field)
 
@@ -39,13 +45,17 @@ class Target:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k: tuple[jax.Array, ...]  # per layer [B, S, nKV, hd], post-RoPE
-    v: tuple[jax.Array, ...]  # per layer [B, S, nKV, hd]
+    k: tuple[jax.Array | None, ...]  # per layer [B, S, nKV, hd], post-RoPE (None: a DeltaNet layer)
+    v: tuple[jax.Array | None, ...]  # per layer [B, S, nKV, hd]
     lengths: jax.Array  # [B] int32: positions < lengths[b] are valid
+    # Hybrid targets only (None otherwise), per layer, None for attention layers:
+    conv: tuple[jax.Array | None, ...] | None = None  # [B, K-1, C] the DeltaNet's conv window
+    state: tuple[jax.Array | None, ...] | None = None  # [B, nV, dk, dv] float32 recurrent state
+    deferred: tuple | None = None  # per layer DeltaInputs of a verify pass not yet committed (`commit_states`)
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[1]
+        return next(k for k in self.k if k is not None).shape[1]
 
     def replace(self, **changes) -> "KVCache":
         return dataclasses.replace(self, **changes)
@@ -53,10 +63,24 @@ class KVCache:
     @classmethod
     def empty(cls, cfg: Qwen3Config, batch: int, max_len: int) -> "KVCache":
         shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        attn = [cfg.layer_type(i) == "full_attention" for i in range(cfg.num_hidden_layers)]
+        if not any(attn):
+            raise ValueError("config: a target needs at least one full_attention layer (its KV cache holds the "
+                             "positions)")
         # One buffer per array (k and v never share one), so a cache can be donated and updated in place.
-        k = tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_hidden_layers))
-        v = tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_hidden_layers))
-        return cls(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
+        k = tuple(jnp.zeros(shape, cfg.dtype) if a else None for a in attn)
+        v = tuple(jnp.zeros(shape, cfg.dtype) if a else None for a in attn)
+        conv = state = None
+        if cfg.is_hybrid:
+            pairs = [None if a else dn.empty_states(cfg, batch) for a in attn]
+            conv = tuple(None if p is None else p[0] for p in pairs)
+            state = tuple(None if p is None else p[1] for p in pairs)
+        return cls(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32), conv=conv, state=state)
+
+    def state_bytes_per_row(self) -> int:
+        """Bytes of the DeltaNet states (conv windows and recurrent states) one row holds."""
+        leaves = [x for x in (self.conv or ()) + (self.state or ()) if x is not None]
+        return sum(x.nbytes // x.shape[0] for x in leaves)
 
 
 def init_target(cfg: Qwen3Config, key: jax.Array) -> Target:
@@ -66,13 +90,17 @@ def init_target(cfg: Qwen3Config, key: jax.Array) -> Target:
 
 def forward_hidden(target: Target, tokens: jax.Array, cache: KVCache | None, layer_ids: Sequence[int] = (), *,
                    positions: jax.Array | None = None, windows: Sequence[int | None] | None = None,
-                   empty_cache: bool = False) -> tuple[jax.Array, jax.Array, KVCache | None]:
+                   empty_cache: bool = False, state_keep: jax.Array | None = None,
+                   defer_states: bool = False) -> tuple[jax.Array, jax.Array, KVCache | None]:
     """The decoder stack over T new tokens per row: (final-normed hidden [B, T, H], features, cache).
 
     See `forward_with_cache`; this stops before the LM head, so callers that keep a few rows (prefill keeps one per
     row) project only those. windows: per-layer sliding windows (None = full attention everywhere, as Qwen3).
     empty_cache: the cache holds nothing yet (prefill): the new K/V are written, the empty cache is not attended
     (attending to a constant-empty cache only gives XLA constants to fold at compile time).
+    Hybrid targets: state_keep [B] makes the DeltaNet states absorb only each row's first state_keep[b] tokens
+    (right-padded prompts; None = all T); defer_states leaves them untouched and records the pass in
+    `cache.deferred` for `commit_states` (verify). With cache=None the DeltaNet layers start from zero states.
     """
     cfg = target.config
     p = target.params
@@ -90,7 +118,30 @@ def forward_hidden(target: Target, tokens: jax.Array, cache: KVCache | None, lay
 
     x = jnp.take(p.embed_tokens, tokens, axis=0).astype(cfg.dtype)  # [B, T, H]
     new_k, new_v, feats = [], [], {}
+    new_conv, new_state, deferred = [], [], []
     for i, layer in enumerate(p.layers):
+        if cfg.layer_type(i) == "linear_attention":
+            with jax.named_scope(f"layer{i}"):
+                if cache is None:
+                    conv, state = dn.empty_states(cfg, B)
+                else:
+                    conv, state = cache.conv[i], cache.state[i]
+                if defer_states:
+                    x, d = linear_attn_layer(layer, x, cfg, conv, state, keep=state_keep, defer=True)
+                    deferred.append(d)
+                else:
+                    x, conv, state = linear_attn_layer(layer, x, cfg, conv, state, keep=state_keep)
+                    deferred.append(None)
+                new_k.append(None)
+                new_v.append(None)
+                new_conv.append(conv)
+                new_state.append(state)
+            if i in layer_ids:
+                feats[i] = x
+            continue
+        new_conv.append(None)
+        new_state.append(None)
+        deferred.append(None)
         with jax.named_scope(f"layer{i}"):
             kw = dict(causal=True, window=windows[i])
             if cache is None or empty_cache:  # the new tokens see each other only
@@ -105,12 +156,27 @@ def forward_hidden(target: Target, tokens: jax.Array, cache: KVCache | None, lay
                 new_v.append(v)
         if i in layer_ids:
             feats[i] = x
-    h = rms_norm(x, p.norm, cfg.rms_norm_eps)
+    h = norm(x, p.norm, cfg)
     features = (jnp.concatenate([feats[i] for i in layer_ids], axis=-1) if layer_ids
                 else jnp.zeros((B, T, 0), cfg.dtype))
     if cache is not None:
-        cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + T)
+        hybrid = dict(conv=tuple(new_conv), state=tuple(new_state),
+                      deferred=tuple(deferred) if defer_states else None) if cfg.is_hybrid else {}
+        cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + T, **hybrid)
     return h, features, cache
+
+
+def commit_states(cache: KVCache, n: jax.Array, cfg: Qwen3Config) -> KVCache:
+    """The cache after a deferred (verify) pass keeps only each row's first n[b] tokens in its DeltaNet states
+    (0 <= n <= T; see `models.deltanet.commit`); KV entries roll back by `lengths` as for dense targets (the
+    caller sets them). A cache without deferred states comes back as it is."""
+    if cache.deferred is None:
+        return cache
+    conv, state = list(cache.conv), list(cache.state)
+    for i, d in enumerate(cache.deferred):
+        if d is not None:
+            conv[i], state[i] = dn.commit(d, cache.state[i], n, cfg.linear_conv_kernel_dim - 1)
+    return cache.replace(conv=tuple(conv), state=tuple(state), deferred=None)
 
 
 def lm_logits(target: Target, h: jax.Array) -> jax.Array:
@@ -121,20 +187,22 @@ def lm_logits(target: Target, h: jax.Array) -> jax.Array:
 def forward_with_cache(target: Target, tokens: jax.Array, cache: KVCache | None,
                        layer_ids: Sequence[int] = (), *, positions: jax.Array | None = None,
                        logits_at: jax.Array | None = None, windows: Sequence[int | None] | None = None,
-                       empty_cache: bool = False) -> tuple[jax.Array, jax.Array, KVCache | None]:
+                       empty_cache: bool = False, state_keep: jax.Array | None = None,
+                       defer_states: bool = False) -> tuple[jax.Array, jax.Array, KVCache | None]:
     """Run T new tokens per row on top of `cache`.
 
     tokens [B, T] int; cache lengths [B] give each row's start position. Returns
     (logits [B, T, V] f32, features [B, T, len(layer_ids)*H], cache with the new K/V written and lengths += T).
     logits_at [B, R] int: logits only at those token indices ([B, R, V]), e.g. the last prompt token of each row.
     empty_cache: a freshly allocated cache (prefill), written but not attended (see `forward_hidden`).
+    state_keep / defer_states: a hybrid target's DeltaNet states (see `forward_hidden` and `commit_states`).
     With cache=None the tokens are a fresh sequence at positions 0..T-1 (training / no-cache use).
     Feature id L is the output of decoder layer L (0-based), i.e. HF `hidden_states[L + 1]`.
     """
     cfg = target.config
     B, T = tokens.shape
     h, features, cache = forward_hidden(target, tokens, cache, layer_ids, positions=positions, windows=windows,
-                                        empty_cache=empty_cache)
+                                        empty_cache=empty_cache, state_keep=state_keep, defer_states=defer_states)
     if logits_at is not None:
         h = jnp.take_along_axis(h, logits_at.astype(jnp.int32)[..., None], axis=1)  # [B, R, H]
     logits = lm_logits(target, h)

@@ -8,6 +8,11 @@ Mesh axes are ("data", "model"). Rules, from the logical axes `params.py` gives 
   kv_heads             -> "model"   when the model axis divides the KV head count; with FEWER KV heads than the model
                                     axis they are replicated (each device keeps every KV head, as Megatron / vLLM do)
   embed, head_dim, taps_embed -> replicated
+  linear_heads, linear_v -> "model" Gated DeltaNet value heads (hybrid targets): in_proj_a / in_proj_b rows, A_log,
+                                    dt_bias, in_proj_z rows and out_proj columns (whole value heads), so the recurrent
+                                    state [B, nV, dk, dv] splits by head; the model axis must divide the value heads
+  linear_conv          -> replicated in_proj_qkv rows and the conv channels interleave q, k and v heads: a split at
+                                    whole heads would need a row permutation (not done)
 
 A Qwen2 target's q/k/v biases carry their projection's out axis (q_heads, kv_heads), so they split with it.
 
@@ -105,6 +110,8 @@ def rules_for(cfg: Qwen3Config, mesh: Mesh, *, what: str = "model") -> Rules:
     need("num_attention_heads", cfg.num_attention_heads)
     need("intermediate_size", cfg.intermediate_size)
     need("vocab_size", cfg.vocab_size)
+    if cfg.is_hybrid:
+        need("linear_num_value_heads", cfg.linear_num_value_heads)
     kv_sharded = cfg.num_key_value_heads >= m
     if kv_sharded:  # fewer KV heads than the model axis: replicated (no check); more: they must split evenly
         need("num_key_value_heads", cfg.num_key_value_heads)
@@ -112,7 +119,8 @@ def rules_for(cfg: Qwen3Config, mesh: Mesh, *, what: str = "model") -> Rules:
         raise ShardingError(f"cannot shard the {what} over mesh {dict(mesh.shape)}: " + "; ".join(problems))
     mapping = (("q_heads", "model"), ("mlp", "model"), ("vocab", "model"),
                ("kv_heads", "model" if kv_sharded and m > 1 else None),
-               ("embed", None), ("head_dim", None), ("taps_embed", None))
+               ("embed", None), ("head_dim", None), ("taps_embed", None),
+               ("linear_heads", "model"), ("linear_v", "model"), ("linear_conv", None))
     return Rules(mapping=mapping, kv_sharded=kv_sharded and m > 1)
 
 
@@ -168,8 +176,9 @@ def constrain_cache(cache, cfg: Qwen3Config, mesh: Mesh | None):
         return cache
     kv, lens = cache_sharding(cfg, mesh)
     c = jax.lax.with_sharding_constraint
-    return cache.replace(k=tuple(c(k, kv) for k in cache.k), v=tuple(c(v, kv) for v in cache.v),
-                         lengths=c(cache.lengths, lens))
+    # DeltaNet layers of a hybrid target hold no K/V (None); their states stay where XLA puts them
+    return cache.replace(k=tuple(None if k is None else c(k, kv) for k in cache.k),
+                         v=tuple(None if v is None else c(v, kv) for v in cache.v), lengths=c(cache.lengths, lens))
 
 
 # The mesh a program is traced for (set by decoding's jitted programs, from their static `mesh` argument), so that

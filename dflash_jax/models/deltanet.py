@@ -1,0 +1,240 @@
+"""Qwen3.5's linear attention: the Gated DeltaNet (HF transformers 5.x `Qwen3_5GatedDeltaNet`), with its two states.
+
+Per layer and row the state is (conv window [B, K-1, C], the last K-1 conv inputs; recurrent state S [B, nV, dk, dv],
+float32). For each token t (after a depthwise causal conv + SiLU over q, k, v and L2-normalised q, k):
+
+  S <- S * exp(g_t);   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t / sqrt(dk)
+  beta = sigmoid(b),   g = -exp(A_log) * softplus(a + dt_bias)   (g <= 0: a decay)
+
+Two forms compute it: `recurrent_rule` (a `lax.scan` over tokens: one decode step, and the exact rollback below) and
+`chunked_rule` (the UT-transform form over chunks of tokens, a `lax.scan` over a static number of chunks: prefill and
+verify). They agree up to float rounding (tests/test_hybrid.py).
+
+Rollback. A KV cache rolls back by a length; S after verifying D + 1 tokens has absorbed all of them. So the verify
+(`defer=True`) leaves the states untouched and returns each layer's delta-rule inputs (`DeltaInputs`: the conv
+inputs and q, k, v, g, beta per token; the rollback reads dk + dv + 2 floats per value head and token); once the
+acceptance length n is known per row, `commit` runs the recurrent form over those tokens keeping the update of token t only where t < n, and
+takes the conv window ending at token n - 1. Keeping the per-position states instead would hold dk x dv floats per
+value head and token: at Qwen3.5-27B shapes (48 DeltaNet layers of 48 value heads of 128 x 128) and D = 15 that is
+2,304 MiB per row against 54 MiB of inputs (README, "Hybrid targets").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import Qwen3Config
+from dflash_jax.params import GatedDeltaNet
+from dflash_jax.quant.linear import linear
+
+CHUNK = 64  # tokens per chunk of the chunked form (HF's default); fewer tokens make one chunk of their own length
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DeltaInputs:
+    """What a deferred (verify) pass of one DeltaNet layer hands to `commit`."""
+
+    xin: jax.Array  # [B, K-1+T, C] the conv window before the pass, then the pass's conv inputs
+    q: jax.Array  # [B, T, nV, dk] float32, L2-normalised and scaled by dk^-0.5, repeated to the value heads
+    #   (`commit` does not read q: inside the loop program XLA never keeps it)
+    k: jax.Array  # [B, T, nV, dk] float32, L2-normalised
+    v: jax.Array  # [B, T, nV, dv] float32
+    g: jax.Array  # [B, T, nV] float32 log decay
+    beta: jax.Array  # [B, T, nV] float32
+
+
+def empty_states(cfg: Qwen3Config, batch: int) -> tuple[jax.Array, jax.Array]:
+    """(conv window [B, K-1, C] in the compute dtype, recurrent state [B, nV, dk, dv] float32), all zeros."""
+    conv = jnp.zeros((batch, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim), cfg.dtype)
+    state = jnp.zeros((batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                      jnp.float32)
+    return conv, state
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    # As FLA / HF: x * rsqrt(sum x^2 + eps), in float32.
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def causal_conv(xin: jax.Array, weight: jax.Array) -> jax.Array:
+    """Depthwise causal conv + SiLU: xin [B, K-1+T, C] (window then new inputs), weight [C, 1, K] -> [B, T, C].
+
+    Output t reads inputs t..t+K-1 of xin, tap j weighting xin[t + j] (PyTorch's conv1d is a cross-correlation)."""
+    K = weight.shape[-1]
+    T = xin.shape[1] - (K - 1)
+    w = weight[:, 0, :].astype(jnp.float32)  # [C, K]
+    x32 = xin.astype(jnp.float32)
+    out = sum(x32[:, j:j + T, :] * w[None, None, :, j] for j in range(K))  # K is static and small (4)
+    return jax.nn.silu(out).astype(xin.dtype)
+
+
+def _masked(g, beta, keep):
+    """g and beta with the tokens at t >= keep[b] made no-ops: exp(0) = 1 leaves S as it is and beta = 0 writes 0,
+    so such a token leaves the state bit for bit unchanged (finite states)."""
+    if keep is None:
+        return g, beta
+    live = (jnp.arange(g.shape[1], dtype=jnp.int32)[None, :] < keep.astype(jnp.int32)[:, None])[..., None]
+    return jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
+
+
+def _step(S, kt, vt, gt, bt):
+    """One token's update of S [B, nV, dk, dv]: decay, then the delta rule's write."""
+    S = S * jnp.exp(gt)[..., None, None]
+    kv_mem = jnp.einsum("bhkv,bhk->bhv", S, kt)
+    delta = (vt - kv_mem) * bt[..., None]
+    return S + kt[..., :, None] * delta[..., None, :]
+
+
+def recurrent_rule(q, k, v, g, beta, state, keep: jax.Array | None = None):
+    """The gated delta rule one token at a time (a `lax.scan` over T).
+
+    q, k [B, T, nV, dk], v [B, T, nV, dv], g, beta [B, T, nV] (float32; q already scaled), state [B, nV, dk, dv].
+    keep [B] (optional): token t updates row b's state only where t < keep[b] (the rollback of a verify).
+    Returns (o [B, T, nV, dv], final state)."""
+    g, beta = _masked(g, beta, keep)
+
+    def step(S, xs):
+        qt, kt, vt, gt, bt = xs  # [B, nV, dk], [B, nV, dk], [B, nV, dv], [B, nV], [B, nV]
+        S = _step(S, kt, vt, gt, bt)
+        return S, jnp.einsum("bhkv,bhk->bhv", S, qt)
+
+    state, o = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)))
+    return jnp.moveaxis(o, 0, 1), state
+
+
+def recurrent_state(k, v, g, beta, state, keep: jax.Array | None = None) -> jax.Array:
+    """`recurrent_rule`'s final state alone (no outputs: what a rollback needs)."""
+    g, beta = _masked(g, beta, keep)
+
+    def step(S, xs):
+        return _step(S, *xs), None
+
+    state, _ = jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 1, 0) for x in (k, v, g, beta)))
+    return state
+
+
+def chunked_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """The gated delta rule over chunks of `chunk` tokens (HF's `torch_chunk_gated_delta_rule`): inside a chunk a
+    UT transform turns the sequential delta updates into triangular solves and matmuls; a `lax.scan` over the static
+    number of chunks carries the state. Same arguments and result as `recurrent_rule` (without keep: a token whose
+    beta and g are 0 changes nothing, which is how padding is left out)."""
+    B, T, nV, dk = q.shape
+    dv = v.shape[-1]
+    C = min(chunk, T)
+    n = -(-T // C)
+    pad = n * C - T
+
+    def chunks(x):  # [B, T, nV, ...] -> [B, nV, n, C, ...], zero-padded
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = jnp.moveaxis(x, 2, 1)  # [B, nV, T', ...]
+        return x.reshape(B, nV, n, C, *x.shape[3:])
+
+    q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))  # g, beta: [B, nV, n, C]
+    k_beta = k * beta[..., None]
+    v_beta = v * beta[..., None]
+    cum = jnp.cumsum(g, axis=-1)  # [B, nV, n, C] log decay from the chunk's start through t
+    lower = jnp.tril(jnp.ones((C, C), bool))  # j <= i
+    # exp(cum_i - cum_j) for j <= i, else 0 (masked before exp: cum_i - cum_j > 0 above the diagonal could overflow)
+    pair = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [B, nV, n, C, C]
+    ut = jnp.einsum("bhnik,bhnjk->bhnij", k_beta, k) * pair
+    intra = jnp.einsum("bhnik,bhnjk->bhnij", q, k) * pair
+    # (I + strictly_lower(ut))^-1 applied to v_beta and to the decayed k_beta (unit diagonal: ut's own is ignored)
+    solve = lambda rhs: jax.lax.linalg.triangular_solve(ut, rhs, left_side=True, lower=True, unit_diagonal=True)
+    new_v = solve(v_beta)  # [B, nV, n, C, dv]
+    k_cum = solve(k_beta * jnp.exp(cum)[..., None])  # [B, nV, n, C, dk]
+    q_dec = q * jnp.exp(cum)[..., None]
+    k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])  # [B, nV, n]
+
+    def body(S, xs):  # S [B, nV, dk, dv]
+        nv, kc, qd, kd, ia, cd = xs
+        v_new = nv - jnp.einsum("bhck,bhkv->bhcv", kc, S)
+        o = jnp.einsum("bhck,bhkv->bhcv", qd, S) + jnp.einsum("bhij,bhjv->bhiv", ia, v_new)
+        S = S * cd[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", kd, v_new)
+        return S, o
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (new_v, k_cum, q_dec, k_dec, intra, chunk_decay))
+    state, o = jax.lax.scan(body, state, xs)  # o [n, B, nV, C, dv]
+    o = jnp.moveaxis(o, 0, 2).reshape(B, nV, n * C, dv)[:, :, :T]
+    return jnp.moveaxis(o, 1, 2), state
+
+
+def _inputs(p: GatedDeltaNet, h: jax.Array, conv: jax.Array, cfg: Qwen3Config):
+    """Projections, conv and gates of h [B, T, H] after the window conv [B, K-1, C]: (DeltaInputs, z [B, T, nV, dv])."""
+    B, T, _ = h.shape
+    nK, nV, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    mixed = linear(h, p.in_proj_qkv)  # [B, T, C]
+    xin = jnp.concatenate([conv.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
+    mixed = causal_conv(xin, p.conv1d).astype(jnp.float32)
+    Kd = cfg.linear_key_dim
+    q = mixed[..., :Kd].reshape(B, T, nK, dk)
+    k = mixed[..., Kd:2 * Kd].reshape(B, T, nK, dk)
+    v = mixed[..., 2 * Kd:].reshape(B, T, nV, dv)
+    q = l2norm(q) * dk ** -0.5
+    k = l2norm(k)
+    if nV != nK:  # each key head serves nV / nK consecutive value heads
+        q, k = (jnp.repeat(x, nV // nK, axis=2) for x in (q, k))
+    beta = jax.nn.sigmoid(linear(h, p.in_proj_b).astype(jnp.float32))  # [B, T, nV]
+    a = linear(h, p.in_proj_a).astype(jnp.float32)
+    g = -jnp.exp(p.A_log.astype(jnp.float32)) * jax.nn.softplus(a + p.dt_bias.astype(jnp.float32))
+    z = linear(h, p.in_proj_z).reshape(B, T, nV, dv)
+    return DeltaInputs(xin=xin, q=q, k=k, v=v, g=g, beta=beta), z
+
+
+def _output(p: GatedDeltaNet, o: jax.Array, z: jax.Array, cfg: Qwen3Config, dtype) -> jax.Array:
+    """`Qwen3_5RMSNormGated(o, z)` then out_proj: o [B, T, nV, dv] float32 -> [B, T, H]."""
+    B, T = o.shape[:2]
+    o = o.astype(dtype).astype(jnp.float32)  # HF hands the norm the core output in the activation dtype
+    y = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    y = p.norm.astype(dtype) * y.astype(dtype)
+    y = (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(dtype)
+    return linear(y.reshape(B, T, cfg.linear_value_dim), p.out_proj)
+
+
+def _window(xin: jax.Array, n: jax.Array, width: int) -> jax.Array:
+    """The conv window after the first n[b] new tokens of each row: xin [B, K-1+T, C] -> xin[b, n : n+K-1]."""
+    idx = n.astype(jnp.int32)[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]  # [B, K-1]
+    return jnp.take_along_axis(xin, idx[:, :, None], axis=1)
+
+
+def deltanet(p: GatedDeltaNet, h: jax.Array, cfg: Qwen3Config, conv: jax.Array, state: jax.Array, *,
+             keep: jax.Array | None = None, defer: bool = False, chunk: int = CHUNK):
+    """One Gated DeltaNet over h [B, T, H] (the layer's normed input) from (conv [B, K-1, C], state [B, nV, dk, dv]).
+
+    keep [B]: the states absorb only each row's first keep[b] tokens (right-padded prompts); None = all T.
+    defer=False: returns (out [B, T, H], new conv, new state). T == 1 runs the recurrent form, else the chunked one.
+    defer=True (verify): returns (out, DeltaInputs), the states untouched; `commit` applies the kept prefix."""
+    B, T, _ = h.shape
+    K1 = cfg.linear_conv_kernel_dim - 1
+    chex.assert_shape(conv, (B, K1, cfg.linear_conv_dim))
+    chex.assert_shape(state, (B, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+    d, z = _inputs(p, h, conv, cfg)
+    g, beta = _masked(d.g, d.beta, keep)  # a token past keep neither decays nor writes (its output is never read)
+    if T == 1:
+        o, new_state = recurrent_rule(d.q, d.k, d.v, g, beta, state)
+    else:
+        o, new_state = chunked_rule(d.q, d.k, d.v, g, beta, state, chunk)
+    out = _output(p, o, z, cfg, h.dtype)
+    if defer:
+        return out, d
+    n = jnp.full((B,), T, jnp.int32) if keep is None else keep.astype(jnp.int32)
+    return out, _window(d.xin, n, K1), new_state
+
+
+def commit(d: DeltaInputs, state: jax.Array, n: jax.Array, conv_width: int) -> tuple[jax.Array, jax.Array]:
+    """The states after the first n[b] tokens of a deferred pass (0 <= n <= T): (conv window, recurrent state).
+
+    The recurrent form runs over the pass's tokens with token t's update kept only where t < n[b], so the result is
+    the state a pass over exactly those tokens leaves (up to float rounding between the pass's and a one-token step's
+    inputs), for every n at once with static shapes."""
+    return _window(d.xin, n, conv_width), recurrent_state(d.k, d.v, d.g, d.beta, state, keep=n)
+
+
+__all__ = ["DeltaInputs", "CHUNK", "chunked_rule", "recurrent_rule", "recurrent_state", "causal_conv", "commit", "deltanet",
+           "empty_states", "l2norm"]

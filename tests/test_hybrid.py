@@ -1,0 +1,461 @@
+"""Hybrid (Qwen3.5-style) targets: Gated DeltaNet + gated attention, and the exact rollback of recurrent states.
+
+Oracle: transformers 5.x `Qwen3_5ForCausalLM` (the tests that need it skip on an older transformers). The
+speculative tests use the hand-built copy drafters of tests/helpers.py against a hybrid target whose embeddings and
+head are the copy pair's and whose mixing layers are scaled to 0.3: the target follows the copy cycle only now and
+then, so acceptance is partial and ragged across rows, and its tokens depend on the recurrent states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+import dflash_jax.decode.programs as programs
+import helpers as H
+from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.io.checkpoint import CheckpointError
+from dflash_jax.io.safetensors_io import read_safetensors, write_safetensors
+from dflash_jax.models import deltanet as dn
+from dflash_jax.models.target import KVCache, commit_states, forward_with_cache
+from dflash_jax.params import abstract_drafter, abstract_target
+from random_models import random_params
+
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4)
+# the copy pair's sizes (vocab 48, hidden 64, 2 target layers: taps (1, 0)), a DeltaNet layer then gated attention
+HCFG = Qwen3Config(vocab_size=48, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, rope_theta=10000.0, model_type="qwen3_5",
+                   layer_types=("linear_attention", "full_attention"), partial_rotary_factor=0.25, **LINEAR)
+
+
+def hybrid_copy_target(scale: float = 0.3) -> dj.Target:
+    copy_target, _ = H.build_copy_pair()
+    tp = random_params(abstract_target(HCFG), 5)
+    l0, l1 = tp.layers
+    l0 = dataclasses.replace(l0, linear_attn=dataclasses.replace(l0.linear_attn,
+                                                                 out_proj=scale * l0.linear_attn.out_proj),
+                             mlp=dataclasses.replace(l0.mlp, down_proj=scale * l0.mlp.down_proj))
+    l1 = dataclasses.replace(l1, self_attn=dataclasses.replace(l1.self_attn, o_proj=scale * l1.self_attn.o_proj),
+                             mlp=dataclasses.replace(l1.mlp, down_proj=scale * l1.mlp.down_proj))
+    tp = dataclasses.replace(tp, embed_tokens=copy_target.params.embed_tokens, lm_head=copy_target.params.lm_head,
+                             norm=jnp.zeros((64,), jnp.float32), layers=(l0, l1))  # zero-centred: w = 0 is identity
+    return dj.Target(params=tp, config=HCFG)
+
+
+PROMPTS = H.COPY_PROMPTS + [H.cycle_prompt(27, 12)]  # batch 4, lengths 11, 13, 10, 12
+
+
+@pytest.fixture(scope="module")
+def target():
+    return hybrid_copy_target()
+
+
+@pytest.fixture(scope="module")
+def ar(target):
+    return dj.generate_autoregressive(target, PROMPTS, max_new_tokens=40)
+
+
+# -- the delta rule's two forms ----------------------------------------------------------------------------------
+
+def test_chunked_and_recurrent_forms_agree():
+    rng = np.random.default_rng(0)
+    B, T, nV, dk, dv = 2, 37, 3, 8, 6  # 37 tokens in chunks of 8: five chunks, the last padded
+    q = dn.l2norm(jnp.asarray(rng.standard_normal((B, T, nV, dk)), jnp.float32)) * dk ** -0.5
+    k = dn.l2norm(jnp.asarray(rng.standard_normal((B, T, nV, dk)), jnp.float32))
+    v = jnp.asarray(rng.standard_normal((B, T, nV, dv)), jnp.float32)
+    g = -jnp.asarray(rng.uniform(0.01, 1.0, (B, T, nV)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, (B, T, nV)), jnp.float32)
+    s0 = jnp.asarray(rng.standard_normal((B, nV, dk, dv)), jnp.float32)
+    o_r, s_r = dn.recurrent_rule(q, k, v, g, beta, s0)
+    for chunk in (8, 64):
+        o_c, s_c = dn.chunked_rule(q, k, v, g, beta, s0, chunk)
+        np.testing.assert_allclose(o_c, o_r, atol=2e-5)
+        np.testing.assert_allclose(s_c, s_r, atol=2e-5)
+    # the recurrent form with keep = n leaves exactly the state after n tokens
+    _, s_keep = dn.recurrent_rule(q, k, v, g, beta, s0, keep=jnp.asarray([0, 5]))
+    np.testing.assert_array_equal(s_keep[0], s0[0])
+    np.testing.assert_array_equal(s_keep[1], dn.recurrent_rule(q[1:, :5], k[1:, :5], v[1:, :5], g[1:, :5],
+                                                               beta[1:, :5], s0[1:])[1][0])
+
+
+# -- rollback at every acceptance length ----------------------------------------------------------------------------
+
+def _rollback_gap(target, shift: int = 0):
+    """Rows b = 0..T of one prompt verify the same T = 8 tokens (deferred), then keep n = b of them (+ shift: a planted
+    off-by-one). Returns the largest difference between each row's DeltaNet states and the states that single-token
+    steps over exactly its n tokens leave (conv windows, recurrent state)."""
+    cfg = target.config
+    T = 8
+    B = T + 1
+    prompt = np.tile(np.asarray(H.cycle_prompt(3, 9), np.int32), (B, 1))
+    verify = np.tile(np.asarray([5, 6, 7, 0, 12, 13, 40, 41], np.int32), (B, 1))
+    n = jnp.arange(B, dtype=jnp.int32)
+
+    @jax.jit
+    def prefill(tokens):
+        cache = KVCache.empty(cfg, B, 32)
+        return forward_with_cache(target, tokens, cache, empty_cache=True)[2]
+
+    @jax.jit
+    def verify_and_commit(cache, tokens, keep):
+        _, _, c = forward_with_cache(target, tokens, cache, defer_states=True)
+        return commit_states(c, keep, cfg)
+
+    @jax.jit
+    def step(cache, tokens):
+        return forward_with_cache(target, tokens, cache)[2]
+
+    cache0 = prefill(prompt)
+    got = verify_and_commit(cache0, verify, jnp.clip(n + shift, 0, T))
+    refs = [cache0]
+    for t in range(T):  # the autoregressive path: one token at a time (the recurrent form)
+        refs.append(step(refs[-1], verify[:, t:t + 1]))
+    gap = 0.0
+    for i in cfg.linear_layer_ids:
+        want_conv = np.stack([np.asarray(refs[b].conv[i][b]) for b in range(B)])
+        want_state = np.stack([np.asarray(refs[b].state[i][b]) for b in range(B)])
+        gap = max(gap, float(np.abs(np.asarray(got.conv[i]) - want_conv).max()),
+                  float(np.abs(np.asarray(got.state[i]) - want_state).max()))
+    return gap
+
+
+def test_rollback_at_every_acceptance_length(target):
+    assert _rollback_gap(target) < 1e-5
+
+
+def test_planted_off_by_one_rollback_is_caught(target):
+    assert _rollback_gap(target, shift=1) > 1e-2
+    assert _rollback_gap(target, shift=-1) > 1e-2
+
+
+# -- speculative == autoregressive ----------------------------------------------------------------------------------
+
+def test_greedy_speculative_equals_autoregressive_ragged(target, ar):
+    _, flawed = H.build_copy_pair(H.FLAW)
+    sp = dj.generate(target, flawed, PROMPTS, max_new_tokens=40)
+    H.assert_same(target, PROMPTS, ar, sp, "hybrid")
+    tau = sp.tau_per_row
+    print(f"\n[hybrid speculative] tau {sp.tau:.2f}, per row {np.round(tau, 2).tolist()}")
+    assert 1.5 <= sp.tau <= 5 and tau.max() - tau.min() > 1  # partial and ragged acceptance
+    # a mutant commit (one token too many; too few is caught by the rollback test) breaks it: the greedy tokens
+    # depend on the rollback
+    original = programs.commit_states
+    for shift in (1,):
+        saved = dict(programs._COMPILED)
+        try:
+            programs.commit_states = lambda c, n, cfg, s=shift: original(c, jnp.clip(n + s, 0, 8), cfg)
+            programs._COMPILED.clear()
+            bad = dj.generate(target, flawed, PROMPTS, max_new_tokens=40)
+        finally:
+            programs.commit_states = original
+            programs._COMPILED.clear()
+            programs._COMPILED.update(saved)
+        assert not all(np.array_equal(a, b) for a, b in zip(ar.tokens, bad.tokens)), shift
+
+
+def test_eos_inside_a_block(target, ar):
+    _, flawed = H.build_copy_pair(H.FLAW)
+    row = ar.token_lists()[2]
+    eos = row[5]  # a token of row 2's 6th output: the row stops there, inside a verify block
+    ar_e = dj.generate_autoregressive(target, PROMPTS, max_new_tokens=40, eos_ids=[eos])
+    sp_e = dj.generate(target, flawed, PROMPTS, max_new_tokens=40, eos_ids=[eos])
+    H.assert_same(target, PROMPTS, ar_e, sp_e, "hybrid eos")
+    assert sp_e.finish_reason[2] == "eos" and sp_e.num_tokens[2] == row.index(eos) + 1
+
+
+# -- bad input ----------------------------------------------------------------------------------------------------
+
+def test_bad_hybrid_configs_are_named():
+    with pytest.raises(ValueError, match="sliding_attention"):
+        HCFG.replace(layer_types=("sliding_attention", "full_attention"))
+    with pytest.raises(ValueError, match="linear_num_value_heads"):
+        HCFG.replace(linear_num_value_heads=3)
+    with pytest.raises(ValueError, match="model_type 'qwen3_5'"):
+        HCFG.replace(model_type="qwen3")
+    d = HCFG.to_hf_dict()
+    d["layer_types"] = ["linear_attention", "mamba"]
+    with pytest.raises(NotImplementedError, match="mamba"):
+        Qwen3Config.from_hf_dict(d)
+
+
+def test_drafter_configs_with_rope_parameters_or_rope_theta_read_the_same():
+    """transformers 5.x writes `rope_parameters` (rope_theta inside, none at the top) for drafters too; z-lab's
+    published drafter configs have a top-level rope_theta: both read as one config."""
+    dcfg = DrafterConfig(HCFG.drafter_stack(1).replace(rope_theta=5e5), 8, 47, (0, 1), 2)
+    zlab = dcfg.to_hf_dict()
+    v5 = {k: v for k, v in zlab.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5}
+    assert DrafterConfig.from_hf_dict(zlab) == DrafterConfig.from_hf_dict(v5) == dcfg.replace(
+        model=dcfg.model.replace(compute_dtype=DrafterConfig.from_hf_dict(zlab).model.compute_dtype))
+
+
+def test_drafter_taps_beyond_the_hybrid_target_are_refused(target):
+    m = H.PDCFG.model
+    far = DrafterConfig(m, 8, H.PMASK, (1, 3), 4)  # built for a 4-layer target
+    drafter = dj.Drafter(params=random_params(abstract_drafter(far), 1), config=far)
+    with pytest.raises(ValueError, match=r"target_layer_ids \[3\] outside"):
+        dj.generate(target, drafter, PROMPTS[:1], max_new_tokens=4)
+
+
+def test_saved_hf_folder_roundtrip_and_mismatched_weights(tmp_path, target):
+    folder = dj.save_hf(tmp_path / "t", target)
+    again = dj.load_target(folder, param_dtype="float32", compute_dtype="float32")
+    assert again.config == target.config
+    for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(target.params)):
+        np.testing.assert_array_equal(a, b)
+    saved = dj.load_target(dj.save(tmp_path / "orbax", target), param_dtype="float32", compute_dtype="float32")
+    assert saved.config == target.config  # the orbax format too
+    for a, b in zip(jax.tree.leaves(saved.params), jax.tree.leaves(target.params)):
+        np.testing.assert_array_equal(a, b)
+    for key, value, named in (("linear_conv_kernel_dim", 3, "conv1d"), ("linear_num_value_heads", 2, "in_proj_b")):
+        H.edit_config(folder, lambda d: d.update({key: value, "linear_value_head_dim": 16}
+                                                 if key == "linear_num_value_heads" else {key: value}))
+        with pytest.raises(CheckpointError, match=named):
+            dj.load_target(folder)
+        (folder / "config.json").write_text(json.dumps(target.config.to_hf_dict()))
+
+
+# -- against transformers 5.x ----------------------------------------------------------------------------------------
+
+def _hf_model(tmp_path_factory):
+    qwen3_5 = pytest.importorskip("transformers.models.qwen3_5", reason="the qwen3_5 oracle needs transformers 5.x")
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    c = qwen3_5.Qwen3_5TextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, **{k: v for k, v in LINEAR.items()},
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    m = qwen3_5.Qwen3_5ForCausalLM(c).eval().float()
+    with torch.no_grad():  # O(1) random weights (HF's init makes every layer ~identity), confident logits
+        for name, p in m.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                continue
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.5 if "embed" in name or "lm_head" in name else 0.15)
+    folder = tmp_path_factory.mktemp("qwen3_5") / "text"
+    m.save_pretrained(folder)
+    return m, folder
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    return _hf_model(tmp_path_factory)
+
+
+def test_logits_and_features_match_transformers(hf):
+    import torch
+    m, folder = hf
+    t = dj.load_target(folder, param_dtype="float32", compute_dtype="float32")
+    assert t.config.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert t.config.rotary_dim == 4
+    ids = np.random.default_rng(0).integers(0, 96, (2, 150))  # 150 tokens: three chunks of the chunked form
+    with torch.no_grad():
+        r = m(torch.tensor(ids), output_hidden_states=True)
+    ref = r.logits.numpy()
+    taps = (0, 1, 2)  # the last layer's HF hidden state is the final-normed one, not the layer output
+    logits, feats = dj.target_forward(t, ids, taps)
+    want = np.concatenate([r.hidden_states[i + 1].numpy() for i in taps], axis=-1)
+    d_logits = float(np.abs(np.asarray(logits) - ref).max())
+    d_feats = float(np.abs(np.asarray(feats) - want).max())
+    print(f"\n[qwen3_5 vs transformers] logits |max| {np.abs(ref).max():.1f}: max abs diff {d_logits:.2e}; "
+          f"features {d_feats:.2e}")
+    assert np.abs(ref).max() > 10  # confident logits
+    assert d_logits <= 2e-3 and d_feats <= 2e-3
+
+
+def test_multimodal_layout_loads_identically(hf, tmp_path):
+    _, folder = hf
+    text = dj.load_target(folder, param_dtype="float32", compute_dtype="float32")
+    cfg = json.loads((folder / "config.json").read_text())
+    tensors = read_safetensors(folder / "model.safetensors")
+    mm = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+          for k, v in tensors.items()}
+    mm["model.visual.patch_embed.proj.weight"] = np.zeros((8, 3, 2, 4, 4), np.float32)
+    mm["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
+    out = tmp_path / "mm"
+    out.mkdir()
+    write_safetensors(out / "model.safetensors", mm)
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": cfg,
+        "vision_config": {"depth": 1, "hidden_size": 32, "model_type": "qwen3_5_vision"},
+        "image_token_id": 248056, "tie_word_embeddings": False}))  # an image token outside the vocabulary: harmless
+    with pytest.warns(UserWarning, match="model.visual"):
+        loaded = dj.load_target(out, param_dtype="float32", compute_dtype="float32")
+    assert loaded.config == text.config
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(text.params)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_greedy_autoregressive_matches_transformers(hf):
+    import torch
+    m, folder = hf
+    t = dj.load_target(folder, param_dtype="float32", compute_dtype="float32")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 96, n).tolist() for n in (5, 17)]  # ragged: right padding stays out of the states
+    res = dj.generate_autoregressive(t, prompts, max_new_tokens=64)
+    for b, p in enumerate(prompts):
+        with torch.no_grad():
+            g = m.generate(torch.tensor([p]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
+        np.testing.assert_array_equal(res.tokens[b][:64], g[0, len(p):].numpy(), err_msg=f"row {b}")
+
+
+# -- sampling stays lossless (the exact-law test of tests/test_sampling.py, on a hybrid target) ------------------------
+
+def _sampled_pair():
+    import test_sampling as ts
+    V = ts.V
+    cfg = Qwen3Config(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, rope_theta=10000.0, model_type="qwen3_5",
+                      layer_types=("linear_attention", "full_attention"), partial_rotary_factor=0.5,
+                      linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=4, linear_value_head_dim=4,
+                      linear_conv_kernel_dim=4)
+    dcfg = DrafterConfig(model=cfg.drafter_stack(1), block_size=4, mask_token_id=V - 1, target_layer_ids=(0, 1),
+                         num_target_layers=2)
+    target = dj.Target(params=ts._random_params(abstract_target(cfg), 0, 0.6), config=cfg)
+    drafter = dj.Drafter(params=ts._random_params(abstract_drafter(dcfg), 1, 0.6), config=dcfg)
+    return ts, target, drafter
+
+
+SAMPLED_ROWS = 10_000  # a quarter of test_sampling's N (this file's time); the planted rollback bug moves TV by ~0.9
+
+
+def test_sampled_speculative_output_has_the_hybrid_target_distribution():
+    """Speculative sampling at T = 1.0 and 0.6 on a hybrid target: every position's marginal and two joints match the
+    exact law (enumerated over all continuations) within the suite's bound; with the rollback committing one token too
+    many, the law is off and the same checks fail."""
+    import stats
+    ts, target, drafter = _sampled_pair()
+    logits = np.asarray(dj.target_forward(target, np.asarray(
+        [ts.PROMPT + list(c) for c in __import__("itertools").product(range(ts.V), repeat=ts.L)], np.int32))[0])
+
+    def run(temperature):
+        return dj.generate(target, drafter, [ts.PROMPT] * SAMPLED_ROWS, max_new_tokens=ts.NEW, draft_length=3,
+                           temperature=temperature, seed=0)
+
+    for temperature in (1.0, 0.6):
+        res = run(temperature)
+        hist = res.tau_histogram
+        print(f"\n[hybrid sampled T={temperature}] tau {res.tau:.3f}, steps by committed tokens {hist[1:].tolist()}")
+        assert hist[1] > 0 and hist[2:].sum() > 0.05 * hist.sum()  # rejections and partial acceptance both happen
+        stats.assert_matches("test_hybrid", f"hybrid speculative T={temperature}",
+                             ts.compare(res.tokens, ts.exact_law(logits, temperature)))
+    original = programs.commit_states
+    saved = dict(programs._COMPILED)
+    try:
+        programs.commit_states = lambda c, n, cfg: original(c, jnp.minimum(n + 1, 4), cfg)
+        programs._COMPILED.clear()
+        bad = run(1.0)
+    finally:
+        programs.commit_states = original
+        programs._COMPILED.clear()
+        programs._COMPILED.update(saved)
+    stats.assert_fails("hybrid rollback one token too many", ts.compare(bad.tokens, ts.exact_law(logits, 1.0)))
+
+
+def test_zz_false_alarm_budget():
+    import stats
+    stats.assert_within_budget("test_hybrid")
+
+
+def test_acceptance_lengths_equal_the_cache_free_reference_loop(target):
+    """z-lab's loop, cache-free (tests/helpers.py `reference_acceptance`: every step re-runs the target over the whole
+    committed sequence, so no state is ever rolled back): per-step acceptance lengths equal the loop's, per row."""
+    _, flawed = H.build_copy_pair(H.FLAW)
+    res = dj.generate(target, flawed, PROMPTS, max_new_tokens=20)
+    b = 0  # a row with partial acceptance (tau 2.7 over 40 tokens); the reference loop is slow (two passes a step)
+    acc, out = H.reference_acceptance(target, flawed, PROMPTS[b], max_new=20, max_steps=20)
+    got = res.acceptance_lengths[b][res.acceptance_lengths[b] > 0].tolist()
+    assert got == acc and max(acc) > 1, (got, acc)
+    assert res.token_lists()[b] == out[:20]
+
+
+def test_nvfp4_deltanet_projections_and_audit(target):
+    """quantize_nvfp4 takes the DeltaNet's projections too (in_proj_qkv / z / a / b, out_proj), and every scale of
+    every one reaches the hybrid target's logits (`audit_scales`)."""
+    from dflash_jax.quant.nvfp4 import NVFP4Array
+    q = dj.quantize_nvfp4(target)
+    net = q.params.layers[0].linear_attn
+    assert all(isinstance(getattr(net, f), NVFP4Array) for f in ("in_proj_qkv", "in_proj_z", "in_proj_a",
+                                                                   "in_proj_b", "out_proj"))
+    assert not isinstance(net.A_log, NVFP4Array) and not isinstance(net.conv1d, NVFP4Array)
+    tokens = np.asarray([H.cycle_prompt(3, 12)], np.int32)
+    audit = dj.audit_scales(lambda params, t: dj.target_forward(q.replace(params=params), t)[0], q.params, tokens)
+    # ok: no scale misses the output, and the forward equals the one with every leaf dequantized exactly
+    assert audit.ok and any("in_proj_qkv" in n for n in audit.checked), audit
+
+
+def test_hybrid_loop_lowers_without_data_dependent_loops_or_conditionals(target):
+    """As tests/test_device_lowering.py for dense targets: the speculative program, exported for CUDA, has one
+    data-dependent while (the generation loop itself) and no conditional; the DeltaNet's chunk scan and the rollback
+    scan are static loops; prefill has no data-dependent loop."""
+    from dflash_jax.bench.lowering import loop_report, prefill_module, speculative_module
+    _, flawed = H.build_copy_pair(H.FLAW)
+    rep = loop_report(speculative_module(target, flawed, PROMPTS, chunk=8, max_new_tokens=16))
+    assert rep["conditionals"] == 0 and rep["dynamic"] == 1 and rep["dynamic_at_top"] == 1, rep
+    pre = loop_report(prefill_module(target, flawed, PROMPTS, chunk=8, max_new_tokens=16))
+    assert pre["dynamic"] == 0 and pre["conditionals"] == 0, pre
+
+
+def test_states_after_prefill_and_every_step_match_transformers(hf):
+    """The DeltaNet states themselves (conv window, recurrent state) after prefill and after each of 8 decode steps
+    equal transformers' cache (HF keeps the last K conv inputs, this the last K - 1: the ones a next step reads)."""
+    import torch
+    m, folder = hf
+    t = dj.load_target(folder, param_dtype="float32", compute_dtype="float32")
+    cfg = t.config
+    prompt = np.random.default_rng(2).integers(0, 96, (1, 70))  # 70 tokens: two chunks of the chunked form
+
+    @jax.jit
+    def prefill(tokens):
+        return forward_with_cache(t, tokens, KVCache.empty(cfg, 1, 96), empty_cache=True)
+
+    @jax.jit
+    def step(cache, tokens):
+        return forward_with_cache(t, tokens, cache)
+
+    logits, _, cache = prefill(jnp.asarray(prompt, jnp.int32))
+    with torch.no_grad():
+        out = m(torch.tensor(prompt), use_cache=True)
+    past, worst = out.past_key_values, 0.0
+    for s in range(9):
+        for i in cfg.linear_layer_ids:
+            hf_conv = past.get_conv_state(i).numpy()[:, :, -(cfg.linear_conv_kernel_dim - 1):].transpose(0, 2, 1)
+            hf_state = past.get_recurrent_state(i).numpy()
+            scale = max(1.0, float(np.abs(hf_state).max()))
+            worst = max(worst, float(np.abs(np.asarray(cache.conv[i]) - hf_conv).max()),
+                        float(np.abs(np.asarray(cache.state[i]) - hf_state).max()) / scale)
+        if s == 8:
+            break
+        tok = int(np.asarray(logits)[0, -1].argmax())
+        assert tok == int(out.logits[0, -1].argmax())
+        logits, _, cache = step(cache, jnp.asarray([[tok]], jnp.int32))
+        with torch.no_grad():
+            out = m(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+    print(f"\n[qwen3_5 states vs transformers] after prefill and 8 steps: max diff {worst:.2e}")
+    assert worst <= 2e-3
+
+
+def test_sharded_load_and_generation(tmp_path):
+    """tests/hybrid_sharded_run.py on 4 virtual CPU devices: sharded HF loading (DeltaNet value heads along "model")
+    and greedy speculative tokens equal to one device."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = tmp_path / "out.json"
+    here = Path(__file__).resolve().parent
+    subprocess.run([sys.executable, str(here / "hybrid_sharded_run.py"), str(out)], check=True, timeout=900,
+                   cwd=here.parent)
+    res = json.loads(out.read_text())
+    print(f"\n[hybrid on a data 2 x model 2 mesh] {res}")
+    assert res["values"] and res["placement"] and res["tokens_equal"], res
+    assert res["value_heads_split"] == ["model"], res
