@@ -188,3 +188,14 @@ def test_warm_start_copies_a_drafter_of_the_same_layout_and_names_a_misfit(tiny_
     wider = cfg.replace(model=cfg.model.replace(intermediate_size=32))
     with pytest.raises(ValueError, match="does not fit this dflash drafter"):
         td.warm_start(wider, dj.init_drafter(wider, jax.random.key(7)).params, drafter, exact=True)
+
+
+def test_target_fingerprint_names_weights_and_config(tiny_pair):
+    """The data cache's target stamp: equal for the same target, different when a weight or a config value differs."""
+    target, _ = tiny_pair
+    fp = td.target_fingerprint(target)
+    assert fp == td.target_fingerprint(target.replace(params=jax.tree.map(lambda x: x + 0, target.params)))
+    assert fp != td.target_fingerprint(target.replace(config=target.config.replace(rope_theta=12345.0)))
+    bumped = jax.tree.map(lambda x: x, target.params)
+    bumped = bumped.__class__(**{**bumped.__dict__, "norm": bumped.norm + 1e-3})
+    assert fp != td.target_fingerprint(target.replace(params=bumped))

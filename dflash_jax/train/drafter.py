@@ -262,8 +262,14 @@ def training_prompts(n: int, seed: int, *, packages: bool) -> list[str]:
 
 
 def target_fingerprint(target: Target) -> str:
-    """sha256 (16 hex digits) of the target's config and weights: names the target a data cache was made with."""
-    h = hashlib.sha256(repr(target.config).encode())
+    """sha256 (16 hex digits) of the target's config and weights: names the target a data cache was made with.
+
+    The config enters as its fields that differ from their defaults, so that a config field added later (with a
+    default that keeps old models as they were) does not orphan every data cache made before it."""
+    cfg = target.config
+    changed = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+               if f.default is dataclasses.MISSING or getattr(cfg, f.name) != f.default}
+    h = hashlib.sha256(repr(sorted(changed.items())).encode())
     for leaf in jax.tree.leaves(target.params):
         h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
     return h.hexdigest()[:16]
