@@ -34,7 +34,7 @@ TINY = {
     "--max-new-tokens": "6", "--new-tokens": "6", "--prompts": "2", "--steps": "2", "--batch": "2",
     "--seq-len": "32", "--long-seq-len": "48", "--max-prompt-tokens": "16", "--anchors": "4", "--reps": "2",
     "--warmup": "1", "--budget-s": "30", "--draft-length": "3", "--windows": "4",
-    "--eval-prompts": "1", "--eval-tokens": "6",
+    "--eval-prompts": "1", "--eval-tokens": "6", "--calibration-anchors": "2",
 }
 # Flags that switch a command to its own small configuration (e.g. the GPU report's CPU smoke run).
 TINY_FLAGS = ("--smoke",)
