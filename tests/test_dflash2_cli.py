@@ -22,10 +22,16 @@ def test_load_default_dflash2_says_what_to_do_until_one_is_shipped():
 
 
 # README's `dflash-jax bench --nvfp4 --prompts 8`, exactly as tests/test_docs_commands.py shrinks it: that test does
-# not run it again (RUN_ELSEWHERE_EXACT there checks this call is the shrunk command, argument for argument).
+# not run it again (RUN_ELSEWHERE_EXACT there checks each call below is its shrunk command, argument for argument).
 # (--calibration-anchors and --smoke are taken by every bench and used only by --tau-table / --device-report)
 BENCH_NVFP4_SHRUNK = ["bench", "--nvfp4", "--prompts", "2", "--new-tokens", "6", "--draft-length", "3",
                       "--calibration-anchors", "2", "--smoke"]
+# README's `bench --nvfp4 --dflash2 PATH` and `... --dflash2 /tmp/d2/out`, shrunk: the same DFlash rows with a DFlash2
+# folder that is not there (rows skipped with a note), run right after the bench above, whose programs they reuse.
+BENCH_NVFP4_DFLASH2_PATH_SHRUNK = ["bench", "--nvfp4", "--dflash2", "PATH", "--new-tokens", "6", "--prompts", "2",
+                                   "--draft-length", "3", "--calibration-anchors", "2", "--smoke"]
+BENCH_NVFP4_DFLASH2_D2_OUT_SHRUNK = ["bench", "--nvfp4", "--prompts", "2", "--new-tokens", "6", "--dflash2",
+                                     "/tmp/d2/out", "--draft-length", "3", "--calibration-anchors", "2", "--smoke"]
 
 
 def test_bench_nvfp4_prints_dflash2_rows_and_the_draft_cost_ratio(tmp_path, monkeypatch, capsys):
@@ -42,6 +48,14 @@ def test_bench_nvfp4_prints_dflash2_rows_and_the_draft_cost_ratio(tmp_path, monk
     assert "DFlash2/DFlash tau, NVFP4 both" in out and "NVFP4/dense DFlash2 tau" in out
     assert "draft cost c DFlash2/DFlash" in out
     assert "greedy output identical to autoregressive: 14/14 runs over 7 drafters" in out  # 7 drafters x 2 prompts
+
+    cli.main(BENCH_NVFP4_DFLASH2_PATH_SHRUNK + ["--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert "nvfp4 no-scale tok/s" in out and "nvfp4 tok/s" in out and "dflash2 tok/s" not in out
+    assert "(no DFlash2 drafter at PATH: DFlash2 rows skipped" in out  # PATH: none in this temporary folder
+    cli.main(BENCH_NVFP4_DFLASH2_D2_OUT_SHRUNK + ["--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out  # (DFlash2 rows too if README's training example left a drafter in /tmp/d2/out)
+    assert "nvfp4 no-scale tok/s" in out and "nvfp4 tok/s" in out
 
 
 def test_bench_dflash2_path_loads_that_folder_and_refuses_a_dflash_one(tmp_path):

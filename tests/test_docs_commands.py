@@ -134,6 +134,13 @@ RUN_ELSEWHERE = {
 RUN_ELSEWHERE_EXACT = {
     "dflash-jax bench --nvfp4 --prompts 8": (
         "test_dflash2_cli.py", "test_bench_nvfp4_prints_dflash2_rows_and_the_draft_cost_ratio", "BENCH_NVFP4_SHRUNK"),
+    # the same DFlash rows, the DFlash2 folder missing: run there right after the one above (its programs, warm)
+    "dflash-jax bench --nvfp4 --dflash2 PATH": (
+        "test_dflash2_cli.py", "test_bench_nvfp4_prints_dflash2_rows_and_the_draft_cost_ratio",
+        "BENCH_NVFP4_DFLASH2_PATH_SHRUNK"),
+    "dflash-jax bench --nvfp4 --prompts 1 --new-tokens 32 --dflash2 /tmp/d2/out": (
+        "test_dflash2_cli.py", "test_bench_nvfp4_prints_dflash2_rows_and_the_draft_cost_ratio",
+        "BENCH_NVFP4_DFLASH2_D2_OUT_SHRUNK"),
 }
 
 
@@ -251,7 +258,8 @@ def test_documented_command_runs(command, tmp_path, monkeypatch, capsys):
         pytest.skip(f"shrunk, it is the same run as {same!r}")
     elsewhere = _run_elsewhere(command)
     if elsewhere is not None:
-        pytest.skip(f"shrunk, it is the run tests/{elsewhere[0]}::{elsewhere[1]} makes (with a full budget)")
+        how = "argument for argument" if command in RUN_ELSEWHERE_EXACT else "with a full budget"
+        pytest.skip(f"shrunk, it is the run tests/{elsewhere[0]}::{elsewhere[1]} makes ({how})")
     plus = _same_run_plus(command)
     if plus is not None:
         pytest.skip(f"shrunk, it is the run of {plus[0]!r} plus {' '.join(plus[1])} (run by tests/{plus[2]})")
