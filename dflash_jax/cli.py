@@ -267,7 +267,7 @@ def _tau_table(args, target, drafter, tok, prompts):
         rng = np.random.default_rng(args.seed)
         # 16 calibration windows for the documented 8 prompts; fewer for a smaller run (the tests' tiny one)
         windows = [stream[s:s + 96] for s in rng.integers(0, len(stream) - 96, min(16, 2 * len(prompts)))]
-        cal = calibrate_drafter(target, drafter, windows)
+        cal = calibrate_drafter(target, drafter, windows, anchors_per_window=args.calibration_anchors)
         rtn = quantize_nvfp4(drafter)
         drafters.update({"nvfp4 rtn": rtn, "nvfp4 calibrated": quantize_nvfp4(drafter, method="calibrated",
                                                                               calibration=cal),
@@ -397,6 +397,10 @@ def main(argv=None):
     b.add_argument("--model", choices=("smollm2", "code-5m"), default=None,
                    help="which shipped model (default: $DFLASH_JAX_DEFAULT_MODEL, else smollm2)")
     b.add_argument("--tau-table", action="store_true", help="tau at draft lengths 3/7/15 (+ NVFP4 with --nvfp4)")
+    b.add_argument("--calibration-anchors", type=int, default=8,
+                   help="with --tau-table --nvfp4: draft blocks per calibration window (default 8). Each anchor is "
+                        "one eager draft pass of its own context length (its own op compiles): the tests' shrunk "
+                        "run takes 2")
     b.add_argument("--pair-table", action="store_true",
                    help="dense and NVFP4 drafter: tau and speedup at draft lengths 7 and 15 (or --draft-length), "
                         "greedy and T 0.7 (or --temperature), at each --new-tokens")
@@ -464,6 +468,8 @@ def main(argv=None):
     elif args.cmd == "quality":
         _quality(args)
     elif args.cmd == "bench":
+        if args.calibration_anchors < 1:
+            ap.error(f"--calibration-anchors must be >= 1, got {args.calibration_anchors}")
         if args.temperature is None and not args.pair_table:
             args.temperature = 0.0
         if args.nvfp4 and args.draft_length is None and not args.tau_table:

@@ -144,3 +144,10 @@ def test_gguf_goals_quote_the_acceptance_rate_beside_tau():
     assert out.count("attention .scale = 1 vs intact GGUF: acceptance rate") == 2
     assert "dflash2 nvfp4: tau 1.240 in memory vs 1.240 read back" in out and "(1/700) = 0.04x" in out
     assert "nvfp4 -> GGUF -> nvfp4: greedy tokens identical to the in-memory drafter's on every prompt: True" in out
+
+
+def test_calibration_anchors_below_one_is_a_clear_error(capsys):
+    # checked before any model loads (the tests' shrunk tau table takes 2; 0 would calibrate nothing)
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--tau-table", "--nvfp4", "--calibration-anchors", "0"])
+    assert "--calibration-anchors must be >= 1, got 0" in capsys.readouterr().err

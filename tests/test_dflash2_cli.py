@@ -21,11 +21,22 @@ def test_load_default_dflash2_says_what_to_do_until_one_is_shipped():
     assert dj.load_default()[1].config.kind == "dflash"  # unchanged
 
 
-def test_bench_nvfp4_prints_dflash2_rows_and_the_draft_cost_ratio(tmp_path, capsys):
-    target, _, tok = dj.load_default()
-    d2 = dj.init_drafter(shipped_drafter2_config(target.config, tok.mask_id), jax.random.key(0))
-    dj.save(tmp_path / "d2", d2)
-    cli.main(["bench", "--nvfp4", "--new-tokens", "24", "--prompts", "1", "--dflash2", str(tmp_path / "d2")])
+# README's `dflash-jax bench --nvfp4 --prompts 8`, exactly as tests/test_docs_commands.py shrinks it: that test does
+# not run it again (RUN_ELSEWHERE_EXACT there checks each call below is its shrunk command, argument for argument).
+# (--calibration-anchors and --smoke are taken by every bench and used only by --tau-table / --device-report)
+BENCH_NVFP4_SHRUNK = ["bench", "--nvfp4", "--prompts", "2", "--new-tokens", "6", "--draft-length", "3",
+                      "--calibration-anchors", "2", "--smoke"]
+# README's `bench --nvfp4 --dflash2 PATH` and `... --dflash2 /tmp/d2/out`, shrunk: the same DFlash rows with a DFlash2
+# folder that is not there (rows skipped with a note), run right after the bench above, whose programs they reuse.
+BENCH_NVFP4_DFLASH2_PATH_SHRUNK = ["bench", "--nvfp4", "--dflash2", "PATH", "--new-tokens", "6", "--prompts", "2",
+                                   "--draft-length", "3", "--calibration-anchors", "2", "--smoke"]
+BENCH_NVFP4_DFLASH2_D2_OUT_SHRUNK = ["bench", "--nvfp4", "--prompts", "2", "--new-tokens", "6", "--dflash2",
+                                     "/tmp/d2/out", "--draft-length", "3", "--calibration-anchors", "2", "--smoke"]
+
+
+def test_bench_nvfp4_prints_dflash2_rows_and_the_draft_cost_ratio(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    cli.main(BENCH_NVFP4_SHRUNK + ["--out", str(tmp_path / "out")])  # the shipped DFlash2 drafter
     out = capsys.readouterr().out
     assert "nvfp4 no-scale tok/s" in out and "nvfp4 tok/s" in out  # the DFlash rows
     assert "DFlash2 drafter (same prompts, same run):" in out
@@ -36,4 +47,29 @@ def test_bench_nvfp4_prints_dflash2_rows_and_the_draft_cost_ratio(tmp_path, caps
     # the DFlash2 goal figures, computed from the same run (greedy: every row of both kinds is exact)
     assert "DFlash2/DFlash tau, NVFP4 both" in out and "NVFP4/dense DFlash2 tau" in out
     assert "draft cost c DFlash2/DFlash" in out
-    assert "greedy output identical to autoregressive: 7/7 runs over 7 drafters" in out
+    assert "greedy output identical to autoregressive: 14/14 runs over 7 drafters" in out  # 7 drafters x 2 prompts
+
+    cli.main(BENCH_NVFP4_DFLASH2_PATH_SHRUNK + ["--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert "nvfp4 no-scale tok/s" in out and "nvfp4 tok/s" in out and "dflash2 tok/s" not in out
+    assert "(no DFlash2 drafter at PATH: DFlash2 rows skipped" in out  # PATH: none in this temporary folder
+    cli.main(BENCH_NVFP4_DFLASH2_D2_OUT_SHRUNK + ["--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out  # (DFlash2 rows too if README's training example left a drafter in /tmp/d2/out)
+    assert "nvfp4 no-scale tok/s" in out and "nvfp4 tok/s" in out
+
+
+def test_bench_dflash2_path_loads_that_folder_and_refuses_a_dflash_one(tmp_path):
+    """--dflash2 PATH (the bench above takes the shipped drafter2): a saved DFlash2 folder is what the rows use; a
+    DFlash folder is refused by name. (A missing folder skips the rows with a note: README's `--dflash2 PATH`, run by
+    tests/test_docs_commands.py.)"""
+    import argparse
+
+    target, drafter, tok = dj.load_default()
+    d2 = dj.init_drafter(shipped_drafter2_config(target.config, tok.mask_id), jax.random.key(0))
+    dj.save(tmp_path / "d2", d2)
+    dj.save(tmp_path / "d1", drafter)
+    got = cli._dflash2_drafter(argparse.Namespace(dflash2=str(tmp_path / "d2"), model=None))
+    assert got.config == d2.config
+    assert all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(d2.params)))
+    with pytest.raises(SystemExit, match="holds a dflash drafter, not a DFlash2 one"):
+        cli._dflash2_drafter(argparse.Namespace(dflash2=str(tmp_path / "d1"), model=None))

@@ -34,7 +34,7 @@ TINY = {
     "--max-new-tokens": "6", "--new-tokens": "6", "--prompts": "2", "--steps": "2", "--batch": "2",
     "--seq-len": "32", "--long-seq-len": "48", "--max-prompt-tokens": "16", "--anchors": "4", "--reps": "2",
     "--warmup": "1", "--budget-s": "30", "--draft-length": "3", "--windows": "4",
-    "--eval-prompts": "1", "--eval-tokens": "6",
+    "--eval-prompts": "1", "--eval-tokens": "6", "--calibration-anchors": "2",
 }
 # Flags that switch a command to its own small configuration (e.g. the GPU report's CPU smoke run).
 TINY_FLAGS = ("--smoke",)
@@ -129,7 +129,24 @@ RUN_ELSEWHERE = {
 }
 
 
+# Documented commands whose shrunk run, argument for argument, another test makes and checks in detail: exact command
+# -> (test file, test, the name of the argument list it runs, which it completes with `--out` (a temporary folder)).
+RUN_ELSEWHERE_EXACT = {
+    "dflash-jax bench --nvfp4 --prompts 8": (
+        "test_dflash2_cli.py", "test_bench_nvfp4_prints_dflash2_rows_and_the_draft_cost_ratio", "BENCH_NVFP4_SHRUNK"),
+    # the same DFlash rows, the DFlash2 folder missing: run there right after the one above (its programs, warm)
+    "dflash-jax bench --nvfp4 --dflash2 PATH": (
+        "test_dflash2_cli.py", "test_bench_nvfp4_prints_dflash2_rows_and_the_draft_cost_ratio",
+        "BENCH_NVFP4_DFLASH2_PATH_SHRUNK"),
+    "dflash-jax bench --nvfp4 --prompts 1 --new-tokens 32 --dflash2 /tmp/d2/out": (
+        "test_dflash2_cli.py", "test_bench_nvfp4_prints_dflash2_rows_and_the_draft_cost_ratio",
+        "BENCH_NVFP4_DFLASH2_D2_OUT_SHRUNK"),
+}
+
+
 def _run_elsewhere(command: str):
+    if command in RUN_ELSEWHERE_EXACT:
+        return RUN_ELSEWHERE_EXACT[command][:2]
     return next((v for k, v in RUN_ELSEWHERE.items() if command.startswith(k)), None)
 
 
@@ -173,6 +190,19 @@ def test_commands_run_elsewhere_are_run_there_as_documented(tmp_path):
             assert len(rest) % 2 == 0 and options <= {"--budget-s", *OUTPUTS}, (command, args)
         source = (ROOT / "tests" / file).read_text()
         assert f"def {test}(" in source and call in source, (file, test, call)
+
+
+def test_commands_run_exactly_elsewhere_are_that_very_run(tmp_path):
+    """The other test's argument list plus `--out` is the documented command's shrunk form, and the test runs it."""
+    for command, (file, test, name) in RUN_ELSEWHERE_EXACT.items():
+        assert command in COMMANDS, f"{command!r} is no longer documented: drop it from RUN_ELSEWHERE_EXACT"
+        module = importlib.import_module(Path(file).stem)  # the tests folder is on sys.path
+        main, args = tiny(command, tmp_path)
+        assert main is importlib.import_module("dflash_jax.cli").main
+        assert args == getattr(module, name) + ["--out", str(tmp_path / "out")], (command, args)
+        source = (ROOT / "tests" / file).read_text()
+        body = source[source.index(f"def {test}("):].split("\ndef ")[0]
+        assert f"cli.main({name} + [\"--out\", str(tmp_path / \"out\")])" in body, (file, test)
 
 
 def test_commands_that_add_options_run_elsewhere_are_the_same_run_plus_those():
@@ -228,7 +258,8 @@ def test_documented_command_runs(command, tmp_path, monkeypatch, capsys):
         pytest.skip(f"shrunk, it is the same run as {same!r}")
     elsewhere = _run_elsewhere(command)
     if elsewhere is not None:
-        pytest.skip(f"shrunk, it is the run tests/{elsewhere[0]}::{elsewhere[1]} makes (with a full budget)")
+        how = "argument for argument" if command in RUN_ELSEWHERE_EXACT else "with a full budget"
+        pytest.skip(f"shrunk, it is the run tests/{elsewhere[0]}::{elsewhere[1]} makes ({how})")
     plus = _same_run_plus(command)
     if plus is not None:
         pytest.skip(f"shrunk, it is the run of {plus[0]!r} plus {' '.join(plus[1])} (run by tests/{plus[2]})")

@@ -224,3 +224,13 @@ def test_orbax_round_trip_keeps_w4a4_input_scales(pair, tmp_path):
     assert back.params.layers[1].mlp.up_proj.input_scale is not None
     np.testing.assert_array_equal(np.asarray(dj.draft_logits(target, q4, feats, block)),
                                   np.asarray(dj.draft_logits(target, back, feats, block)))
+
+
+def test_calibrate_drafter_refuses_zero_anchors():
+    # (bench --calibration-anchors: the tests' shrunk tau table takes 2; 0 would collect no activation at all)
+    from types import SimpleNamespace
+
+    from dflash_jax.models.calibrate import calibrate_drafter
+
+    with pytest.raises(ValueError, match="anchors_per_window must be >= 1, got 0"):
+        calibrate_drafter(None, SimpleNamespace(config=None), np.zeros((2, 16), np.int32), anchors_per_window=0)

@@ -25,6 +25,8 @@ def calibrate_drafter(target, drafter, token_windows, *, anchors_per_window: int
     windows = np.asarray(token_windows, np.int32)
     if windows.ndim != 2 or windows.shape[1] < 10:
         raise ValueError(f"token_windows must be [n, T] with T >= 10, got shape {windows.shape}")
+    if anchors_per_window < 1:
+        raise ValueError(f"anchors_per_window must be >= 1, got {anchors_per_window}")
     feats = np.asarray(target_forward(target, windows, cfg.target_layer_ids)[1])
     contexts, blocks = [], []
     k = min(anchors_per_window, windows.shape[1] - 9)
