@@ -36,6 +36,9 @@ is spent):
   4c. the embedded pair in bfloat16 compute: greedy speculative vs autoregressive over 32 prompts x 256 tokens
      (mismatch rate, first divergence) and the programs compiled for 20 prompt lengths over 1..1000 (prefill and
      loop apart);
+  4d. a hybrid target (issue 25; `hybrid_section`): one Gated DeltaNet and one gated-attention layer at
+     Qwen3.5-27B-like shapes, verify (with the exact recurrent-state rollback) vs decode step cost at D = 7 and 15,
+     the DeltaNet state bytes per row, greedy speculative == autoregressive;
   5. last, a sweep of pallas tiles (M = 1 on every shape, M = 16 on 4096x4096; the best per shape, so that
      choose_tiles can be tuned).
 Timings are medians of one run; nothing here asserts a speed.
@@ -387,6 +390,63 @@ def step_cost_section(report: Report, smoke: bool, target_layers: int) -> dict:
     return out
 
 
+# Qwen3.5-27B-like shapes for one layer of each kind (taken as: hidden 5120, MLP 17408, gated attention 24 q / 4 KV
+# heads of 256 with a quarter rotated, DeltaNet 16 key / 48 value heads of 128, conv kernel 4, vocabulary 248,320).
+QWEN3_5_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_attention_heads=24,
+                   num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+                   linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
+HYBRID_SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                    linear_value_head_dim=8, linear_conv_kernel_dim=4)
+
+
+def _hybrid_pair(smoke: bool):
+    """A random hybrid target with one Gated DeltaNet and one gated-attention layer, and a 1-layer DFlash drafter
+    tapping both layers."""
+    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    shape = HYBRID_SMOKE if smoke else QWEN3_5_27B
+    cfg = Qwen3Config(num_hidden_layers=2, model_type="qwen3_5", layer_types=("linear_attention", "full_attention"),
+                      partial_rotary_factor=0.25, rope_theta=1e7, param_dtype=dtype, compute_dtype=dtype, **shape)
+    heads = max(1, cfg.hidden_size // 128)
+    dmodel = Qwen3Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size, num_hidden_layers=1,
+                         num_attention_heads=heads if not smoke else 4, num_key_value_heads=max(1, heads // 5)
+                         if not smoke else 2, head_dim=128 if not smoke else 16, param_dtype=dtype, compute_dtype=dtype)
+    dcfg = DrafterConfig(dmodel, 8, cfg.vocab_size - 1, (0, 1), 2)
+    return init_target(cfg, jax.random.key(0)), init_drafter(dcfg, jax.random.key(1))
+
+
+def hybrid_section(report: Report, smoke: bool) -> dict:
+    """Issue 25 on the device: a hybrid target's verify (with the exact recurrent-state rollback) vs autoregressive
+    step cost at D = 7 and 15, the DeltaNet state bytes per row, and greedy speculative == autoregressive."""
+    t0 = time.perf_counter()
+    target, drafter = _hybrid_pair(smoke)
+    jax.block_until_ready((target, drafter))
+    cfg = target.config
+    out = {"shape": "smoke" if smoke else "Qwen3.5-27B-like, one layer of each kind", "hidden": cfg.hidden_size,
+           "vocab": cfg.vocab_size, "dtype": cfg.compute_dtype, "setup_s": time.perf_counter() - t0, "steps": {}}
+    for D in ((3,) if smoke else (7, 15)):
+        if report.left() < (5 if smoke else 60):
+            report.skip(f"hybrid step costs D={D}", "time budget nearly spent")
+            continue
+        c = bench.step_costs(target, drafter, context_len=64 if smoke else 256, draft_length=D, reps=3 if smoke else 20)
+        out["steps"][f"D{D}"] = c
+        print(f"  hybrid D={D}: " + bench.format_step_costs(c).replace("\n", " | ")
+              + f" | DeltaNet state {c['state_bytes_per_row'] / 2 ** 20:.2f} MiB per row", flush=True)
+        report.section("hybrid", out)
+    if not smoke and report.left() > 60:  # the loop with rollback on the device (CPU: tests/test_hybrid.py)
+        rng = np.random.default_rng(0)
+        prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in (37, 64)]
+        sp = G.generate(target, drafter, prompts, max_new_tokens=64, eos_ids=())
+        ar = G.generate_autoregressive(target, prompts, max_new_tokens=64, eos_ids=())
+        out["greedy_identical_rows"] = sum(a == b for a, b in zip(sp.token_lists(), ar.token_lists()))
+        out["rows"], out["tau"] = len(prompts), sp.tau
+        print(f"  hybrid greedy speculative == autoregressive: {out['greedy_identical_rows']}/{len(prompts)} rows "
+              f"(tau {sp.tau:.2f}, random drafter)", flush=True)
+    report.section("hybrid", out)
+    return out
+
+
 def _set_backend(backend: str | None):
     # generate's programs are keyed on the backend resolved per call, so setting the default is enough
     set_default_backend(backend)
@@ -601,6 +661,16 @@ def markdown(d: dict) -> str:
                   f"- {bench.format_bf16_exactness(ex)}",
                   f"- {c['prompt_lengths']} prompt lengths over 1..{c['max_len']}: {c['loop_programs']} loop "
                   f"program(s), {c['prefill_programs']} prefill programs", ""]
+    if d.get("hybrid"):
+        h = d["hybrid"]
+        lines += [f"## Hybrid target ({h['shape']}, {h['dtype']})", ""]
+        for name, c in h.get("steps", {}).items():
+            lines.append(f"- {name}: decode {c['decode_ms']:.2f} ms, verify {c['verify_ms']:.2f} ms (with rollback), "
+                         f"draft {c['draft_ms']:.2f} ms: r {c['r']:.2f}, c {c['c']:.2f}; DeltaNet state "
+                         f"{c['state_bytes_per_row'] / 2 ** 20:.2f} MiB per row")
+        if "greedy_identical_rows" in h:
+            lines.append(f"- greedy speculative == autoregressive: {h['greedy_identical_rows']}/{h['rows']} rows")
+        lines.append("")
     if d.get("skipped"):
         lines += ["## Skipped", ""] + [f"- {s['what']}: {s['why']}" for s in d["skipped"]] + [""]
     return "\n".join(lines)
@@ -638,6 +708,7 @@ def main(argv: list[str] | None = None) -> dict:
          else report.skip("embedded pair", "--no-embedded")),
         ("programs", lambda: programs_section(report, smoke) if not args.no_embedded
          else report.skip("programs", "--no-embedded")),
+        ("hybrid", lambda: hybrid_section(report, smoke)),
         ("tile_sweep", lambda: tile_sweep(shapes, report, smoke) if not args.no_sweep
          else report.skip("tile sweep", "--no-sweep")),  # last: it only tunes, the rest answers the question
     ]
