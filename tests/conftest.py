@@ -1,7 +1,9 @@
 """Test-session settings, and the end-of-run figures section (tests/report.py)."""
 
+import gc
 import os
 
+import jax
 import pytest
 
 # The CLI switches JAX's persistent compilation cache on by default; tests that call it in-process must not write
@@ -32,7 +34,7 @@ FILE_SECONDS = {
     "test_gguf.py": 40, "test_gguf_drafter.py": 40, "test_drafter_reference.py": 40, "test_dflash2_reference.py": 40,
     "test_dflash2_generate.py": 40, "test_dflash2_checkpoint.py": 40, "test_target.py": 40, "test_eos.py": 30,
     "test_programs.py": 30, "test_device_lowering.py": 30, "test_cli.py": 50, "test_train_cli.py": 50,
-    "test_attention.py": 30,
+    "test_attention.py": 30, "test_hybrid.py": 120,
 }
 DEFAULT_FILE_SECONDS = 20
 
@@ -51,6 +53,16 @@ def pytest_collection_modifyitems(session, config, items):
         first_seen.setdefault(item.path.name, i)
     items.sort(key=lambda item: (-FILE_SECONDS.get(item.path.name, DEFAULT_FILE_SECONDS),
                                  first_seen[item.path.name]))
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """At the end of each file, drop JAX's compiled-function caches: an xdist worker runs dozens of files in one
+    process, and the eager and jitted programs of finished files (audits alone compile hundreds) otherwise pile up to
+    several GB per worker on a 24 GB machine (a worker's XLA compile crashed late in such a run). Programs a later
+    file needs are compiled again; the decode programs' own cache (`decode.programs`) is kept."""
+    if nextitem is None or nextitem.path != item.path:
+        jax.clear_caches()
+        gc.collect()
 
 
 def pytest_sessionfinish(session):
