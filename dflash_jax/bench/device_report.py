@@ -407,11 +407,11 @@ def _hybrid_pair(smoke: bool):
     shape = HYBRID_SMOKE if smoke else QWEN3_5_27B
     cfg = Qwen3Config(num_hidden_layers=2, model_type="qwen3_5", layer_types=("linear_attention", "full_attention"),
                       partial_rotary_factor=0.25, rope_theta=1e7, param_dtype=dtype, compute_dtype=dtype, **shape)
-    heads = max(1, cfg.hidden_size // 128)
+    heads = (dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16) if smoke else
+             dict(num_attention_heads=cfg.hidden_size // 128, num_key_value_heads=8, head_dim=128))
     dmodel = Qwen3Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                         intermediate_size=cfg.intermediate_size, num_hidden_layers=1,
-                         num_attention_heads=heads if not smoke else 4, num_key_value_heads=max(1, heads // 5)
-                         if not smoke else 2, head_dim=128 if not smoke else 16, param_dtype=dtype, compute_dtype=dtype)
+                         intermediate_size=cfg.intermediate_size, num_hidden_layers=1, param_dtype=dtype,
+                         compute_dtype=dtype, **heads)
     dcfg = DrafterConfig(dmodel, 8, cfg.vocab_size - 1, (0, 1), 2)
     return init_target(cfg, jax.random.key(0)), init_drafter(dcfg, jax.random.key(1))
 

@@ -187,14 +187,13 @@ def drafter_loss(cfg: DrafterConfig, target_cfg: Qwen3Config, gamma: float | Non
 
     def loss_fn(params, batch):
         labels, valid = training_labels(batch, bs)
-        if vocab_ids is None:
-            logits = training_logits(params, batch, cfg, target_cfg)
-        else:
-            h, target = training_hidden(params, batch, cfg, target_cfg)
-            logits = head_logits(Drafter(params=params, config=cfg), restricted_head(target, vocab), h)
+        h, target = training_hidden(params, batch, cfg, target_cfg)
+        if vocab_ids is not None:
+            target = restricted_head(target, vocab)
             labels = to_sub[labels]
             valid = valid & (labels >= 0)
             labels = jnp.maximum(labels, 0)
+        logits = head_logits(Drafter(params=params, config=cfg), target, h)  # as `training_logits`
         ce = cross_entropy(logits, labels)
         w = weights[None, None, :] * valid
         loss = jnp.sum(w * ce) / (jnp.sum(w) + 1e-6)
