@@ -30,6 +30,8 @@ def _generate(args):
         target, drafter, tok = load_default(model=args.model, drafter=args.kind)
     except FileNotFoundError as e:  # e.g. the model package is not installed: the message says how to install it
         raise SystemExit(f"error: {e}") from None
+    if args.draft_vocab is not None:
+        drafter = _with_draft_vocab(drafter, args.draft_vocab)
     if args.nvfp4:
         from dflash_jax.quant.quantize import quantize_nvfp4
         drafter = quantize_nvfp4(drafter)
@@ -116,6 +118,15 @@ def _bench(args):
 
     target, drafter, tok = load_default(model=args.model)
     prompts = _heldout_prompts(tok, args.prompts, args.seed)
+    if args.draft_vocab is not None:
+        drafter = _with_draft_vocab(drafter, args.draft_vocab)
+    if args.step_table:
+        lengths = (args.draft_length,) if args.draft_length else (1, 3, 7)
+        rows = bench.step_table(target, drafter, prompts, draft_lengths=lengths, max_new_tokens=args.new_tokens[0],
+                                reps=args.reps)
+        print(f"{len(prompts)} held-out prompts, {args.new_tokens[0]} new tokens, greedy, batch 1, one run")
+        print(bench.format_step_table(rows))
+        return
     if args.tau_table:
         _tau_table(args, target, drafter, tok, prompts)
         return
@@ -250,6 +261,14 @@ def _quality(args):
     print(quality.format_report(r, show=args.show))
 
 
+def _with_draft_vocab(drafter, n: int):
+    """The drafter drafting over the first n token ids (0: the whole vocabulary), a clear error otherwise."""
+    V = drafter.config.model.vocab_size
+    if not 0 <= n <= V:
+        raise SystemExit(f"--draft-vocab {n}: must be 0 (the whole vocabulary) or 1..{V}")
+    return drafter.replace(config=drafter.config.replace(draft_vocab_size=n or None))
+
+
 def _tau_table(args, target, drafter, tok, prompts):
     import jax
     import numpy as np
@@ -378,6 +397,9 @@ def main(argv=None):
     g.add_argument("--no-compare", action="store_true",
                    help="print the text and tau only: skip the autoregressive run and the tokens/s comparison")
     g.add_argument("--kind", choices=("dflash", "dflash2"), default="dflash", help="which shipped drafter")
+    g.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft over the first N token ids only (0: the whole vocabulary; default: the drafter's "
+                        "config)")
     g.add_argument("--model", choices=("smollm2", "code-5m"), default=None,
                    help="which shipped model (default: $DFLASH_JAX_DEFAULT_MODEL, else smollm2, the packaged "
                         "SmolLM2-135M-Instruct with the drafter trained for it)")
@@ -397,6 +419,13 @@ def main(argv=None):
     b.add_argument("--model", choices=("smollm2", "code-5m"), default=None,
                    help="which shipped model (default: $DFLASH_JAX_DEFAULT_MODEL, else smollm2)")
     b.add_argument("--tau-table", action="store_true", help="tau at draft lengths 3/7/15 (+ NVFP4 with --nvfp4)")
+    b.add_argument("--step-table", action="store_true",
+                   help="per draft length (1/3/7, or --draft-length) and draft vocabulary (whole, first 8192, "
+                        "first 4096 ids): verify and draft cost (r, c), tau, predicted and measured speedup")
+    b.add_argument("--reps", type=int, default=30, help="with --step-table: timed rounds per step cost (default 30)")
+    b.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft over the first N token ids only (0: the whole vocabulary; default: the drafter's "
+                        "config)")
     b.add_argument("--calibration-anchors", type=int, default=8,
                    help="with --tau-table --nvfp4: draft blocks per calibration window (default 8). Each anchor is "
                         "one eager draft pass of its own context length (its own op compiles): the tests' shrunk "

@@ -313,6 +313,45 @@ def exact_counts(results: list[dict]) -> tuple[int, int]:
     return sum(a for a, _ in pairs), sum(b for _, b in pairs)
 
 
+def step_table(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, draft_lengths=(1, 3, 7),
+               draft_vocabs=(None, 8192, 4096), max_new_tokens: int = 128, context_len: int = 256,
+               reps: int = 30) -> list[dict]:
+    """What a step costs and what it buys, per (draft length, draft vocabulary): r and c (interleaved step costs at
+    `context_len`), tau, the speedup they predict (tau / (r + c)) and the speedup measured on the same prompts in the
+    same run (medians, greedy, each against the autoregressive runs of its own `compare`). The draft vocabulary is
+    the drafter config's `draft_vocab_size` (None: the whole vocabulary); sizes at or above it are skipped."""
+    V = drafter.config.model.vocab_size
+    variants = {("full" if n is None else f"first {n}"): drafter.replace(config=drafter.config.replace(
+        draft_vocab_size=n)) for n in draft_vocabs if n is None or n < V}
+    rows = []
+    for D in draft_lengths:
+        first, *rest = variants
+        res = compare(target, variants[first], prompts, max_new_tokens=max_new_tokens, draft_length=D,
+                      drafters={n: variants[n] for n in rest})
+        costs = {n: step_costs(target, d, context_len=context_len, draft_length=D, reps=reps)
+                 for n, d in variants.items()}
+        for n in variants:
+            x, c = res["dflash" if n == first else n], costs[n]
+            rows.append({"draft_length": D, "draft_vocab": n, "r": c["r"], "c": c["c"], "decode_ms": c["decode_ms"],
+                         "verify_ms": c["verify_ms"], "draft_ms": c["draft_ms"], "tau": x["tau"],
+                         "predicted": x["tau"] / (c["r"] + c["c"]), "speedup": x["speedup"],
+                         "exact_match": x["exact_match"], "max_new_tokens": max_new_tokens})
+    return rows
+
+
+def format_step_table(rows: list[dict]) -> str:
+    lines = [f"{'D':>3} {'draft vocab':>12} {'verify ms':>9} {'draft ms':>8} {'r':>5} {'c':>5} {'r+c':>5} "
+             f"{'tau':>5} {'tau/(r+c)':>9} {'measured':>8} {'exact':>6}", "-" * 90]
+    for r in rows:
+        lines.append(f"{r['draft_length']:>3} {r['draft_vocab']:>12} {r['verify_ms']:>9.2f} {r['draft_ms']:>8.2f} "
+                     f"{r['r']:>5.2f} {r['c']:>5.2f} {r['r'] + r['c']:>5.2f} {r['tau']:>5.2f} "
+                     f"{r['predicted']:>8.2f}x {r['speedup']:>7.2f}x {r['exact_match']:>6}")
+    decode = statistics.median(r["decode_ms"] for r in rows)
+    lines.append(f"decode (1 token) median {decode:.2f} ms; r = verify / decode, c = draft / decode (interleaved "
+                 f"medians); 'measured' = decode tokens/s speculative / autoregressive, medians over prompts")
+    return "\n".join(lines)
+
+
 def tau_table(target: Target, drafters: dict, prompts: Sequence[Sequence[int]], *, draft_lengths=(3, 7, 15),
               max_new_tokens: int = 128, eos_ids=(), temperature: float = 0.0) -> list[dict]:
     """tau, acceptance rate and per-position acceptance for each drafter and draft length (one batched call each)."""

@@ -26,7 +26,7 @@ means slot k predicts token p+k+1; a DFlash drafter predicts token p+k: written 
 `dflash.attention.causal`; `dflash.embedding_scale`, `dflash.logit_scale`, `dflash.final_logit_softcapping`;
 DFlash2 `dflash.conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`. The engine's files carry no
 vocabulary size and no target depth (both come from the target at run time): `save_gguf` also writes
-`dflash.vocab_size` and `dflash.target_block_count`, and `load_drafter` takes `vocab_size=` / `num_target_layers=`
+`dflash.vocab_size` and `dflash.target_block_count` (and `dflash.draft_vocab_size` for a draft vocabulary), and `load_drafter` takes `vocab_size=` / `num_target_layers=`
 for files without them (the vocabulary is otherwise read from `tokenizer.ggml.tokens` or the selector codebooks).
 """
 
@@ -180,6 +180,8 @@ def config_metadata(cfg: DrafterConfig) -> list[tuple[str, int, Any]]:
         kv.append((f"{a}.logit_scale", T_FLOAT32, cfg.output_multiplier))
     if cfg.final_logit_softcapping is not None:
         kv.append((f"{a}.final_logit_softcapping", T_FLOAT32, cfg.final_logit_softcapping))
+    if cfg.draft_vocab_size is not None:  # this project's key (llama.cpp ignores it and drafts over all ids)
+        kv.append((f"{a}.draft_vocab_size", T_UINT32, cfg.draft_vocab_size))
     if cfg.is_dflash2:
         kv += [(f"{a}.conv_kernel_size", T_UINT32, cfg.conv_kernel_size),
                (f"{a}.conv_group_size", T_UINT32, cfg.conv_group_size),
@@ -302,7 +304,10 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict, path, *, vocab_siz
                              input_embedding_scale=num(f"{a}.embedding_scale", 1.0, float),
                              output_multiplier=num(f"{a}.logit_scale", 1.0, float),
                              final_logit_softcapping=meta.get(f"{a}.final_logit_softcapping") and
-                             num(f"{a}.final_logit_softcapping", kind=float), **extra)
+                             num(f"{a}.final_logit_softcapping", kind=float),
+                             draft_vocab_size=num(f"{a}.draft_vocab_size") if f"{a}.draft_vocab_size" in meta
+                             else None,
+                             **extra)
     except ValueError as e:
         raise GGUFError(f"{path}: {e}") from None
 

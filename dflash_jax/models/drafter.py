@@ -122,16 +122,26 @@ def embed_block(drafter: Drafter, target: Target, block: jax.Array) -> jax.Array
     return x if scale == 1.0 else x * jnp.asarray(scale, x.dtype)
 
 
-def head_logits(drafter: Drafter, target: Target, h: jax.Array) -> jax.Array:
+def head_logits(drafter: Drafter, target: Target, h: jax.Array, *, full_vocabulary: bool = False) -> jax.Array:
     """Draft logits [.., V] f32 of final hidden states h [.., H]: the target's lm_head, times output_multiplier,
-    then cap * tanh(logits / cap) when final_logit_softcapping is set (z-lab `compute_logits`)."""
+    then cap * tanh(logits / cap) when final_logit_softcapping is set (z-lab `compute_logits`).
+
+    With a draft vocabulary (config.draft_vocab_size = n) only the head's first n rows are computed and ids >= n get
+    -inf: argmax, sampling and rejection sampling then treat them as impossible drafts (probability 0) with no other
+    change. full_vocabulary: all V logits regardless (training, whose loss vocabulary is its own choice)."""
     dcfg = drafter.config
-    logits = linear(h, target.lm_head).astype(jnp.float32)
+    V = dcfg.model.vocab_size
+    n = None if full_vocabulary else dcfg.draft_vocab_size
+    head = target.lm_head
+    logits = linear(h, head, out_rows=n).astype(jnp.float32)  # [.., n or V]
     if dcfg.output_multiplier != 1.0:
         logits = logits * dcfg.output_multiplier
     if dcfg.final_logit_softcapping is not None:
         cap = dcfg.final_logit_softcapping
         logits = jnp.tanh(logits / cap) * cap
+    if logits.shape[-1] != V:
+        logits = jnp.pad(logits, [(0, 0)] * (logits.ndim - 1) + [(0, V - logits.shape[-1])],
+                         constant_values=-jnp.inf)  # [.., V]
     return logits
 
 

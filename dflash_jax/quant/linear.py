@@ -265,15 +265,33 @@ class DequantizedNVFP4:
         return len(self.shape)
 
 
+def _leading_rows(w: Any, n: int) -> Any:
+    """The first n output rows of a weight [out, in]: rows carry their own block scales, and the tensor scale is
+    shared, so a prefix of an NVFP4Array is the NVFP4Array of that prefix."""
+    out = w.shape[0]
+    if not 1 <= n <= out:
+        raise ValueError(f"linear: out_rows {n} outside 1..{out} (the weight has {out} output rows)")
+    if isinstance(w, NVFP4Array):
+        return w.replace(packed=w.packed[:n], block_scale=w.block_scale[:n], shape=(n, *w.shape[1:]))
+    if isinstance(w, DequantizedNVFP4):
+        return w.replace(weight=w.weight[:n], packed=w.packed[:n], block_scale=w.block_scale[:n],
+                         shape=(n, *w.shape[1:]))
+    return w[:n]
+
+
 # Calibration hook: when set (by quantize.collect_linear_inputs, in eager mode), called with (x, w) for every linear.
 _input_recorder = None
 
 
-def linear(x: jax.Array, w: Any, *, backend: str | None = None) -> jax.Array:
+def linear(x: jax.Array, w: Any, *, backend: str | None = None, out_rows: int | None = None) -> jax.Array:
     """y = x @ w.T for w [out, in] (dense array or NVFP4Array); returns [..., out] in x.dtype.
 
-    Accumulates in float32. `backend` only matters for NVFP4 weights (see module doc).
+    Accumulates in float32. `backend` only matters for NVFP4 weights (see module doc). out_rows: compute only the
+    first out_rows outputs (a static prefix of w's rows, with their scales; the rest of w is never read), e.g. a
+    drafter's LM head over its draft vocabulary.
     """
+    if out_rows is not None and out_rows != w.shape[0]:
+        w = _leading_rows(w, out_rows)
     if _input_recorder is not None:
         _input_recorder(x, w)
     w_shape = tuple(w.shape)

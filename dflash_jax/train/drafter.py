@@ -136,7 +136,7 @@ def training_logits(params, batch, cfg: DrafterConfig, target_cfg: Qwen3Config) 
     """Logits [B, N, bs-1, V] of block slots 1..bs-1 for every anchor (see `training_hidden`); output_multiplier
     and final_logit_softcapping applied as at inference."""
     h, target = training_hidden(params, batch, cfg, target_cfg)
-    return head_logits(Drafter(params=params, config=cfg), target, h)  # [B, N, bs-1, V]
+    return head_logits(Drafter(params=params, config=cfg), target, h, full_vocabulary=True)  # [B, N, bs-1, V]
 
 
 def training_labels(batch, block_size: int) -> tuple[jax.Array, jax.Array]:
@@ -193,7 +193,8 @@ def drafter_loss(cfg: DrafterConfig, target_cfg: Qwen3Config, gamma: float | Non
             labels = to_sub[labels]
             valid = valid & (labels >= 0)
             labels = jnp.maximum(labels, 0)
-        logits = head_logits(Drafter(params=params, config=cfg), target, h)  # as `training_logits`
+        # as `training_logits`
+        logits = head_logits(Drafter(params=params, config=cfg), target, h, full_vocabulary=True)
         ce = cross_entropy(logits, labels)
         w = weights[None, None, :] * valid
         loss = jnp.sum(w * ce) / (jnp.sum(w) + 1e-6)

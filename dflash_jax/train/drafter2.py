@@ -91,7 +91,7 @@ def drafter2_loss(cfg: DrafterConfig, target_cfg: Qwen3Config, gamma: float | No
 
     def loss_fn(params, batch):
         h, target = training_hidden(params, batch, cfg, target_cfg)  # [B, N, D, H]
-        logits = head_logits(Drafter(params=params, config=cfg), target, h)  # [B, N, D, V]
+        logits = head_logits(Drafter(params=params, config=cfg), target, h, full_vocabulary=True)  # [B, N, D, V]
         labels, valid = training_labels(batch, bs)
         w = weights[None, None, :] * valid
         base = jnp.sum(w * cross_entropy(logits, labels)) / (jnp.sum(w) + 1e-6)
