@@ -71,30 +71,39 @@ class TensorInfo:
         return self.shape[-1] // self.block_size * self.type_size if self.shape else self.type_size
 
 
+def _describe(what) -> str:
+    return what() if callable(what) else what
+
+
 class _Cursor:
     """Bounds-checked little-endian reads from the mapped file; `what` names the key / tensor being read."""
 
     def __init__(self, buf: np.ndarray, path: Path):
-        self.buf, self.pos, self.size, self.path = buf, 0, int(buf.shape[0]), path
+        # One memoryview over the map: slicing it is cheap, where slicing the np.memmap makes a new memmap object
+        # per read (a tokenizer's ~100k strings took seconds that way).
+        self.buf, self.pos, self.size, self.path = memoryview(buf), 0, int(buf.shape[0]), path
 
-    def take(self, n: int, what: str) -> memoryview:
+    def take(self, n: int, what) -> memoryview:
+        """`what`: a description, or a callable making one (built only for the error message)."""
         if n < 0 or self.pos + n > self.size:
+            what = what() if callable(what) else what
             raise GGUFError(f"{self.path}: truncated file: reading {what} needs bytes [{self.pos}, {self.pos + n}) "
                             f"but the file has {self.size}")
-        out = memoryview(self.buf[self.pos:self.pos + n])
+        out = self.buf[self.pos:self.pos + n]
         self.pos += n
         return out
 
-    def scalar(self, fmt: str, what: str):
+    def scalar(self, fmt: str, what):
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
 
-    def string(self, what: str) -> str:
-        n = self.scalar("<Q", what + " (string length)")
+    def string(self, what) -> str:
+        n = self.scalar("<Q", (lambda: _describe(what) + " (string length)") if callable(what)
+                        else what + " (string length)")
         raw = self.take(n, what)
         try:
-            return bytes(raw).decode("utf-8")
+            return str(raw, "utf-8")
         except UnicodeDecodeError as e:
-            raise GGUFError(f"{self.path}: {what} is not valid UTF-8 ({e})") from None
+            raise GGUFError(f"{self.path}: {_describe(what)} is not valid UTF-8 ({e})") from None
 
     def value(self, vtype: int, what: str) -> Any:
         if vtype in _SCALAR_FORMATS:
@@ -109,8 +118,8 @@ class _Cursor:
                 dt = np.dtype(_SCALAR_DTYPES[etype]).newbyteorder("<")
                 raw = self.take(count * dt.itemsize, f"{what} ({count} x {VALUE_TYPE_NAMES[etype]})")
                 return np.frombuffer(raw, dtype=dt).astype(dt.newbyteorder("="))
-            if etype == 8:
-                return [self.string(f"{what}[{i}]") for i in range(count)]
+            if etype == 8:  # element names are made only for an error: a vocabulary holds ~10^5 strings
+                return [self.string(lambda i=i: f"{what}[{i}]") for i in range(count)]
             if etype == 9:
                 return [self.value(9, f"{what}[{i}]") for i in range(count)]
             raise GGUFError(f"{self.path}: {what}: unknown array element type {etype}")
