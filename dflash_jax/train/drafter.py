@@ -420,9 +420,10 @@ def tau_eval_fn(target, cfg: DrafterConfig, prompts, max_new_tokens: int, draft_
 
 
 def train_and_save(cfg: DrafterConfig, target, data: dict, args, work: Path, loss_fn, eval_fn, *, desc: str,
-                   exact_warm_start: bool) -> tuple[Drafter, list[dict]]:
+                   exact_warm_start: bool, draft_vocab: int = 0) -> tuple[Drafter, list[dict]]:
     """The run both drafter kinds share: fresh params (or --init-from's, see `warm_start`), the training loop over
-    the shared flags (orbax checkpoints and log under `work`, so a rerun resumes), saved to --out."""
+    the shared flags (orbax checkpoints and log under `work`, so a rerun resumes), saved to --out (drafting over
+    the first `draft_vocab` ids when > 0: an inference setting, so training itself does not see it)."""
     params = init_drafter(cfg, jax.random.key(args.seed + 1)).params
     if args.init_from:
         params = warm_start(cfg, params, load_drafter(args.init_from), exact=exact_warm_start)
@@ -432,7 +433,7 @@ def train_and_save(cfg: DrafterConfig, target, data: dict, args, work: Path, los
                                                  seed=args.seed),
                           optim=optim, ckpt_dir=work / "ckpt", eval_fn=eval_fn, eval_every=args.eval_every,
                           ckpt_every=args.ckpt_every, desc=desc, log_file=work / "log.jsonl")
-    drafter = Drafter(params=params, config=cfg)
+    drafter = Drafter(params=params, config=cfg.replace(draft_vocab_size=draft_vocab or None))
     save(args.out, drafter)
     return drafter, history
 
@@ -496,12 +497,18 @@ def main(argv=None):
     ap.add_argument("--loss-vocab-first-ids", type=int, default=8192,
                     help="with --loss-vocab data, also every token id below this (a BPE vocabulary's common pieces, "
                          "as negatives)")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="the saved drafter drafts over the first N token ids only (its config's draft_vocab_size; "
+                         "0 = the whole vocabulary). Training is unchanged; the final held-out tau is measured with "
+                         "it (the periodic evaluations draft over the whole vocabulary)")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
     resolve_target_and_tokenizer(args)
     tok = load_training_tokenizer(args.tokenizer)
     target = load_target(args.target, compute_dtype="float32")
+    if not 0 <= args.draft_vocab <= target.config.vocab_size:  # refused before any work
+        raise SystemExit(f"--draft-vocab {args.draft_vocab}: must be 1..{target.config.vocab_size} (0: all)")
     cfg = shipped_drafter_config(target.config, mask_token_id(tok, args), layers=args.layers, block_size=args.block_size,
                                  taps=args.taps, tap_ids=args.tap_ids)
     work = Path(args.work_dir)
@@ -516,7 +523,7 @@ def main(argv=None):
     drafter, history = train_and_save(cfg, target, data, args, work, drafter_loss(cfg, target.config,
                                                                                   vocab_ids=vocab_ids),
                                       tau_eval_fn(target, cfg, eval_prompts, args.eval_tokens, d7, eval_eos(tok, args)),
-                                      desc="drafter", exact_warm_start=True)
+                                      desc="drafter", exact_warm_start=True, draft_vocab=args.draft_vocab)
     final = measure_tau(target, drafter, eval_prompts, max_new_tokens=args.eval_tokens, draft_length=d7,
                         eos_ids=eval_eos(tok, args))
     report = {"command": "dflash-jax train-drafter " + " ".join(argv or []), "steps": args.steps,
@@ -526,6 +533,7 @@ def main(argv=None):
               "sampled_fraction": args.sampled_fraction, "sample_temperature": args.sample_temperature,
               "gamma": decay_gamma(args.block_size), "init_from": args.init_from,
               "loss_vocab": len(vocab_ids) if vocab_ids is not None else target.config.vocab_size,
+              "draft_vocab": drafter.config.drafted_vocab,
               "train_loss": history[-1]["loss"] if history else None,
               "train_acc": history[-1].get("acc") if history else None,
               f"tau_eval_{len(eval_prompts)}_prompts_{args.eval_tokens}_tokens_D{d7}": final["tau"],
