@@ -170,6 +170,57 @@ def test_eos_inside_a_block(target, ar):
     assert sp_e.finish_reason[2] == "eos" and sp_e.num_tokens[2] == row.index(eos) + 1
 
 
+# -- DFlash2 drafters on a hybrid target ---------------------------------------------------------------------------
+
+def hybrid_dflash2(tap_scale: float = 0.05) -> dj.Drafter:
+    """The flawed copy drafter as DFlash2 (conv 0.05 around the identity, a weak selector: tests/test_dflash2_generate.py's
+    copy setting) that reads BOTH taps: fc's second half (the DeltaNet layer 0's output; the copy pair leaves it 0) gets
+    random weights, so its drafts, and hence the acceptance lengths, depend on the DeltaNet features in the loop."""
+    _, flawed = H.build_copy_pair(H.FLAW)
+    d2 = H.as_dflash2(flawed, 1, codebook_scale=0.3, tap_scale=0.05, proj_scale=0.05)
+    fc = d2.params.fc  # [H, 2H]: taps (1, 0) = (attention layer 1, DeltaNet layer 0)
+    noise = jax.random.normal(jax.random.key(7), (fc.shape[0], fc.shape[1] // 2), fc.dtype) / np.sqrt(fc.shape[0])
+    return d2.replace(params=dataclasses.replace(d2.params, fc=fc.at[:, fc.shape[1] // 2:].set(tap_scale * noise)))
+
+
+@pytest.fixture(scope="module")
+def dflash2_run(target):
+    drafter = hybrid_dflash2()
+    return drafter, dj.generate(target, drafter, PROMPTS, max_new_tokens=40)
+
+
+def test_greedy_dflash2_speculative_equals_autoregressive_ragged(target, ar, dflash2_run):
+    drafter, sp = dflash2_run
+    assert drafter.config.kind == "dflash2"
+    assert [target.config.layer_type(i) for i in drafter.config.target_layer_ids] == ["full_attention",
+                                                                                      "linear_attention"]
+    H.assert_same(target, PROMPTS, ar, sp, "hybrid dflash2")
+    tau = sp.tau_per_row
+    print(f"\n[hybrid dflash2 speculative] tau {sp.tau:.2f}, per row {np.round(tau, 2).tolist()}")
+    assert 1.5 <= sp.tau <= 5 and tau.max() - tau.min() > 1  # partial and ragged acceptance
+
+
+def test_dflash2_acceptance_lengths_equal_the_cache_free_reference_loop(target, dflash2_run):
+    """Per-step acceptance lengths of the DFlash2 drafter equal the cache-free loop's (the selector walk on features
+    of a fresh `target_forward` each step): the features of both tapped layers, DeltaNet included, are right after
+    every rollback. The drafter's DeltaNet tap matters: zeroing it changes the drafts."""
+    from dflash_jax.models.drafter import draft_tokens
+    drafter, sp = dflash2_run
+    b = 0
+    acc, out = H.reference_acceptance(target, drafter, PROMPTS[b], max_new=40, max_steps=6, propose=draft_tokens)
+    got = sp.acceptance_lengths[b][sp.acceptance_lengths[b] > 0].tolist()
+    assert got[:len(acc)] == acc and max(acc) > 1 and min(acc) < 8, (got, acc)
+    np.testing.assert_array_equal(sp.tokens[b, :len(out)], out)
+    feats = dj.target_forward(target, H.pad_to(PROMPTS[b], 16), drafter.config.target_layer_ids)[1][:, :10]
+    block = np.full((1, 8), drafter.config.mask_token_id, np.int32)
+    block[0, 0] = PROMPTS[b][9]
+    no_tap = drafter.replace(params=dataclasses.replace(
+        drafter.params, fc=drafter.params.fc.at[:, drafter.params.fc.shape[1] // 2:].set(0.0)))
+    a = np.asarray(dj.draft_logits(target, drafter, feats, block))
+    z = np.asarray(dj.draft_logits(target, no_tap, feats, block))
+    assert np.abs(a - z).max() > 0.1  # the DeltaNet tap reaches the draft logits
+
+
 # -- bad input ----------------------------------------------------------------------------------------------------
 
 def test_bad_hybrid_configs_are_named():
@@ -328,37 +379,58 @@ def _sampled_pair():
 SAMPLED_ROWS = 10_000  # a quarter of test_sampling's N (this file's time); the planted rollback bug moves TV by ~0.9
 
 
-def test_sampled_speculative_output_has_the_hybrid_target_distribution():
+@pytest.fixture(scope="module")
+def sampled():
+    """(test_sampling, hybrid target, DFlash drafter, the exact law's logits: every continuation enumerated)."""
+    ts, target, drafter = _sampled_pair()
+    logits = np.asarray(dj.target_forward(target, np.asarray(
+        [ts.PROMPT + list(c) for c in __import__("itertools").product(range(ts.V), repeat=ts.L)], np.int32))[0])
+    return ts, target, drafter, logits
+
+
+def _sampled_run(ts, target, drafter, temperature):
+    return dj.generate(target, drafter, [ts.PROMPT] * SAMPLED_ROWS, max_new_tokens=ts.NEW, draft_length=3,
+                       temperature=temperature, seed=0)
+
+
+def _assert_sampled_law(ts, res, logits, temperature, label):
+    import stats
+    hist = res.tau_histogram
+    print(f"\n[{label} T={temperature}] tau {res.tau:.3f}, steps by committed tokens {hist[1:].tolist()}")
+    assert hist[1] > 0 and hist[2:].sum() > 0.05 * hist.sum()  # rejections and partial acceptance both happen
+    stats.assert_matches("test_hybrid", f"{label} T={temperature}",
+                         ts.compare(res.tokens, ts.exact_law(logits, temperature)))
+
+
+def test_sampled_speculative_output_has_the_hybrid_target_distribution(sampled):
     """Speculative sampling at T = 1.0 and 0.6 on a hybrid target: every position's marginal and two joints match the
     exact law (enumerated over all continuations) within the suite's bound; with the rollback committing one token too
     many, the law is off and the same checks fail."""
     import stats
-    ts, target, drafter = _sampled_pair()
-    logits = np.asarray(dj.target_forward(target, np.asarray(
-        [ts.PROMPT + list(c) for c in __import__("itertools").product(range(ts.V), repeat=ts.L)], np.int32))[0])
-
-    def run(temperature):
-        return dj.generate(target, drafter, [ts.PROMPT] * SAMPLED_ROWS, max_new_tokens=ts.NEW, draft_length=3,
-                           temperature=temperature, seed=0)
-
+    ts, target, drafter, logits = sampled
     for temperature in (1.0, 0.6):
-        res = run(temperature)
-        hist = res.tau_histogram
-        print(f"\n[hybrid sampled T={temperature}] tau {res.tau:.3f}, steps by committed tokens {hist[1:].tolist()}")
-        assert hist[1] > 0 and hist[2:].sum() > 0.05 * hist.sum()  # rejections and partial acceptance both happen
-        stats.assert_matches("test_hybrid", f"hybrid speculative T={temperature}",
-                             ts.compare(res.tokens, ts.exact_law(logits, temperature)))
+        _assert_sampled_law(ts, _sampled_run(ts, target, drafter, temperature), logits, temperature,
+                            "hybrid speculative")
     original = programs.commit_states
     saved = dict(programs._COMPILED)
     try:
         programs.commit_states = lambda c, n, cfg: original(c, jnp.minimum(n + 1, 4), cfg)
         programs._COMPILED.clear()
-        bad = run(1.0)
+        bad = _sampled_run(ts, target, drafter, 1.0)
     finally:
         programs.commit_states = original
         programs._COMPILED.clear()
         programs._COMPILED.update(saved)
     stats.assert_fails("hybrid rollback one token too many", ts.compare(bad.tokens, ts.exact_law(logits, 1.0)))
+
+
+def test_sampled_dflash2_speculative_output_has_the_hybrid_target_distribution(sampled):
+    """The same law at T = 1.0 with a DFlash2 drafter tapping both layers (DeltaNet 0, attention 1): its top-4 of 8
+    candidates make q zero on half the vocabulary, so the residual max(p - q, 0) is exercised too."""
+    ts, target, drafter, logits = sampled
+    d2 = H.as_dflash2(drafter, 3, group=8, rank=4, top_k=4, codebook_scale=1.0, tap_scale=0.3)
+    assert d2.config.target_layer_ids == (0, 1)
+    _assert_sampled_law(ts, _sampled_run(ts, target, d2, 1.0), logits, 1.0, "hybrid dflash2 speculative")
 
 
 def test_zz_false_alarm_budget():
