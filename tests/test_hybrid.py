@@ -24,7 +24,7 @@ from dflash_jax.io.checkpoint import CheckpointError
 from dflash_jax.io.safetensors_io import read_safetensors, write_safetensors
 from dflash_jax.models import deltanet as dn
 from dflash_jax.models.target import KVCache, commit_states, forward_with_cache
-from dflash_jax.params import abstract_drafter, abstract_target
+from dflash_jax.params import abstract_drafter, abstract_target, linear_qkv_order
 from random_models import random_params
 
 LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
@@ -39,8 +39,11 @@ def hybrid_copy_target(scale: float = 0.3) -> dj.Target:
     copy_target, _ = H.build_copy_pair()
     tp = random_params(abstract_target(HCFG), 5)
     l0, l1 = tp.layers
-    l0 = dataclasses.replace(l0, linear_attn=dataclasses.replace(l0.linear_attn,
-                                                                 out_proj=scale * l0.linear_attn.out_proj),
+    net, order = l0.linear_attn, linear_qkv_order(HCFG)
+    # the random q/k/v rows read as HF's q | k | v order, regrouped by key head as held (the model these tests' tau
+    # figures were tuned on)
+    net = dataclasses.replace(net, in_proj_qkv=net.in_proj_qkv[order], conv1d=net.conv1d[order])
+    l0 = dataclasses.replace(l0, linear_attn=dataclasses.replace(net, out_proj=scale * net.out_proj),
                              mlp=dataclasses.replace(l0.mlp, down_proj=scale * l0.mlp.down_proj))
     l1 = dataclasses.replace(l1, self_attn=dataclasses.replace(l1.self_attn, o_proj=scale * l1.self_attn.o_proj),
                              mlp=dataclasses.replace(l1.mlp, down_proj=scale * l1.mlp.down_proj))
@@ -173,8 +176,8 @@ def test_eos_inside_a_block(target, ar):
 # -- DFlash2 drafters on a hybrid target ---------------------------------------------------------------------------
 
 def hybrid_dflash2(tap_scale: float = 0.05) -> dj.Drafter:
-    """The flawed copy drafter as DFlash2 (conv 0.05 around the identity, a weak selector: tests/test_dflash2_generate.py's
-    copy setting) that reads BOTH taps: fc's second half (the DeltaNet layer 0's output; the copy pair leaves it 0) gets
+    """The flawed copy drafter as DFlash2 (conv 0.05 around the identity, a weak selector: the copy setting of
+    tests/test_dflash2_generate.py) that reads BOTH taps: fc's second half (the DeltaNet layer 0's output; the copy pair leaves it 0) gets
     random weights, so its drafts, and hence the acceptance lengths, depend on the DeltaNet features in the loop."""
     _, flawed = H.build_copy_pair(H.FLAW)
     d2 = H.as_dflash2(flawed, 1, codebook_scale=0.3, tap_scale=0.05, proj_scale=0.05)
@@ -264,6 +267,19 @@ def test_saved_hf_folder_roundtrip_and_mismatched_weights(tmp_path, target):
     saved = dj.load_target(dj.save(tmp_path / "orbax", target), param_dtype="float32", compute_dtype="float32")
     assert saved.config == target.config  # the orbax format too
     for a, b in zip(jax.tree.leaves(saved.params), jax.tree.leaves(target.params)):
+        np.testing.assert_array_equal(a, b)
+    # an orbax save of version 1 held in_proj_qkv / conv1d in HF's q | k | v order: regrouped on load
+    inv = np.argsort(linear_qkv_order(HCFG))
+    l0 = target.params.layers[0]
+    v1 = dataclasses.replace(l0.linear_attn, in_proj_qkv=l0.linear_attn.in_proj_qkv[inv],
+                             conv1d=l0.linear_attn.conv1d[inv])
+    old = target.replace(params=dataclasses.replace(target.params, layers=(
+        dataclasses.replace(l0, linear_attn=v1),) + target.params.layers[1:]))
+    folder1 = dj.save(tmp_path / "orbax_v1", old)
+    meta = json.loads((folder1 / "dflash_jax.json").read_text())
+    (folder1 / "dflash_jax.json").write_text(json.dumps({**meta, "version": 1}))
+    again1 = dj.load_target(folder1, param_dtype="float32", compute_dtype="float32")
+    for a, b in zip(jax.tree.leaves(again1.params), jax.tree.leaves(target.params)):
         np.testing.assert_array_equal(a, b)
     for key, value, named in (("linear_conv_kernel_dim", 3, "conv1d"), ("linear_num_value_heads", 2, "in_proj_b")):
         H.edit_config(folder, lambda d: d.update({key: value, "linear_value_head_dim": 16}
@@ -450,11 +466,17 @@ def test_acceptance_lengths_equal_the_cache_free_reference_loop(target):
     assert res.token_lists()[b] == out[:20]
 
 
-def test_nvfp4_deltanet_projections_and_audit(target):
+def test_nvfp4_deltanet_projections_and_audit(target, tmp_path):
     """quantize_nvfp4 takes the DeltaNet's projections too (in_proj_qkv / z / a / b, out_proj), and every scale of
-    every one reaches the hybrid target's logits (`audit_scales`)."""
+    every one reaches the hybrid target's logits (`audit_scales`). Written as a ModelOpt folder (in_proj_qkv's codes
+    and block scales back in HF's q | k | v row order) and read back: bit-identical."""
     from dflash_jax.quant.nvfp4 import NVFP4Array
     q = dj.quantize_nvfp4(target)
+    folder = dj.save_hf(tmp_path / "nvfp4", q)
+    H.assert_bit_exact(dj.load_target(folder, param_dtype="float32", compute_dtype="float32").params, q.params)
+    hf_rows = read_safetensors(folder / "model.safetensors")["model.layers.0.linear_attn.in_proj_qkv.weight"]
+    held = q.params.layers[0].linear_attn.in_proj_qkv
+    np.testing.assert_array_equal(hf_rows[linear_qkv_order(HCFG)], np.asarray(held.packed))
     net = q.params.layers[0].linear_attn
     assert all(isinstance(getattr(net, f), NVFP4Array) for f in ("in_proj_qkv", "in_proj_z", "in_proj_a",
                                                                    "in_proj_b", "out_proj"))
@@ -479,7 +501,8 @@ def test_hybrid_loop_lowers_without_data_dependent_loops_or_conditionals(target)
 
 def test_states_after_prefill_and_every_step_match_transformers(hf):
     """The DeltaNet states themselves (conv window, recurrent state) after prefill and after each of 8 decode steps
-    equal transformers' cache (HF keeps the last K conv inputs, this the last K - 1: the ones a next step reads)."""
+    equal transformers' cache (HF keeps the last K conv inputs, this the last K - 1: the ones a next step reads; its
+    channels are q | k | v, here grouped by key head)."""
     import torch
     m, folder = hf
     t = dj.load_target(folder, param_dtype="float32", compute_dtype="float32")
@@ -501,6 +524,7 @@ def test_states_after_prefill_and_every_step_match_transformers(hf):
     for s in range(9):
         for i in cfg.linear_layer_ids:
             hf_conv = past.get_conv_state(i).numpy()[:, :, -(cfg.linear_conv_kernel_dim - 1):].transpose(0, 2, 1)
+            hf_conv = hf_conv[..., linear_qkv_order(cfg)]  # HF's q | k | v channels, grouped by key head here
             hf_state = past.get_recurrent_state(i).numpy()
             scale = max(1.0, float(np.abs(hf_state).max()))
             worst = max(worst, float(np.abs(np.asarray(cache.conv[i]) - hf_conv).max()),
@@ -518,8 +542,9 @@ def test_states_after_prefill_and_every_step_match_transformers(hf):
 
 
 def test_sharded_load_and_generation(tmp_path):
-    """tests/hybrid_sharded_run.py on 4 virtual CPU devices: sharded HF loading (DeltaNet value heads along "model")
-    and greedy speculative tokens equal to one device."""
+    """tests/hybrid_sharded_run.py on 8 virtual CPU devices: sharded HF loading (DeltaNet value heads along "model", and
+    in_proj_qkv / conv1d at whole key heads when the model axis divides them, else replicated), logits equal to one
+    device's, and greedy speculative tokens on a (data 2, model 2) mesh equal to one device's."""
     import subprocess
     import sys
     from pathlib import Path
@@ -528,6 +553,11 @@ def test_sharded_load_and_generation(tmp_path):
     subprocess.run([sys.executable, str(here / "hybrid_sharded_run.py"), str(out)], check=True, timeout=900,
                    cwd=here.parent)
     res = json.loads(out.read_text())
-    print(f"\n[hybrid on a data 2 x model 2 mesh] {res}")
+    print(f"\n[hybrid on 8 virtual devices] {res}")
     assert res["values"] and res["placement"] and res["tokens_equal"], res
     assert res["value_heads_split"] == ["model"], res
+    # q / k / v (in_proj_qkv rows, conv channels) split at whole key heads where the model axis divides them
+    assert res["qkv_split_model2"] == res["qkv_split_model4"] == ["model", None], res
+    assert res["conv_split_model4"] == ["model", None, None] and res["whole_heads_per_device"], res
+    assert res["logits_max_diff_model4"] <= 1e-3 and res["logits_argmax_equal_model4"], res
+    assert res["qkv_split_2_key_heads_model4"] == [None, None] and res["logits_max_diff_replicated_qkv"] <= 1e-3, res
