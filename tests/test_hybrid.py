@@ -177,8 +177,9 @@ def test_eos_inside_a_block(target, ar):
 
 def hybrid_dflash2(tap_scale: float = 0.05) -> dj.Drafter:
     """The flawed copy drafter as DFlash2 (conv 0.05 around the identity, a weak selector: the copy setting of
-    tests/test_dflash2_generate.py) that reads BOTH taps: fc's second half (the DeltaNet layer 0's output; the copy pair leaves it 0) gets
-    random weights, so its drafts, and hence the acceptance lengths, depend on the DeltaNet features in the loop."""
+    tests/test_dflash2_generate.py) that reads BOTH taps: fc's second half (the DeltaNet layer 0's output; the copy
+    pair leaves it 0) gets random weights, so its drafts, and hence the acceptance lengths, depend on the DeltaNet
+    features in the loop."""
     _, flawed = H.build_copy_pair(H.FLAW)
     d2 = H.as_dflash2(flawed, 1, codebook_scale=0.3, tap_scale=0.05, proj_scale=0.05)
     fc = d2.params.fc  # [H, 2H]: taps (1, 0) = (attention layer 1, DeltaNet layer 0)
@@ -373,6 +374,42 @@ def test_greedy_autoregressive_matches_transformers(hf):
         with torch.no_grad():
             g = m.generate(torch.tensor([p]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
         np.testing.assert_array_equal(res.tokens[b][:64], g[0, len(p):].numpy(), err_msg=f"row {b}")
+
+
+# -- llama.cpp's qwen35 GGUF -----------------------------------------------------------------------------------------
+
+def test_qwen35_gguf_loads_as_transformers(hf, tmp_path):
+    """The tiny transformers model written as llama.cpp's converter writes a qwen35 GGUF (tests/gguf_files.py: norms
+    stored 1 + w, ssm_a = -exp(A_log), squeezed conv, value heads tiled: 2 key / 4 value heads make that a real
+    reorder) loads as the HF folder does, and its logits are transformers'."""
+    import torch
+    from gguf_files import write_qwen35_gguf
+    m, folder = hf
+    path = write_qwen35_gguf(tmp_path / "q.gguf", m)
+    t = dj.load_target(path, param_dtype="float32", compute_dtype="float32")
+    ref = dj.load_target(folder, param_dtype="float32", compute_dtype="float32")
+    same = dict(bos_token_id=None, eos_token_id=None, rms_norm_eps=1e-6)  # GGUF: no token ids here, eps in float32
+    assert t.config.replace(**same) == ref.config.replace(**same)
+    worst = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                for a, b in zip(jax.tree.leaves(t.params), jax.tree.leaves(ref.params)))
+    assert worst <= 1e-5, worst  # (1 + w) - 1 and log(exp(A_log)) round in float32
+    ids = np.random.default_rng(3).integers(0, 96, (2, 70))
+    with torch.no_grad():
+        want = m(torch.tensor(ids)).logits.numpy()
+    d = float(np.abs(np.asarray(dj.target_forward(t, ids)[0]) - want).max())
+    print(f"\n[qwen35 GGUF vs transformers] weights within {worst:.1e}; logits max abs diff {d:.2e}")
+    assert d <= 2e-3
+
+
+def test_qwen35_gguf_bad_input_is_named(hf, tmp_path):
+    from gguf_files import write_qwen35_gguf
+    m, _ = hf
+    with pytest.raises(CheckpointError, match="'blk.1.ssm_a'"):
+        dj.load_target(write_qwen35_gguf(tmp_path / "a.gguf", m, drop=("blk.1.ssm_a",)))
+    with pytest.raises(CheckpointError, match=r"'blk.0.ssm_conv1d.weight' has shape \[64, 1, 4\].*\[64, 1, 3\]"):
+        dj.load_target(write_qwen35_gguf(tmp_path / "k.gguf", m, meta={"qwen35.ssm.conv_kernel": 3}))
+    with pytest.raises(CheckpointError, match="qwen35.ssm.group_count"):
+        dj.load_target(write_qwen35_gguf(tmp_path / "g.gguf", m, meta={"qwen35.ssm.group_count": 3}))
 
 
 # -- sampling stays lossless (the exact-law test of tests/test_sampling.py, on a hybrid target) ------------------------

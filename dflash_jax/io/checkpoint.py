@@ -375,10 +375,10 @@ def _dtypes(param_dtype: str | None, compute_dtype: str | None) -> tuple[str, st
 
 
 def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dtype: str | None = None, mesh=None):
-    """A Target from an HF Qwen3, Qwen2 or Llama folder (`model_type` qwen3 / qwen2 / llama; optionally ModelOpt
-    NVFP4), a folder written by `save`, or a llama.cpp GGUF file of the llama / qwen2 / qwen3 architectures (a
-    `.gguf` suffix or the GGUF magic; see `dflash_jax.io.gguf_model`). A config this decoder cannot run is refused
-    naming the key.
+    """A Target from an HF Qwen3, Qwen2, Llama or Qwen3.5 folder (`model_type` qwen3 / qwen2 / llama / qwen3_5;
+    optionally ModelOpt NVFP4), a folder written by `save`, or a llama.cpp GGUF file of the llama / qwen2 / qwen3 /
+    qwen35 (hybrid) architectures (a `.gguf` suffix or the GGUF magic; see `dflash_jax.io.gguf_model`). A config
+    this decoder cannot run is refused naming the key.
 
     Dtypes: see `_dtypes` (compute: bf16 on accelerators, f32 on CPU; parameters: the compute dtype).
     mesh: a `dflash_jax.parallel.sharding.make_mesh` mesh: HF safetensors go straight into sharded device arrays (each device
