@@ -211,7 +211,8 @@ def test_dflash2_acceptance_lengths_equal_the_cache_free_reference_loop(target, 
     from dflash_jax.models.drafter import draft_tokens
     drafter, sp = dflash2_run
     b = 0
-    acc, out = H.reference_acceptance(target, drafter, PROMPTS[b], max_new=40, max_steps=6, propose=draft_tokens)
+    # max_new 20: the DFlash reference test's width, so the target_forward programs are shared (compiles dominate)
+    acc, out = H.reference_acceptance(target, drafter, PROMPTS[b], max_new=20, max_steps=6, propose=draft_tokens)
     got = sp.acceptance_lengths[b][sp.acceptance_lengths[b] > 0].tolist()
     assert got[:len(acc)] == acc and max(acc) > 1 and min(acc) < 8, (got, acc)
     np.testing.assert_array_equal(sp.tokens[b, :len(out)], out)
