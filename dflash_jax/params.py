@@ -114,13 +114,17 @@ class DFlash2Layer:
 @_dataclass
 class GatedDeltaNet:
     """Qwen3.5's linear attention (HF `Qwen3_5GatedDeltaNet`, see models/deltanet.py). Kd = key heads x key dim,
-    Vd = value heads x value dim, C = 2 Kd + Vd conv channels (q, k, v side by side), nV value heads."""
+    Vd = value heads x value dim, C = 2 Kd + Vd conv channels, nV value heads.
 
-    in_proj_qkv: Any  # [C, H]
+    in_proj_qkv's rows and conv1d's channels are held grouped by key head (`linear_qkv_order`), not in HF's
+    q | k | v order: so one PartitionSpec along "model" gives each device whole key heads with their value heads,
+    consistent with in_proj_z / a / b. Loaders permute on the way in, `save_hf` back on the way out."""
+
+    in_proj_qkv: Any  # [C, H], rows grouped by key head
     in_proj_z: Any  # [Vd, H]: the output gate of the gated norm
     in_proj_b: Any  # [nV, H]: beta = sigmoid(b), the delta rule's write strength
     in_proj_a: Any  # [nV, H]: the decay's input, g = -exp(A_log) * softplus(a + dt_bias)
-    conv1d: Any  # [C, 1, K] depthwise causal conv (HF's Conv1d weight layout), no bias
+    conv1d: Any  # [C, 1, K] depthwise causal conv (HF's Conv1d weight layout, channels grouped as in_proj_qkv), no bias
     A_log: Any  # [nV]
     dt_bias: Any  # [nV]
     norm: Any  # [dv] the gated RMSNorm's weight (applied as w, not 1 + w)
@@ -172,9 +176,25 @@ def abstract_mlp(cfg: Qwen3Config) -> MLP:
                down_proj=ParamSpec((H, I), ("embed", "mlp")))
 
 
+def linear_qkv_order(cfg: Qwen3Config) -> np.ndarray:
+    """[C] int: row g of the held in_proj_qkv (and channel g of conv1d) is HF's row order[g].
+
+    HF stacks all q heads, then all k heads, then all v heads; held, each key head h is followed by its k head and
+    its r = nV / nK value heads (the ones that read it): [q_h (dk) | k_h (dk) | v_{h r} .. v_{h r + r - 1} (r dv)].
+    A contiguous split into m parts (m dividing nK) is then whole key heads plus exactly the value heads that
+    in_proj_z / a / b's split at whole value heads puts on the same device; with a fused q | k | v no single split
+    can be (device 0 would get all of q and part of k)."""
+    nK, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r, Kd = cfg.linear_num_value_heads // nK, cfg.linear_key_dim
+    h = np.arange(nK)[:, None]
+    q = h * dk + np.arange(dk)[None, :]  # [nK, dk]
+    v = 2 * Kd + h * r * dv + np.arange(r * dv)[None, :]  # [nK, r dv]
+    return np.concatenate([q, Kd + q, v], axis=1).reshape(-1)
+
+
 def abstract_linear_attn_layer(cfg: Qwen3Config) -> LinearAttnLayer:
-    """A Gated DeltaNet layer. Its heads shard along "model" (logical axes linear_*): the conv channels, the gates
-    and the per-head decay parameters follow the heads they belong to."""
+    """A Gated DeltaNet layer. Its heads shard along "model" (logical axes linear_*): the conv channels (grouped by key
+    head, `linear_qkv_order`), the gates and the per-head decay parameters follow the heads they belong to."""
     H, C, nV = cfg.hidden_size, cfg.linear_conv_dim, cfg.linear_num_value_heads
     Vd, K = cfg.linear_value_dim, cfg.linear_conv_kernel_dim
     net = GatedDeltaNet(

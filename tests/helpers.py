@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from random_models import random_params
+from random_models import nontrivial_dflash2, random_params
 from dflash_jax.config import DrafterConfig, Qwen3Config
 from dflash_jax.io.safetensors_io import write_safetensors
 from dflash_jax.models.drafter import draft_proposal
-from dflash_jax.params import abstract_drafter, abstract_target
+from dflash_jax.params import abstract_drafter, abstract_target, from_named, named_leaves
 from dflash_jax.quant.linear import set_default_backend
 
 # The package re-exports the *function* as `dflash_jax.quant.linear`, shadowing the submodule.
@@ -154,6 +154,20 @@ def build_copy_pair(flaw: tuple[tuple[int, int], ...] = ()):
     fc[:, :PH] = np.eye(PH)  # first tap (layer 1 output ~ the token's embedding)
     dp = dataclasses.replace(dp, fc=f32(fc), layers=(l0,))
     return target, dj.Drafter(params=dp, config=PDCFG)
+
+
+def as_dflash2(drafter: dj.Drafter, seed: int, *, group: int = 16, rank: int = 8, top_k: int = 8,
+               **scales) -> dj.Drafter:
+    """The same drafter as DFlash2 (conv group size `group`, selector rank `rank`, top-`top_k` candidates) with the
+    fresh conv and selector made non-trivial (`random_models.nontrivial_dflash2`, `scales` passed on); the DFlash
+    weights it shares are kept as they are."""
+    cfg = dataclasses.replace(drafter.config, kind="dflash2", conv_group_size=group, selector_rank=rank,
+                              selector_top_k=top_k)
+    named = dict(named_leaves(drafter.params))
+    fresh = named_leaves(dj.init_drafter(cfg, jax.random.key(seed)).params)
+    named.update({n: v for n, v in fresh.items() if n not in named})
+    params = nontrivial_dflash2(from_named(abstract_drafter(cfg), named), seed, **scales)
+    return dj.Drafter(params=params, config=cfg)
 
 
 def cycle_prompt(first: int, n: int):

@@ -21,11 +21,11 @@ import pytest
 
 import dflash_jax as dj
 from random_models import make_target, nontrivial_dflash2, random_params
-from helpers import (COPY_MAX_NEW, COPY_PROMPTS, FLAW, PBS, assert_same, build_copy_pair, host_ops, pad_to,
+from helpers import (COPY_MAX_NEW, as_dflash2, COPY_PROMPTS, FLAW, PBS, assert_same, build_copy_pair, host_ops, pad_to,
                      primitives, prompt_batches, reference_acceptance, tiny_qwen3)
 from dflash_jax.config import DrafterConfig
 from dflash_jax.models.drafter import draft_tokens
-from dflash_jax.params import abstract_drafter, from_named, named_leaves
+from dflash_jax.params import abstract_drafter
 import report  # tests/report.py
 
 G = importlib.import_module("dflash_jax.decode.programs")
@@ -56,16 +56,6 @@ def _nontrivial(params, seed, **scales):
 
 def make_dflash2(cfg: DrafterConfig, seed: int) -> dj.Drafter:
     return dj.Drafter(params=_nontrivial(random_params(abstract_drafter(cfg), seed), seed + 50), config=cfg)
-
-
-def as_dflash2(drafter: dj.Drafter, seed: int, **scales) -> dj.Drafter:
-    """The same drafter as DFlash2 (group size 16, rank 8, top-8 candidates) with non-trivial conv and selector."""
-    cfg = dataclasses.replace(drafter.config, kind="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=8)
-    named = dict(named_leaves(drafter.params))
-    fresh = named_leaves(dj.init_drafter(cfg, jax.random.key(seed)).params)
-    named.update({n: v for n, v in fresh.items() if n not in named})
-    params = _nontrivial(from_named(abstract_drafter(cfg), named), seed, **scales)
-    return dj.Drafter(params=params, config=cfg)
 
 
 @pytest.fixture(scope="module")

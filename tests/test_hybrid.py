@@ -24,7 +24,7 @@ from dflash_jax.io.checkpoint import CheckpointError
 from dflash_jax.io.safetensors_io import read_safetensors, write_safetensors
 from dflash_jax.models import deltanet as dn
 from dflash_jax.models.target import KVCache, commit_states, forward_with_cache
-from dflash_jax.params import abstract_drafter, abstract_target
+from dflash_jax.params import abstract_drafter, abstract_target, linear_qkv_order
 from random_models import random_params
 
 LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
@@ -39,8 +39,11 @@ def hybrid_copy_target(scale: float = 0.3) -> dj.Target:
     copy_target, _ = H.build_copy_pair()
     tp = random_params(abstract_target(HCFG), 5)
     l0, l1 = tp.layers
-    l0 = dataclasses.replace(l0, linear_attn=dataclasses.replace(l0.linear_attn,
-                                                                 out_proj=scale * l0.linear_attn.out_proj),
+    net, order = l0.linear_attn, linear_qkv_order(HCFG)
+    # the random q/k/v rows read as HF's q | k | v order, regrouped by key head as held (the model these tests' tau
+    # figures were tuned on)
+    net = dataclasses.replace(net, in_proj_qkv=net.in_proj_qkv[order], conv1d=net.conv1d[order])
+    l0 = dataclasses.replace(l0, linear_attn=dataclasses.replace(net, out_proj=scale * net.out_proj),
                              mlp=dataclasses.replace(l0.mlp, down_proj=scale * l0.mlp.down_proj))
     l1 = dataclasses.replace(l1, self_attn=dataclasses.replace(l1.self_attn, o_proj=scale * l1.self_attn.o_proj),
                              mlp=dataclasses.replace(l1.mlp, down_proj=scale * l1.mlp.down_proj))
@@ -170,6 +173,59 @@ def test_eos_inside_a_block(target, ar):
     assert sp_e.finish_reason[2] == "eos" and sp_e.num_tokens[2] == row.index(eos) + 1
 
 
+# -- DFlash2 drafters on a hybrid target ---------------------------------------------------------------------------
+
+def hybrid_dflash2(tap_scale: float = 0.05) -> dj.Drafter:
+    """The flawed copy drafter as DFlash2 (conv 0.05 around the identity, a weak selector: the copy setting of
+    tests/test_dflash2_generate.py) that reads BOTH taps: fc's second half (the DeltaNet layer 0's output; the copy
+    pair leaves it 0) gets random weights, so its drafts, and hence the acceptance lengths, depend on the DeltaNet
+    features in the loop."""
+    _, flawed = H.build_copy_pair(H.FLAW)
+    d2 = H.as_dflash2(flawed, 1, codebook_scale=0.3, tap_scale=0.05, proj_scale=0.05)
+    fc = d2.params.fc  # [H, 2H]: taps (1, 0) = (attention layer 1, DeltaNet layer 0)
+    noise = jax.random.normal(jax.random.key(7), (fc.shape[0], fc.shape[1] // 2), fc.dtype) / np.sqrt(fc.shape[0])
+    return d2.replace(params=dataclasses.replace(d2.params, fc=fc.at[:, fc.shape[1] // 2:].set(tap_scale * noise)))
+
+
+@pytest.fixture(scope="module")
+def dflash2_run(target):
+    drafter = hybrid_dflash2()
+    return drafter, dj.generate(target, drafter, PROMPTS, max_new_tokens=40)
+
+
+def test_greedy_dflash2_speculative_equals_autoregressive_ragged(target, ar, dflash2_run):
+    drafter, sp = dflash2_run
+    assert drafter.config.kind == "dflash2"
+    assert [target.config.layer_type(i) for i in drafter.config.target_layer_ids] == ["full_attention",
+                                                                                      "linear_attention"]
+    H.assert_same(target, PROMPTS, ar, sp, "hybrid dflash2")
+    tau = sp.tau_per_row
+    print(f"\n[hybrid dflash2 speculative] tau {sp.tau:.2f}, per row {np.round(tau, 2).tolist()}")
+    assert 1.5 <= sp.tau <= 5 and tau.max() - tau.min() > 1  # partial and ragged acceptance
+
+
+def test_dflash2_acceptance_lengths_equal_the_cache_free_reference_loop(target, dflash2_run):
+    """Per-step acceptance lengths of the DFlash2 drafter equal the cache-free loop's (the selector walk on features
+    of a fresh `target_forward` each step): the features of both tapped layers, DeltaNet included, are right after
+    every rollback. The drafter's DeltaNet tap matters: zeroing it changes the drafts."""
+    from dflash_jax.models.drafter import draft_tokens
+    drafter, sp = dflash2_run
+    b = 0
+    # max_new 20: the DFlash reference test's width, so the target_forward programs are shared (compiles dominate)
+    acc, out = H.reference_acceptance(target, drafter, PROMPTS[b], max_new=20, max_steps=6, propose=draft_tokens)
+    got = sp.acceptance_lengths[b][sp.acceptance_lengths[b] > 0].tolist()
+    assert got[:len(acc)] == acc and max(acc) > 1 and min(acc) < 8, (got, acc)
+    np.testing.assert_array_equal(sp.tokens[b, :len(out)], out)
+    feats = dj.target_forward(target, H.pad_to(PROMPTS[b], 16), drafter.config.target_layer_ids)[1][:, :10]
+    block = np.full((1, 8), drafter.config.mask_token_id, np.int32)
+    block[0, 0] = PROMPTS[b][9]
+    no_tap = drafter.replace(params=dataclasses.replace(
+        drafter.params, fc=drafter.params.fc.at[:, drafter.params.fc.shape[1] // 2:].set(0.0)))
+    a = np.asarray(dj.draft_logits(target, drafter, feats, block))
+    z = np.asarray(dj.draft_logits(target, no_tap, feats, block))
+    assert np.abs(a - z).max() > 0.1  # the DeltaNet tap reaches the draft logits
+
+
 # -- bad input ----------------------------------------------------------------------------------------------------
 
 def test_bad_hybrid_configs_are_named():
@@ -213,6 +269,19 @@ def test_saved_hf_folder_roundtrip_and_mismatched_weights(tmp_path, target):
     saved = dj.load_target(dj.save(tmp_path / "orbax", target), param_dtype="float32", compute_dtype="float32")
     assert saved.config == target.config  # the orbax format too
     for a, b in zip(jax.tree.leaves(saved.params), jax.tree.leaves(target.params)):
+        np.testing.assert_array_equal(a, b)
+    # an orbax save of version 1 held in_proj_qkv / conv1d in HF's q | k | v order: regrouped on load
+    inv = np.argsort(linear_qkv_order(HCFG))
+    l0 = target.params.layers[0]
+    v1 = dataclasses.replace(l0.linear_attn, in_proj_qkv=l0.linear_attn.in_proj_qkv[inv],
+                             conv1d=l0.linear_attn.conv1d[inv])
+    old = target.replace(params=dataclasses.replace(target.params, layers=(
+        dataclasses.replace(l0, linear_attn=v1),) + target.params.layers[1:]))
+    folder1 = dj.save(tmp_path / "orbax_v1", old)
+    meta = json.loads((folder1 / "dflash_jax.json").read_text())
+    (folder1 / "dflash_jax.json").write_text(json.dumps({**meta, "version": 1}))
+    again1 = dj.load_target(folder1, param_dtype="float32", compute_dtype="float32")
+    for a, b in zip(jax.tree.leaves(again1.params), jax.tree.leaves(target.params)):
         np.testing.assert_array_equal(a, b)
     for key, value, named in (("linear_conv_kernel_dim", 3, "conv1d"), ("linear_num_value_heads", 2, "in_proj_b")):
         H.edit_config(folder, lambda d: d.update({key: value, "linear_value_head_dim": 16}
@@ -308,6 +377,42 @@ def test_greedy_autoregressive_matches_transformers(hf):
         np.testing.assert_array_equal(res.tokens[b][:64], g[0, len(p):].numpy(), err_msg=f"row {b}")
 
 
+# -- llama.cpp's qwen35 GGUF -----------------------------------------------------------------------------------------
+
+def test_qwen35_gguf_loads_as_transformers(hf, tmp_path):
+    """The tiny transformers model written as llama.cpp's converter writes a qwen35 GGUF (tests/gguf_files.py: norms
+    stored 1 + w, ssm_a = -exp(A_log), squeezed conv, value heads tiled: 2 key / 4 value heads make that a real
+    reorder) loads as the HF folder does, and its logits are transformers'."""
+    import torch
+    from gguf_files import write_qwen35_gguf
+    m, folder = hf
+    path = write_qwen35_gguf(tmp_path / "q.gguf", m)
+    t = dj.load_target(path, param_dtype="float32", compute_dtype="float32")
+    ref = dj.load_target(folder, param_dtype="float32", compute_dtype="float32")
+    same = dict(bos_token_id=None, eos_token_id=None, rms_norm_eps=1e-6)  # GGUF: no token ids here, eps in float32
+    assert t.config.replace(**same) == ref.config.replace(**same)
+    worst = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                for a, b in zip(jax.tree.leaves(t.params), jax.tree.leaves(ref.params)))
+    assert worst <= 1e-5, worst  # (1 + w) - 1 and log(exp(A_log)) round in float32
+    ids = np.random.default_rng(3).integers(0, 96, (2, 70))
+    with torch.no_grad():
+        want = m(torch.tensor(ids)).logits.numpy()
+    d = float(np.abs(np.asarray(dj.target_forward(t, ids)[0]) - want).max())
+    print(f"\n[qwen35 GGUF vs transformers] weights within {worst:.1e}; logits max abs diff {d:.2e}")
+    assert d <= 2e-3
+
+
+def test_qwen35_gguf_bad_input_is_named(hf, tmp_path):
+    from gguf_files import write_qwen35_gguf
+    m, _ = hf
+    with pytest.raises(CheckpointError, match="'blk.1.ssm_a'"):
+        dj.load_target(write_qwen35_gguf(tmp_path / "a.gguf", m, drop=("blk.1.ssm_a",)))
+    with pytest.raises(CheckpointError, match=r"'blk.0.ssm_conv1d.weight' has shape \[64, 1, 4\].*\[64, 1, 3\]"):
+        dj.load_target(write_qwen35_gguf(tmp_path / "k.gguf", m, meta={"qwen35.ssm.conv_kernel": 3}))
+    with pytest.raises(CheckpointError, match="qwen35.ssm.group_count"):
+        dj.load_target(write_qwen35_gguf(tmp_path / "g.gguf", m, meta={"qwen35.ssm.group_count": 3}))
+
+
 # -- sampling stays lossless (the exact-law test of tests/test_sampling.py, on a hybrid target) ------------------------
 
 def _sampled_pair():
@@ -328,37 +433,58 @@ def _sampled_pair():
 SAMPLED_ROWS = 10_000  # a quarter of test_sampling's N (this file's time); the planted rollback bug moves TV by ~0.9
 
 
-def test_sampled_speculative_output_has_the_hybrid_target_distribution():
+@pytest.fixture(scope="module")
+def sampled():
+    """(test_sampling, hybrid target, DFlash drafter, the exact law's logits: every continuation enumerated)."""
+    ts, target, drafter = _sampled_pair()
+    logits = np.asarray(dj.target_forward(target, np.asarray(
+        [ts.PROMPT + list(c) for c in __import__("itertools").product(range(ts.V), repeat=ts.L)], np.int32))[0])
+    return ts, target, drafter, logits
+
+
+def _sampled_run(ts, target, drafter, temperature):
+    return dj.generate(target, drafter, [ts.PROMPT] * SAMPLED_ROWS, max_new_tokens=ts.NEW, draft_length=3,
+                       temperature=temperature, seed=0)
+
+
+def _assert_sampled_law(ts, res, logits, temperature, label):
+    import stats
+    hist = res.tau_histogram
+    print(f"\n[{label} T={temperature}] tau {res.tau:.3f}, steps by committed tokens {hist[1:].tolist()}")
+    assert hist[1] > 0 and hist[2:].sum() > 0.05 * hist.sum()  # rejections and partial acceptance both happen
+    stats.assert_matches("test_hybrid", f"{label} T={temperature}",
+                         ts.compare(res.tokens, ts.exact_law(logits, temperature)))
+
+
+def test_sampled_speculative_output_has_the_hybrid_target_distribution(sampled):
     """Speculative sampling at T = 1.0 and 0.6 on a hybrid target: every position's marginal and two joints match the
     exact law (enumerated over all continuations) within the suite's bound; with the rollback committing one token too
     many, the law is off and the same checks fail."""
     import stats
-    ts, target, drafter = _sampled_pair()
-    logits = np.asarray(dj.target_forward(target, np.asarray(
-        [ts.PROMPT + list(c) for c in __import__("itertools").product(range(ts.V), repeat=ts.L)], np.int32))[0])
-
-    def run(temperature):
-        return dj.generate(target, drafter, [ts.PROMPT] * SAMPLED_ROWS, max_new_tokens=ts.NEW, draft_length=3,
-                           temperature=temperature, seed=0)
-
+    ts, target, drafter, logits = sampled
     for temperature in (1.0, 0.6):
-        res = run(temperature)
-        hist = res.tau_histogram
-        print(f"\n[hybrid sampled T={temperature}] tau {res.tau:.3f}, steps by committed tokens {hist[1:].tolist()}")
-        assert hist[1] > 0 and hist[2:].sum() > 0.05 * hist.sum()  # rejections and partial acceptance both happen
-        stats.assert_matches("test_hybrid", f"hybrid speculative T={temperature}",
-                             ts.compare(res.tokens, ts.exact_law(logits, temperature)))
+        _assert_sampled_law(ts, _sampled_run(ts, target, drafter, temperature), logits, temperature,
+                            "hybrid speculative")
     original = programs.commit_states
     saved = dict(programs._COMPILED)
     try:
         programs.commit_states = lambda c, n, cfg: original(c, jnp.minimum(n + 1, 4), cfg)
         programs._COMPILED.clear()
-        bad = run(1.0)
+        bad = _sampled_run(ts, target, drafter, 1.0)
     finally:
         programs.commit_states = original
         programs._COMPILED.clear()
         programs._COMPILED.update(saved)
     stats.assert_fails("hybrid rollback one token too many", ts.compare(bad.tokens, ts.exact_law(logits, 1.0)))
+
+
+def test_sampled_dflash2_speculative_output_has_the_hybrid_target_distribution(sampled):
+    """The same law at T = 1.0 with a DFlash2 drafter tapping both layers (DeltaNet 0, attention 1): its top-4 of 8
+    candidates make q zero on half the vocabulary, so the residual max(p - q, 0) is exercised too."""
+    ts, target, drafter, logits = sampled
+    d2 = H.as_dflash2(drafter, 3, group=8, rank=4, top_k=4, codebook_scale=1.0, tap_scale=0.3)
+    assert d2.config.target_layer_ids == (0, 1)
+    _assert_sampled_law(ts, _sampled_run(ts, target, d2, 1.0), logits, 1.0, "hybrid dflash2 speculative")
 
 
 def test_zz_false_alarm_budget():
@@ -378,11 +504,17 @@ def test_acceptance_lengths_equal_the_cache_free_reference_loop(target):
     assert res.token_lists()[b] == out[:20]
 
 
-def test_nvfp4_deltanet_projections_and_audit(target):
+def test_nvfp4_deltanet_projections_and_audit(target, tmp_path):
     """quantize_nvfp4 takes the DeltaNet's projections too (in_proj_qkv / z / a / b, out_proj), and every scale of
-    every one reaches the hybrid target's logits (`audit_scales`)."""
+    every one reaches the hybrid target's logits (`audit_scales`). Written as a ModelOpt folder (in_proj_qkv's codes
+    and block scales back in HF's q | k | v row order) and read back: bit-identical."""
     from dflash_jax.quant.nvfp4 import NVFP4Array
     q = dj.quantize_nvfp4(target)
+    folder = dj.save_hf(tmp_path / "nvfp4", q)
+    H.assert_bit_exact(dj.load_target(folder, param_dtype="float32", compute_dtype="float32").params, q.params)
+    hf_rows = read_safetensors(folder / "model.safetensors")["model.layers.0.linear_attn.in_proj_qkv.weight"]
+    held = q.params.layers[0].linear_attn.in_proj_qkv
+    np.testing.assert_array_equal(hf_rows[linear_qkv_order(HCFG)], np.asarray(held.packed))
     net = q.params.layers[0].linear_attn
     assert all(isinstance(getattr(net, f), NVFP4Array) for f in ("in_proj_qkv", "in_proj_z", "in_proj_a",
                                                                    "in_proj_b", "out_proj"))
@@ -407,7 +539,8 @@ def test_hybrid_loop_lowers_without_data_dependent_loops_or_conditionals(target)
 
 def test_states_after_prefill_and_every_step_match_transformers(hf):
     """The DeltaNet states themselves (conv window, recurrent state) after prefill and after each of 8 decode steps
-    equal transformers' cache (HF keeps the last K conv inputs, this the last K - 1: the ones a next step reads)."""
+    equal transformers' cache (HF keeps the last K conv inputs, this the last K - 1: the ones a next step reads; its
+    channels are q | k | v, here grouped by key head)."""
     import torch
     m, folder = hf
     t = dj.load_target(folder, param_dtype="float32", compute_dtype="float32")
@@ -429,6 +562,7 @@ def test_states_after_prefill_and_every_step_match_transformers(hf):
     for s in range(9):
         for i in cfg.linear_layer_ids:
             hf_conv = past.get_conv_state(i).numpy()[:, :, -(cfg.linear_conv_kernel_dim - 1):].transpose(0, 2, 1)
+            hf_conv = hf_conv[..., linear_qkv_order(cfg)]  # HF's q | k | v channels, grouped by key head here
             hf_state = past.get_recurrent_state(i).numpy()
             scale = max(1.0, float(np.abs(hf_state).max()))
             worst = max(worst, float(np.abs(np.asarray(cache.conv[i]) - hf_conv).max()),
@@ -446,8 +580,9 @@ def test_states_after_prefill_and_every_step_match_transformers(hf):
 
 
 def test_sharded_load_and_generation(tmp_path):
-    """tests/hybrid_sharded_run.py on 4 virtual CPU devices: sharded HF loading (DeltaNet value heads along "model")
-    and greedy speculative tokens equal to one device."""
+    """tests/hybrid_sharded_run.py on 8 virtual CPU devices: sharded HF loading (DeltaNet value heads along "model", and
+    in_proj_qkv / conv1d at whole key heads when the model axis divides them, else replicated), logits equal to one
+    device's, and greedy speculative tokens on a (data 2, model 2) mesh equal to one device's."""
     import subprocess
     import sys
     from pathlib import Path
@@ -456,6 +591,11 @@ def test_sharded_load_and_generation(tmp_path):
     subprocess.run([sys.executable, str(here / "hybrid_sharded_run.py"), str(out)], check=True, timeout=900,
                    cwd=here.parent)
     res = json.loads(out.read_text())
-    print(f"\n[hybrid on a data 2 x model 2 mesh] {res}")
+    print(f"\n[hybrid on 8 virtual devices] {res}")
     assert res["values"] and res["placement"] and res["tokens_equal"], res
     assert res["value_heads_split"] == ["model"], res
+    # q / k / v (in_proj_qkv rows, conv channels) split at whole key heads where the model axis divides them
+    assert res["qkv_split_model2"] == res["qkv_split_model4"] == ["model", None], res
+    assert res["conv_split_model4"] == ["model", None, None] and res["whole_heads_per_device"], res
+    assert res["logits_max_diff_model4"] <= 1e-3 and res["logits_argmax_equal_model4"], res
+    assert res["qkv_split_2_key_heads_model4"] == [None, None] and res["logits_max_diff_replicated_qkv"] <= 1e-3, res

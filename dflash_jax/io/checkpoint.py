@@ -27,10 +27,11 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
 from dflash_jax.parallel import sharding as shd
 from dflash_jax.quant.nvfp4 import NVFP4Array
-from dflash_jax.params import abstract_drafter, abstract_target, from_named, is_linear_name, map_named, named_leaves
+from dflash_jax.params import (abstract_drafter, abstract_target, from_named, is_linear_name, linear_qkv_order,
+                               map_named, named_leaves)
 from dflash_jax.io import gguf_model
 from dflash_jax.io.gguf import GGUFError, GGUFFile, is_gguf
-from dflash_jax.io.lazy_array import LazyArray
+from dflash_jax.io.lazy_array import LazyArray, RowsTaken
 from dflash_jax.io.safetensors_io import SafetensorsError, lazy_safetensors, read_safetensors, write_safetensors
 
 SAVED_MARKER = "dflash_jax.json"
@@ -63,6 +64,26 @@ def _dense_keys(kind: str, name: str) -> tuple[str, ...]:
     if name.endswith("_codebook"):
         return (module, module + ".weight")
     return (module + ".weight",)
+
+
+# A DeltaNet's in_proj_qkv rows and conv1d channels are held grouped by key head (`params.linear_qkv_order`, so that
+# they shard at whole heads), HF stores them q | k | v: permuted on the way in and back on the way out.
+_QKV_ROWS = (".linear_attn.in_proj_qkv", ".linear_attn.conv1d")
+
+
+def _qkv_order(kind: str, name: str, cfg) -> np.ndarray | None:
+    """HF's row index of each held row of a DeltaNet q/k/v leaf, None for any other leaf."""
+    if kind != "target" or cfg is None or not cfg.is_hybrid or not name.endswith(_QKV_ROWS):
+        return None
+    return linear_qkv_order(cfg)
+
+
+def _rows_taken(leaf, rows: np.ndarray):
+    """A dense or NVFP4 leaf with its rows (out features) in the order `rows`; NVFP4 blocks run along the input
+    features, so codes and block scales move row by row and the tensor scale stays."""
+    if isinstance(leaf, NVFP4Array):
+        return leaf.replace(packed=jnp.asarray(leaf.packed)[rows], block_scale=jnp.asarray(leaf.block_scale)[rows])
+    return leaf[rows]
 
 
 # -- HF tensors in ---------------------------------------------------------------------------------------------
@@ -205,12 +226,15 @@ def _params_from_hf(kind: str, path: Path, abstract, dtype, quant: dict | None, 
                                       "no weight_scale / weight_scale_2")
             if len(spec.shape) != 2 or spec.shape[1] % 16:
                 raise CheckpointError(f"{module}: in_features {spec.shape[-1]} is not a multiple of 16")
+            order = _qkv_order(kind, name, cfg)
             if mesh is None:
-                named[name] = _nvfp4_from_hf(module, tensors, spec.shape)
+                leaf = _nvfp4_from_hf(module, tensors, spec.shape)
+                named[name] = leaf if order is None else _rows_taken(leaf, order)
             else:  # codes and scales are a quarter of a bf16 weight: read whole, then placed shard by shard
                 host = {k: np.asarray(tensors[module + k]) for k in (".weight", ".weight_scale", ".weight_scale_2",
                                                                       ".input_scale") if module + k in tensors}
                 leaf = _nvfp4_from_hf(module, {module + k: v for k, v in host.items()}, spec.shape)
+                leaf = leaf if order is None else _rows_taken(leaf, order)
                 where = shd._leaf_sharding(name, axes[name], leaf, rules, mesh, kind)
                 named[name] = jax.tree.map(shd.place, leaf, where)
             used.update(module + s for s in (".weight", ".weight_scale", ".weight_scale_2", ".input_scale"))
@@ -228,6 +252,9 @@ def _params_from_hf(kind: str, path: Path, abstract, dtype, quant: dict | None, 
         if not np.issubdtype(arr.dtype, np.floating) and arr.dtype != ml_dtypes.bfloat16:
             raise CheckpointError(f"{path}: tensor {key!r} has dtype {arr.dtype}, expected a float type")
         used.add(key)
+        order = _qkv_order(kind, name, cfg)
+        if order is not None:  # lazily: a device's shard reads only its own q, k and v rows
+            arr = RowsTaken(arr, order)
         if mesh is not None:
             named[name] = _placed_dense(key, arr, NamedSharding(mesh, rules.spec(axes[name])), dtype, path)
             continue
@@ -280,7 +307,8 @@ def save(path: str | Path, model) -> Path:
     named = named_leaves(model.params)
     nvfp4 = {n: {"shape": list(leaf.shape), "input_scale": leaf.input_scale is not None}
              for n, leaf in named.items() if isinstance(leaf, NVFP4Array)}
-    meta = {"format": "dflash_jax", "version": 1, "kind": kind, "config": dataclasses.asdict(model.config),
+    # version 2: a DeltaNet's in_proj_qkv / conv1d rows grouped by key head (version 1 held HF's q | k | v order)
+    meta = {"format": "dflash_jax", "version": 2, "kind": kind, "config": dataclasses.asdict(model.config),
             "nvfp4": nvfp4}
     params_dir = path / "params"
     if params_dir.exists():
@@ -321,6 +349,8 @@ def _load_saved(path: Path, kind: str):
     abstract = abstract_target(cfg) if kind == "target" else abstract_drafter(cfg)
     target_tree = _abstract_restore_target(abstract, meta.get("nvfp4", {}), model_cfg.storage_dtype)
     params = ocp.StandardCheckpointer().restore(path.absolute() / "params", target_tree)
+    if int(meta.get("version", 1)) < 2 and kind == "target" and cfg.is_hybrid:
+        params = map_named(lambda n, x: x if (o := _qkv_order(kind, n, cfg)) is None else _rows_taken(x, o), params)
     return cfg, params
 
 
@@ -345,10 +375,10 @@ def _dtypes(param_dtype: str | None, compute_dtype: str | None) -> tuple[str, st
 
 
 def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dtype: str | None = None, mesh=None):
-    """A Target from an HF Qwen3, Qwen2 or Llama folder (`model_type` qwen3 / qwen2 / llama; optionally ModelOpt
-    NVFP4), a folder written by `save`, or a llama.cpp GGUF file of the llama / qwen2 / qwen3 architectures (a
-    `.gguf` suffix or the GGUF magic; see `dflash_jax.io.gguf_model`). A config this decoder cannot run is refused
-    naming the key.
+    """A Target from an HF Qwen3, Qwen2, Llama or Qwen3.5 folder (`model_type` qwen3 / qwen2 / llama / qwen3_5;
+    optionally ModelOpt NVFP4), a folder written by `save`, or a llama.cpp GGUF file of the llama / qwen2 / qwen3 /
+    qwen35 (hybrid) architectures (a `.gguf` suffix or the GGUF magic; see `dflash_jax.io.gguf_model`). A config
+    this decoder cannot run is refused naming the key.
 
     Dtypes: see `_dtypes` (compute: bf16 on accelerators, f32 on CPU; parameters: the compute dtype).
     mesh: a `dflash_jax.parallel.sharding.make_mesh` mesh: HF safetensors go straight into sharded device arrays (each device
@@ -482,6 +512,9 @@ def save_hf(path: str | Path, model, *, dtype: str | None = None, quant_algo: st
     has_input_scale = False
     for name, leaf in named_leaves(model.params).items():
         module = _hf_prefix(kind, name)
+        order = _qkv_order(kind, name, model_cfg)
+        if order is not None:  # back to HF's q | k | v rows
+            leaf = _rows_taken(leaf, np.argsort(order))
         if isinstance(leaf, NVFP4Array):
             tensors[module + ".weight"] = np.asarray(leaf.packed)
             tensors[module + ".weight_scale"] = np.asarray(leaf.block_scale)

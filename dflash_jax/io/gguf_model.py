@@ -8,18 +8,41 @@ llama.cpp's converter permutes the rows of `attn_q` / `attn_k` for the `llama` a
 adjacent pairs of dimensions; HF (and this project) rotate halves. Within each head the converter took rows
 [2, head_dim / 2] and interleaved them; `GGUFTensor` undoes that (rows [head_dim / 2, 2] -> [2, head_dim / 2]).
 Qwen2 / Qwen3 files are written unpermuted (their HF models already rotate halves in llama.cpp's NeoX mode).
+
+`qwen35` (Qwen3.5 / 3.6 / 3.8 hybrid targets, llama.cpp's `Qwen3_5TextModel` conversion of `Qwen3_5ForCausalLM` /
+`Qwen3_5ForConditionalGeneration`; read from its source, gguf-py 0.19 names). The converter changes these tensors,
+undone here on read (`_qwen35_reader`):
+  * every zero-centred RMSNorm weight except the gated one (attn_norm, post_attention_norm, attn_q_norm, attn_k_norm,
+    output_norm) is stored as 1 + w (llama.cpp multiplies by the weight): w = stored - 1; ssm_norm is as in HF;
+  * A_log is stored as ssm_a = -exp(A_log): A_log = log(-ssm_a); dt_bias as `ssm_dt.bias`;
+  * the conv1d weight [C, 1, K] is squeezed to [C, K];
+  * with fewer key than value heads (r = nV / nK > 1), value heads go from HF's grouped order (the r value heads of
+    key head 0, then of key head 1, ...) to a tiled one (value 0 of every key head, then value 1, ...), so that ggml
+    can broadcast key heads with a plain repeat: the v rows of attn_qkv (q and k rows untouched), the v channels of
+    ssm_conv1d, the rows of attn_gate (z), ssm_beta, ssm_alpha, ssm_a, ssm_dt and the columns of ssm_out.
+  The full-attention q_proj (query and output gate interleaved per head) is written as is, as `attn_q`.
+Metadata: `qwen35.ssm.conv_kernel` (linear_conv_kernel_dim), `.ssm.state_size` (linear_key_head_dim),
+`.ssm.group_count` (linear_num_key_heads), `.ssm.time_step_rank` (linear_num_value_heads), `.ssm.inner_size`
+(value heads x value head dim), `.full_attention_interval` (every n-th layer is full attention, as HF's default
+`layer_types`), `.rope.dimension_count` (head_dim x partial_rotary_factor), `.rope.dimension_sections` (multimodal
+RoPE; a text model's three position streams are equal, so sections do not change it and are not read). A file
+with multi-token-prediction layers (`qwen35.nextn_predict_layers`, counted in block_count after the decoder's, as the
+converter's MTP mixin appends them) loads without them, with a warning (assumed from the converter; no such file was
+at hand).
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 
 import numpy as np
 
 from dflash_jax.io.gguf import GGUFError, GGUFFile
 from dflash_jax.io.lazy_array import LazyArray
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen35": "Qwen3_5ForCausalLM"}
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -34,6 +57,19 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_QWEN35_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight", "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -47,26 +83,30 @@ def _rename(name: str, names: dict, layer_names: dict, layer_re: re.Pattern, lay
     return None
 
 
-# the same two tables seen from the HF side
+def _layer_names(arch: str | None) -> dict:
+    return _QWEN35_LAYER_NAMES if arch == "qwen35" else _LAYER_NAMES
+
+
+# the same tables seen from the HF side
 _HF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
-_HF_LAYER = {v: k for k, v in _LAYER_NAMES.items()}
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF tensor name of a GGUF tensor of these architectures, or None when it has none."""
-    return _rename(gguf_name, _GLOBAL_NAMES, _LAYER_NAMES, _LAYER_RE, "model.layers.{}.{}")
+def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
+    """The HF tensor name of a GGUF tensor of architecture `arch` (None: the llama family), or None when it has
+    none."""
+    return _rename(gguf_name, _GLOBAL_NAMES, _layer_names(arch), _LAYER_RE, "model.layers.{}.{}")
 
 
-def gguf_name(hf: str) -> str | None:
+def gguf_name(hf: str, arch: str | None = None) -> str | None:
     """The inverse of `hf_name`."""
-    return _rename(hf, _HF_GLOBAL, _HF_LAYER, _HF_LAYER_RE, "blk.{}.{}")
+    return _rename(hf, _HF_GLOBAL, {v: k for k, v in _layer_names(arch).items()}, _HF_LAYER_RE, "blk.{}.{}")
 
 
 def check_against(g: GGUFFile, tensors: dict, expected: dict[str, tuple[int, ...]]) -> None:
     """Every expected HF tensor {name: shape} is in the file with that shape; errors name the GGUF tensor."""
     for hf, shape in expected.items():
-        name = gguf_name(hf) or hf
+        name = gguf_name(hf, g.architecture) or hf
         if hf not in tensors:
             raise GGUFError(f"{g.path}: tensor {name!r} is missing (the model's {hf}, shape {list(shape)})")
         if tuple(tensors[hf].shape) != tuple(shape):
@@ -94,7 +134,7 @@ def hf_config(g: GGUFFile) -> dict:
         raise NotImplementedError(f"{g.path}: metadata key '{arch}.attention.value_length' ({value_dim}) differs "
                                   f"from the key length ({head_dim}); not supported")
     rope_dims = int(key("rope.dimension_count", int, head_dim))
-    if rope_dims != head_dim:
+    if rope_dims != head_dim and arch != "qwen35":
         raise NotImplementedError(f"{g.path}: metadata key '{arch}.rope.dimension_count' ({rope_dims}) is not the "
                                   f"head dimension ({head_dim}): partial RoPE is not supported")
     embd = g.info("token_embd.weight")
@@ -117,7 +157,9 @@ def hf_config(g: GGUFFile) -> dict:
         "vocab_size": int(embd.shape[0]),
         "hidden_size": hidden,
         "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
+        # qwen35: block_count includes the multi-token-prediction layers llama.cpp's converter appends
+        "num_hidden_layers": int(key("block_count")) - (int(key("nextn_predict_layers", int, 0)) if arch == "qwen35"
+                                                        else 0),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
@@ -130,11 +172,103 @@ def hf_config(g: GGUFFile) -> dict:
         "attention_bias": "blk.0.attn_q.bias" in g.tensors,
         "torch_dtype": "float32",
     }
+    if arch == "qwen35":
+        d.update(_qwen35_config(g, key, head_dim, rope_dims))
     for field, meta in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
                         ("eos_token_id", "tokenizer.ggml.eos_token_id")):
         if meta in g.metadata:
             d[field] = int(g.require(meta, int))
     return d
+
+
+def _qwen35_config(g: GGUFFile, key, head_dim: int, rope_dims: int) -> dict:
+    """The hybrid fields of a qwen35 file's HF config (Qwen3_5TextConfig names), from the `qwen35.ssm.*` keys."""
+    n_v = int(key("ssm.time_step_rank"))
+    n_k = int(key("ssm.group_count"))
+    inner = int(key("ssm.inner_size"))
+    if n_v <= 0 or n_k <= 0 or n_v % n_k or inner % n_v:
+        raise GGUFError(f"{g.path}: metadata keys 'qwen35.ssm.time_step_rank' ({n_v} value heads), "
+                        f"'qwen35.ssm.group_count' ({n_k} key heads) and 'qwen35.ssm.inner_size' ({inner}) do not "
+                        "split into whole heads (key heads must divide value heads, value heads the inner size)")
+    if rope_dims <= 0 or rope_dims > head_dim or rope_dims % 2:
+        raise GGUFError(f"{g.path}: metadata key 'qwen35.rope.dimension_count' ({rope_dims}) must be an even number "
+                        f"of dimensions up to the head dimension ({head_dim})")
+    return {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForCausalLM"],
+            "partial_rotary_factor": rope_dims / head_dim,
+            "full_attention_interval": int(key("full_attention_interval", int, 4)),
+            "linear_conv_kernel_dim": int(key("ssm.conv_kernel")), "linear_key_head_dim": int(key("ssm.state_size")),
+            "linear_num_key_heads": n_k, "linear_num_value_heads": n_v, "linear_value_head_dim": inner // n_v}
+
+
+def _untiled_heads(n_k: int, n_v: int) -> np.ndarray:
+    """[nV]: HF's (grouped) value head g = h r + j sits at llama.cpp's tiled position j nK + h."""
+    r = n_v // n_k
+    h, j = np.divmod(np.arange(n_v), r)
+    return j * n_k + h
+
+
+def _rows_of_heads(heads: np.ndarray, head_dim: int) -> np.ndarray:
+    return (heads[:, None] * head_dim + np.arange(head_dim)[None, :]).reshape(-1)
+
+
+class Converted(LazyArray):
+    """A GGUF tensor with llama.cpp's converter undone by `fn` (whole tensor in, numpy order): `read(index)` decodes
+    the whole tensor, converts it and slices (these are one layer's DeltaNet tensors: small next to the MLPs)."""
+
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, base: LazyArray, fn, shape: tuple[int, ...]):
+        self.base, self.fn, self.shape = base, fn, tuple(shape)
+
+    def read(self, index=()) -> np.ndarray:
+        return self.fn(np.asarray(self.base, np.float32))[index]
+
+    def __repr__(self):
+        return f"Converted({self.base!r} -> {list(self.shape)})"
+
+
+def _qwen35_reader(g: GGUFFile, name: str, t: "GGUFTensor", cfg: dict) -> LazyArray:
+    """`t` (GGUF tensor `name` of a qwen35 file) with the converter's transforms undone (module docstring)."""
+    suffix = _LAYER_RE.match(name).group(2) if _LAYER_RE.match(name) else name
+    n_k, n_v = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    heads = _untiled_heads(n_k, n_v)  # identity when nK == nV
+    v_rows = _rows_of_heads(heads, dv)
+    qkv_rows = np.concatenate([np.arange(2 * n_k * dk), 2 * n_k * dk + v_rows])
+    shape = tuple(t.shape)
+
+    def need(ndim: int, rows: int | None = None, cols: int | None = None):
+        if len(shape) != ndim or (rows is not None and shape[0] != rows) or (cols is not None and shape[-1] != cols):
+            want = [rows if rows is not None else "?"] + (["?"] * (ndim - 2)) + ([cols if cols is not None else "?"]
+                                                                                 if ndim > 1 else [])
+            raise GGUFError(f"{g.path}: tensor {name!r} has shape {list(shape)} (numpy order), expected "
+                            f"{want[:ndim]} from the ssm metadata")
+
+    if suffix in ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight") \
+            or name == "output_norm.weight":
+        return Converted(t, lambda x: x - 1.0, shape)  # stored 1 + w
+    if suffix == "ssm_a":
+        need(1, n_v)
+        return Converted(t, lambda x: np.log(-x)[heads], shape)  # stored -exp(A_log), tiled
+    if suffix == "ssm_dt.bias":
+        need(1, n_v)
+        return Converted(t, lambda x: x[heads], shape)
+    if suffix in ("ssm_beta.weight", "ssm_alpha.weight"):
+        need(2, n_v)
+        return Converted(t, lambda x: x[heads], shape)
+    if suffix == "attn_gate.weight":
+        need(2, n_v * dv)
+        return Converted(t, lambda x: x[v_rows], shape)
+    if suffix == "ssm_out.weight":
+        need(2, None, n_v * dv)
+        return Converted(t, lambda x: x[:, v_rows], shape)
+    if suffix == "attn_qkv.weight":
+        need(2, len(qkv_rows))
+        return Converted(t, lambda x: x[qkv_rows], shape)
+    if suffix == "ssm_conv1d.weight":  # stored squeezed [C, K]; its kernel size is checked against the metadata later
+        need(2, len(qkv_rows))
+        return Converted(t, lambda x: x[qkv_rows][:, None, :], (shape[0], 1, shape[1]))
+    return t
 
 
 class GGUFTensor(LazyArray):
@@ -166,16 +300,22 @@ class GGUFTensor(LazyArray):
         return f"GGUFTensor({self.name}, {self.info.type_name}{list(self.shape)})"
 
 
-def hf_tensors(g: GGUFFile, cfg: dict) -> dict[str, GGUFTensor]:
+def hf_tensors(g: GGUFFile, cfg: dict) -> dict[str, LazyArray]:
     """Every tensor of the file under its HF name (an unknown name, or one whose layer index is out of range, is an
-    error naming it); llama's attn_q / attn_k come back un-permuted."""
-    out: dict[str, GGUFTensor] = {}
+    error naming it); llama's attn_q / attn_k come back un-permuted, qwen35's tensors converted back to HF's."""
+    out: dict[str, LazyArray] = {}
     permute = cfg["model_type"] == "llama"
+    arch = g.architecture
+    n_blocks = int(g.get(f"{arch}.block_count", cfg["num_hidden_layers"], int))
+    skipped: list[str] = []
     for name in g.tensors:
-        hf = hf_name(name)
+        m = _LAYER_RE.match(name)
+        if m and arch == "qwen35" and cfg["num_hidden_layers"] <= int(m.group(1)) < n_blocks:
+            skipped.append(name)  # a multi-token-prediction layer (`qwen35.nextn_predict_layers`): not run
+            continue
+        hf = hf_name(name, arch)
         if hf is None:
             raise GGUFError(f"{g.path}: tensor {name!r} has no counterpart in a {cfg['model_type']} model")
-        m = _LAYER_RE.match(name)
         if m and int(m.group(1)) >= cfg["num_hidden_layers"]:
             raise GGUFError(f"{g.path}: tensor {name!r} is beyond the {cfg['num_hidden_layers']} layers of "
                             f"'{cfg['model_type']}.block_count'")
@@ -187,7 +327,13 @@ def hf_tensors(g: GGUFFile, cfg: dict) -> dict[str, GGUFTensor]:
         if heads is not None and name.endswith(".bias"):
             raise NotImplementedError(f"{g.path}: tensor {name!r}: permuted llama q/k biases are not supported")
         out[hf] = GGUFTensor(g, name, heads)
+        if arch == "qwen35":
+            out[hf] = _qwen35_reader(g, name, out[hf], cfg)
+    if skipped:
+        warnings.warn(f"{g.path}: {len(skipped)} tensors of the {n_blocks - cfg['num_hidden_layers']} "
+                      "multi-token-prediction layers were skipped (the text decoder does not run them)", stacklevel=3)
     return out
 
 
-__all__ = ["hf_config", "hf_tensors", "hf_name", "gguf_name", "check_against", "GGUFTensor", "ARCHITECTURES"]
+__all__ = ["hf_config", "hf_tensors", "hf_name", "gguf_name", "check_against", "GGUFTensor", "Converted",
+           "ARCHITECTURES"]

@@ -1,6 +1,7 @@
 """Qwen3.5's linear attention: the Gated DeltaNet (HF transformers 5.x `Qwen3_5GatedDeltaNet`), with its two states.
 
-Per layer and row the state is (conv window [B, K-1, C], the last K-1 conv inputs; recurrent state S [B, nV, dk, dv],
+Per layer and row the state is (conv window [B, K-1, C], the last K-1 conv inputs, channels grouped by key head as
+in_proj_qkv's rows (`params.linear_qkv_order`); recurrent state S [B, nV, dk, dv],
 float32). For each token t (after a depthwise causal conv + SiLU over q, k, v and L2-normalised q, k):
 
   S <- S * exp(g_t);   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t / sqrt(dk)
@@ -172,10 +173,11 @@ def _inputs(p: GatedDeltaNet, h: jax.Array, conv: jax.Array, cfg: Qwen3Config):
     mixed = linear(h, p.in_proj_qkv)  # [B, T, C]
     xin = jnp.concatenate([conv.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
     mixed = causal_conv(xin, p.conv1d).astype(jnp.float32)
-    Kd = cfg.linear_key_dim
-    q = mixed[..., :Kd].reshape(B, T, nK, dk)
-    k = mixed[..., Kd:2 * Kd].reshape(B, T, nK, dk)
-    v = mixed[..., 2 * Kd:].reshape(B, T, nV, dv)
+    # channels grouped by key head (params.linear_qkv_order): [q_h | k_h | v of the nV / nK value heads reading h]
+    grouped = mixed.reshape(B, T, nK, 2 * dk + (nV // nK) * dv)
+    q = grouped[..., :dk]  # [B, T, nK, dk]
+    k = grouped[..., dk:2 * dk]
+    v = grouped[..., 2 * dk:].reshape(B, T, nV, dv)  # value head h r + j is group h's j-th, as in HF's order
     q = l2norm(q) * dk ** -0.5
     k = l2norm(k)
     if nV != nK:  # each key head serves nV / nK consecutive value heads

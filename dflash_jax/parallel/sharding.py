@@ -11,8 +11,14 @@ Mesh axes are ("data", "model"). Rules, from the logical axes `params.py` gives 
   linear_heads, linear_v -> "model" Gated DeltaNet value heads (hybrid targets): in_proj_a / in_proj_b rows, A_log,
                                     dt_bias, in_proj_z rows and out_proj columns (whole value heads), so the recurrent
                                     state [B, nV, dk, dv] splits by head; the model axis must divide the value heads
-  linear_conv          -> replicated in_proj_qkv rows and the conv channels interleave q, k and v heads: a split at
-                                    whole heads would need a row permutation (not done)
+  linear_conv          -> "model" in_proj_qkv rows and conv1d channels (with the conv window they fill), held grouped
+                                    by key head (`params.linear_qkv_order`: q_h | k_h | the value heads reading h), so
+                                    a contiguous split is whole key heads with the very value heads in_proj_z / a / b
+                                    put on that device. Needs the model axis to divide the key heads; otherwise these
+                                    are replicated (as KV heads are). In HF's fused q | k | v order no one
+                                    PartitionSpec could split at whole heads (device 0 would hold all of q and part of
+                                    k), hence the permutation at load. Qwen3.5-27B (48 DeltaNet layers, in_proj_qkv
+                                    10240 x 5120): 4,800 MiB of bf16 per device replicated, 600 MiB on a model axis 8
 
 A Qwen2 target's q/k/v biases carry their projection's out axis (q_heads, kv_heads), so they split with it.
 
@@ -113,6 +119,8 @@ def rules_for(cfg: Qwen3Config, mesh: Mesh, *, what: str = "model") -> Rules:
     if cfg.is_hybrid:
         need("linear_num_value_heads", cfg.linear_num_value_heads)
     kv_sharded = cfg.num_key_value_heads >= m
+    # DeltaNet q / k / v channels split at whole key heads, or are replicated (see the module docstring)
+    qkv_sharded = cfg.is_hybrid and cfg.linear_num_key_heads % m == 0 and m > 1
     if kv_sharded:  # fewer KV heads than the model axis: replicated (no check); more: they must split evenly
         need("num_key_value_heads", cfg.num_key_value_heads)
     if problems:
@@ -120,7 +128,8 @@ def rules_for(cfg: Qwen3Config, mesh: Mesh, *, what: str = "model") -> Rules:
     mapping = (("q_heads", "model"), ("mlp", "model"), ("vocab", "model"),
                ("kv_heads", "model" if kv_sharded and m > 1 else None),
                ("embed", None), ("head_dim", None), ("taps_embed", None),
-               ("linear_heads", "model"), ("linear_v", "model"), ("linear_conv", None))
+               ("linear_heads", "model"), ("linear_v", "model"),
+               ("linear_conv", "model" if qkv_sharded else None))
     return Rules(mapping=mapping, kv_sharded=kv_sharded and m > 1)
 
 
