@@ -35,6 +35,11 @@ TINY = {
     "--seq-len": "32", "--long-seq-len": "48", "--max-prompt-tokens": "16", "--anchors": "4", "--reps": "2",
     "--warmup": "1", "--budget-s": "30", "--draft-length": "3", "--windows": "4",
     "--eval-prompts": "1", "--eval-tokens": "6", "--calibration-anchors": "2",
+    # Model shape, where a command builds the model it trains: the same code paths at a fraction of the compile and
+    # evaluation cost (train-target's held-out evaluation alone, 64 + 16 long windows at the shipped 6-layer shape,
+    # was minutes on CI's cores). head_dim is fixed at 64, so --hidden 64 with one head.
+    "--layers": "1", "--hidden": "64", "--intermediate": "128", "--heads": "1", "--kv-heads": "1",
+    "--block-size": "4",
 }
 # Flags that switch a command to its own small configuration (e.g. the GPU report's CPU smoke run).
 TINY_FLAGS = ("--smoke",)
