@@ -115,7 +115,7 @@ def test_acceptance_lengths_equal_zlabs_own_loop_on_a_hybrid_target(pair, monkey
 
 def test_zlabs_loop_as_released_loses_the_hybrid_targets_output(pair, monkeypatch):
     """Why the oracle recomputes: with transformers' cache, z-lab's loop keeps the DeltaNet state of rejected drafts,
-    and its output departs from the target's greedy output (row 0 at its second new token), while dflash-jax's
+    and its output departs from the target's greedy output (row 0 at its third new token), while dflash-jax's
     equals it."""
     target, _, hf_target, zlab_drafter = pair
     ar = dj.generate_autoregressive(target, PROMPTS[:1], max_new_tokens=NEW).token_lists()[0]
