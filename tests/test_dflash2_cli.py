@@ -23,15 +23,17 @@ def test_load_default_dflash2_says_what_to_do_until_one_is_shipped():
 
 # README's `dflash-jax bench --nvfp4 --prompts 8`, exactly as tests/test_docs_commands.py shrinks it: that test does
 # not run it again (RUN_ELSEWHERE_EXACT there checks each call below is its shrunk command, argument for argument).
-# (--calibration-anchors and --smoke are taken by every bench and used only by --tau-table / --device-report)
-BENCH_NVFP4_SHRUNK = ["bench", "--nvfp4", "--prompts", "2", "--new-tokens", "6", "--draft-length", "3",
+# (--calibration-anchors, --reps and --smoke are taken by every bench and used only by --tau-table / --step-table /
+# --device-report)
+BENCH_NVFP4_SHRUNK = ["bench", "--nvfp4", "--prompts", "2", "--new-tokens", "6", "--reps", "2", "--draft-length", "3",
                       "--calibration-anchors", "2", "--smoke"]
 # README's `bench --nvfp4 --dflash2 PATH` and `... --dflash2 /tmp/d2/out`, shrunk: the same DFlash rows with a DFlash2
 # folder that is not there (rows skipped with a note), run right after the bench above, whose programs they reuse.
 BENCH_NVFP4_DFLASH2_PATH_SHRUNK = ["bench", "--nvfp4", "--dflash2", "PATH", "--new-tokens", "6", "--prompts", "2",
-                                   "--draft-length", "3", "--calibration-anchors", "2", "--smoke"]
+                                   "--reps", "2", "--draft-length", "3", "--calibration-anchors", "2", "--smoke"]
 BENCH_NVFP4_DFLASH2_D2_OUT_SHRUNK = ["bench", "--nvfp4", "--prompts", "2", "--new-tokens", "6", "--dflash2",
-                                     "/tmp/d2/out", "--draft-length", "3", "--calibration-anchors", "2", "--smoke"]
+                                     "/tmp/d2/out", "--reps", "2", "--draft-length", "3", "--calibration-anchors", "2",
+                                     "--smoke"]
 
 
 def test_bench_nvfp4_prints_dflash2_rows_and_the_draft_cost_ratio(tmp_path, monkeypatch, capsys):
