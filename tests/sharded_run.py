@@ -28,7 +28,8 @@ def _args():
 
 
 ARGS = _args()
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ARGS.devices}"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + f" --xla_force_host_platform_device_count={ARGS.devices}").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(HERE))
 

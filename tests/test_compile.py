@@ -24,6 +24,7 @@ import pytest
 import dflash_jax as dj
 import dflash_jax.quant.linear as linear_mod
 from random_models import make_drafter, make_target
+from helpers import xla_flags_with_devices
 from dflash_jax.config import DrafterConfig, Qwen3Config
 
 G = importlib.import_module("dflash_jax.decode.programs")
@@ -190,7 +191,7 @@ def test_sharding_change_between_calls_takes_effect(tmp_path):
     """The same inputs on 1 device, replicated over 4, and with the embedding sharded over 4: three compiled
     programs, the same tokens; back to 1 device reuses the first program. (The old private AOT cache failed here with "compiled for
     input shardings that disagree".)"""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(4), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT))
     script = SHARDING_SCRIPT.format(tests=str(ROOT / "tests"))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)

@@ -26,6 +26,7 @@ from dflash_jax.models.layers import rope_inv_freq
 from dflash_jax.params import named_leaves
 from dflash_jax.parallel import sharding as S
 from random_models import make_drafter
+from helpers import xla_flags_with_devices
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -358,7 +359,7 @@ def test_sharded_loading_of_a_qwen2_folder(folders):
     heads, k_bias split over the model axis), logits equal to the one-device load."""
     folder = folders["qwen2_tied_gqa4-2"][1]
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+               XLA_FLAGS=xla_flags_with_devices(2))
     proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT, str(folder)], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

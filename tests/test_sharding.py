@@ -21,6 +21,7 @@ import dflash_jax as dj
 from dflash_jax.parallel import sharding as S
 from dflash_jax.config import Qwen3Config
 from random_models import make_target
+from helpers import xla_flags_with_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "sharded_run.py"
@@ -28,7 +29,7 @@ SCRIPT = ROOT / "tests" / "sharded_run.py"
 
 def _env(devices: int) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+               XLA_FLAGS=xla_flags_with_devices(devices))
     return env
 
 

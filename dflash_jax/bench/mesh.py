@@ -45,7 +45,9 @@ def _parse(argv=None):
 
 ARGS = _parse() if __name__ == "__main__" else None
 if ARGS is not None:  # virtual CPU devices must be asked for before jax creates its CPU client (first device use)
-    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={ARGS.devices}")
+    # Appended, not set-if-absent: a user's (or the test suite's) XLA_FLAGS must not silently drop the device count.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={ARGS.devices}").strip()
 
 import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
@@ -194,7 +196,8 @@ def load_benchmark(gb: float, data: int, model: int, devices: int) -> dict:
         t0 = time.perf_counter()
         size = write_random_checkpoint(folder, cfg)
         write_s = time.perf_counter() - t0
-        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
+                                          + f" --xla_force_host_platform_device_count={devices}").strip())
         proc = subprocess.run([sys.executable, "-m", "dflash_jax.bench.mesh", "--measure-load", str(folder),
                                "--data", str(data), "--model", str(model)], env=env, capture_output=True, text=True)
         if proc.returncode:
