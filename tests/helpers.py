@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import os
 from pathlib import Path
 
 import jax
@@ -24,12 +23,6 @@ from dflash_jax.io.safetensors_io import write_safetensors
 from dflash_jax.models.drafter import draft_proposal
 from dflash_jax.params import abstract_drafter, abstract_target, from_named, named_leaves
 from dflash_jax.quant.linear import set_default_backend
-
-def xla_flags_with_devices(devices: int) -> str:
-    """This run's XLA_FLAGS (tests/conftest.py's compile-time flags) plus `devices` virtual CPU devices, for a child
-    process: replacing the variable would drop the suite's flags there."""
-    return (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
-
 
 # The package re-exports the *function* as `dflash_jax.quant.linear`, shadowing the submodule.
 linear_mod = importlib.import_module("dflash_jax.quant.linear")

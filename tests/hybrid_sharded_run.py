@@ -21,7 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# The suite's XLA flags are kept (tests/conftest.py); an inherited device count is replaced (XLA keeps the first).
+os.environ["XLA_FLAGS"] = " ".join([f for f in os.environ.get("XLA_FLAGS", "").split()
+                                     if not f.startswith("--xla_force_host_platform_device_count=")]
+                                    + [f"--xla_force_host_platform_device_count=8"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

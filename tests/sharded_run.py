@@ -28,8 +28,10 @@ def _args():
 
 
 ARGS = _args()
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + f" --xla_force_host_platform_device_count={ARGS.devices}").strip()
+# The suite's XLA flags are kept (tests/conftest.py); an inherited device count is replaced (XLA keeps the first).
+os.environ["XLA_FLAGS"] = " ".join([f for f in os.environ.get("XLA_FLAGS", "").split()
+                                     if not f.startswith("--xla_force_host_platform_device_count=")]
+                                    + [f"--xla_force_host_platform_device_count={ARGS.devices}"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(HERE))
 

@@ -24,7 +24,7 @@ import pytest
 import dflash_jax as dj
 import dflash_jax.quant.linear as linear_mod
 from random_models import make_drafter, make_target
-from helpers import xla_flags_with_devices
+from dflash_jax.bench.mesh import xla_flags_with_devices
 from dflash_jax.config import DrafterConfig, Qwen3Config
 
 G = importlib.import_module("dflash_jax.decode.programs")

@@ -26,7 +26,7 @@ from dflash_jax.models.layers import rope_inv_freq
 from dflash_jax.params import named_leaves
 from dflash_jax.parallel import sharding as S
 from random_models import make_drafter
-from helpers import xla_flags_with_devices
+from dflash_jax.bench.mesh import xla_flags_with_devices
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

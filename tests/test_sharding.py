@@ -21,7 +21,7 @@ import dflash_jax as dj
 from dflash_jax.parallel import sharding as S
 from dflash_jax.config import Qwen3Config
 from random_models import make_target
-from helpers import xla_flags_with_devices
+from dflash_jax.bench.mesh import xla_flags_with_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "sharded_run.py"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -43,11 +44,17 @@ def _parse(argv=None):
     return p.parse_args(argv)
 
 
+def xla_flags_with_devices(devices: int, flags: str | None = None) -> str:
+    """`flags` (default: this process's XLA_FLAGS) with the virtual CPU device count set to `devices`: the user's
+    other flags are kept and an inherited device count is replaced (XLA keeps the first of two)."""
+    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", flags)
+    return " ".join(flags.split() + [f"--xla_force_host_platform_device_count={devices}"])
+
+
 ARGS = _parse() if __name__ == "__main__" else None
 if ARGS is not None:  # virtual CPU devices must be asked for before jax creates its CPU client (first device use)
-    # Appended, not set-if-absent: a user's (or the test suite's) XLA_FLAGS must not silently drop the device count.
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={ARGS.devices}").strip()
+    os.environ["XLA_FLAGS"] = xla_flags_with_devices(ARGS.devices)
 
 import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
@@ -196,10 +203,9 @@ def load_benchmark(gb: float, data: int, model: int, devices: int) -> dict:
         t0 = time.perf_counter()
         size = write_random_checkpoint(folder, cfg)
         write_s = time.perf_counter() - t0
-        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
-                                          + f" --xla_force_host_platform_device_count={devices}").strip())
         proc = subprocess.run([sys.executable, "-m", "dflash_jax.bench.mesh", "--measure-load", str(folder),
-                               "--data", str(data), "--model", str(model)], env=env, capture_output=True, text=True)
+                               "--data", str(data), "--model", str(model), "--devices", str(devices)],
+                              capture_output=True, text=True)  # the child sets its own device count (--devices)
         if proc.returncode:
             raise RuntimeError(proc.stderr[-3000:])
         res = json.loads(proc.stdout.strip().splitlines()[-1])
