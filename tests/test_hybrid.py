@@ -423,8 +423,8 @@ def _sampled_pair():
                       layer_types=("linear_attention", "full_attention"), partial_rotary_factor=0.5,
                       linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=4, linear_value_head_dim=4,
                       linear_conv_kernel_dim=4,
-                      # as test_sampling's CFG: caches of 128 slots, not the 2048-slot minimum, at 10,000 rows
-                      max_position_embeddings=64)
+                      # as test_sampling's CFG: caches of 64 slots, not the 2048-slot minimum, at 10,000 rows
+                      max_position_embeddings=32)
     dcfg = DrafterConfig(model=cfg.drafter_stack(1), block_size=4, mask_token_id=V - 1, target_layer_ids=(0, 1),
                          num_target_layers=2)
     target = dj.Target(params=ts._random_params(abstract_target(cfg), 0, 0.6), config=cfg)
