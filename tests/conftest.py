@@ -28,8 +28,8 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
 # values are the same (no fast-math; the HLO passes, which decide how divisions and casts are computed, still run).
 # Not --xla_cpu_use_fusion_emitters=false: the older emitters round f32 -> E2M1 differently (tests/test_nvfp4.py's
 # JAX-helper tests see it) and run the 40,000-row sampling tests ~1.5x slower.
-# Appended to a user's XLA_FLAGS; children inherit it (tests that add virtual devices append to it:
-# helpers.xla_flags_with_devices). DFLASH_JAX_TEST_XLA_FLAGS=0 runs the suite with XLA's defaults.
+# Appended to a user's XLA_FLAGS; children inherit it (those that add virtual devices keep it:
+# dflash_jax.bench.mesh.xla_flags_with_devices). DFLASH_JAX_TEST_XLA_FLAGS=0 runs the suite with XLA's defaults.
 FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if os.environ.get("DFLASH_JAX_TEST_XLA_FLAGS", "1") != "0" and FAST_COMPILE_XLA_FLAGS not in os.environ.get(
         "XLA_FLAGS", ""):
@@ -48,7 +48,7 @@ _WORKER_FIGURES: list[str] = []  # lines sent back by pytest-xdist workers (the 
 # per file, which puts the few-but-slow files (shipped models, sharding, DFlash2 sampling, the CLI benches) last: the
 # run then ends with one worker busy on a minute-long file and the other idle, or holding a prefetched one. Instead
 # the queue runs longest file first (LPT scheduling): the tail is made of files of a few seconds, so both workers
-# finish within seconds of each other. FILE_SECONDS is a rough cost per file (CI seconds, from `--durations`); only
+# finish within seconds of each other. FILE_SECONDS is a rough cost per file (seconds, from `--durations`); only
 # the order matters, and a file not listed counts as DEFAULT_FILE_SECONDS. Update it when a file becomes slow (or a
 # file measured alone elsewhere: scale its old figure by the after / before ratio of its CPU seconds).
 FILE_SECONDS = {  # seconds per file in a full local run with this file's XLA flags (test_sampling's and

@@ -21,10 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-# The suite's XLA flags are kept (tests/conftest.py); an inherited device count is replaced (XLA keeps the first).
-os.environ["XLA_FLAGS"] = " ".join([f for f in os.environ.get("XLA_FLAGS", "").split()
-                                     if not f.startswith("--xla_force_host_platform_device_count=")]
-                                    + [f"--xla_force_host_platform_device_count=8"])
+from dflash_jax.bench.mesh import xla_flags_with_devices  # creates no JAX backend: the flags below still apply
+
+# The suite's XLA flags (tests/conftest.py) are kept; an inherited device count is replaced.
+os.environ["XLA_FLAGS"] = xla_flags_with_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

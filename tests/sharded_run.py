@@ -28,10 +28,10 @@ def _args():
 
 
 ARGS = _args()
-# The suite's XLA flags are kept (tests/conftest.py); an inherited device count is replaced (XLA keeps the first).
-os.environ["XLA_FLAGS"] = " ".join([f for f in os.environ.get("XLA_FLAGS", "").split()
-                                     if not f.startswith("--xla_force_host_platform_device_count=")]
-                                    + [f"--xla_force_host_platform_device_count={ARGS.devices}"])
+from dflash_jax.bench.mesh import xla_flags_with_devices  # noqa: E402 (creates no JAX backend)
+
+# The suite's XLA flags (tests/conftest.py) are kept; an inherited device count is replaced.
+os.environ["XLA_FLAGS"] = xla_flags_with_devices(ARGS.devices)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(HERE))
 

@@ -44,11 +44,10 @@ def _parse(argv=None):
     return p.parse_args(argv)
 
 
-def xla_flags_with_devices(devices: int, flags: str | None = None) -> str:
-    """`flags` (default: this process's XLA_FLAGS) with the virtual CPU device count set to `devices`: the user's
-    other flags are kept and an inherited device count is replaced (XLA keeps the first of two)."""
-    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", flags)
+def xla_flags_with_devices(devices: int) -> str:
+    """This process's XLA_FLAGS with the virtual CPU device count set to `devices`: the user's other flags are kept
+    and an inherited device count is replaced (XLA keeps the first of two)."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
     return " ".join(flags.split() + [f"--xla_force_host_platform_device_count={devices}"])
 
 
