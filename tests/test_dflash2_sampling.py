@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from test_sampling import (CFG, DCFG, L, N, NEW, PROMPT, V, _close, _random_params, assert_fails, assert_matches,
-                           compare, exact_law)
+                           compare, exact_law, large_batch_programs, large_batches)  # noqa: F401 (autouse)
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.params import abstract_drafter, abstract_target, from_named, map_named, named_leaves
 from dflash_jax.models.target import Target, target_forward
@@ -112,7 +112,7 @@ def test_dflash2_negative_control_q_from_logits_fails(models, enumeration, monke
 
     # A fresh jitted program (its own, empty compile cache) traced with the wrong q; monkeypatch puts the real
     # program, and its compiled executables, back afterwards.
-    monkeypatch.setattr(gen, "_COMPILED", {})
+    monkeypatch.setattr(gen, "_COMPILED", large_batch_programs())
     monkeypatch.setattr(gen, "draft_step", q_from_logits)  # the name the compiled program calls
     target, drafter = models["rejecting"]
     res = gen.generate(target, drafter, [PROMPT] * N, max_new_tokens=NEW, draft_length=3, temperature=1.0, seed=0)

@@ -437,16 +437,19 @@ SAMPLED_ROWS = 10_000  # a quarter of test_sampling's N (this file's time); the 
 
 @pytest.fixture(scope="module")
 def sampled():
-    """(test_sampling, hybrid target, DFlash drafter, the exact law's logits: every continuation enumerated)."""
+    """(test_sampling, hybrid target, DFlash drafter, the exact law's logits: every continuation enumerated, the
+    decode programs the sampled runs share)."""
     ts, target, drafter = _sampled_pair()
     logits = np.asarray(dj.target_forward(target, np.asarray(
         [ts.PROMPT + list(c) for c in __import__("itertools").product(range(ts.V), repeat=ts.L)], np.int32))[0])
-    return ts, target, drafter, logits
+    return ts, target, drafter, logits, ts.large_batch_programs()
 
 
-def _sampled_run(ts, target, drafter, temperature):
-    return dj.generate(target, drafter, [ts.PROMPT] * SAMPLED_ROWS, max_new_tokens=ts.NEW, draft_length=3,
-                       temperature=temperature, seed=0)
+def _sampled_run(ts, target, drafter, temperature, programs_):
+    # As in test_sampling: 16-key attention blocks, programs compiled for large batches (`programs_`, shared).
+    with ts.large_batch_execution(programs_):
+        return dj.generate(target, drafter, [ts.PROMPT] * SAMPLED_ROWS, max_new_tokens=ts.NEW, draft_length=3,
+                           temperature=temperature, seed=0)
 
 
 def _assert_sampled_law(ts, res, logits, temperature, label):
@@ -463,30 +466,26 @@ def test_sampled_speculative_output_has_the_hybrid_target_distribution(sampled):
     exact law (enumerated over all continuations) within the suite's bound; with the rollback committing one token too
     many, the law is off and the same checks fail."""
     import stats
-    ts, target, drafter, logits = sampled
+    ts, target, drafter, logits, progs = sampled
     for temperature in (1.0, 0.6):
-        _assert_sampled_law(ts, _sampled_run(ts, target, drafter, temperature), logits, temperature,
+        _assert_sampled_law(ts, _sampled_run(ts, target, drafter, temperature, progs), logits, temperature,
                             "hybrid speculative")
     original = programs.commit_states
-    saved = dict(programs._COMPILED)
     try:
         programs.commit_states = lambda c, n, cfg: original(c, jnp.minimum(n + 1, 4), cfg)
-        programs._COMPILED.clear()
-        bad = _sampled_run(ts, target, drafter, 1.0)
+        bad = _sampled_run(ts, target, drafter, 1.0, ts.large_batch_programs())  # fresh programs: traced with the bug
     finally:
         programs.commit_states = original
-        programs._COMPILED.clear()
-        programs._COMPILED.update(saved)
     stats.assert_fails("hybrid rollback one token too many", ts.compare(bad.tokens, ts.exact_law(logits, 1.0)))
 
 
 def test_sampled_dflash2_speculative_output_has_the_hybrid_target_distribution(sampled):
     """The same law at T = 1.0 with a DFlash2 drafter tapping both layers (DeltaNet 0, attention 1): its top-4 of 8
     candidates make q zero on half the vocabulary, so the residual max(p - q, 0) is exercised too."""
-    ts, target, drafter, logits = sampled
+    ts, target, drafter, logits, progs = sampled
     d2 = H.as_dflash2(drafter, 3, group=8, rank=4, top_k=4, codebook_scale=1.0, tap_scale=0.3)
     assert d2.config.target_layer_ids == (0, 1)
-    _assert_sampled_law(ts, _sampled_run(ts, target, d2, 1.0), logits, 1.0, "hybrid dflash2 speculative")
+    _assert_sampled_law(ts, _sampled_run(ts, target, d2, 1.0, progs), logits, 1.0, "hybrid dflash2 speculative")
 
 
 def test_zz_false_alarm_budget():

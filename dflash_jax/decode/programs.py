@@ -33,6 +33,7 @@ data-dependent trip count costs nothing there, so one large cache bucket serves 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 import warnings
@@ -348,10 +349,13 @@ def _autoregressive_loop(target: Target, drafter: None, pre: Prefilled, keys, sa
 TRACE_COUNTS: dict[str, int] = {"prefill": 0, "speculative": 0, "autoregressive": 0}
 
 
-def _jit_program(name: str, program, static: tuple[str, ...], donate: tuple[int, ...] = ()):
+def _jit_program(name: str, program, static: tuple[str, ...], donate: tuple[int, ...] = (),
+                 compiler_options: dict | None = None):
     """`program` under jax.jit: static `static` arguments plus `backend`, the NVFP4 backend the program is traced
     under, and `live_length`, the attention rule it is traced under (see `uses_live_length_loop`; prefill never
-    attends a cache and takes the default). Each trace (= each compile) bumps TRACE_COUNTS[name]."""
+    attends a cache and takes the default). Each trace (= each compile) bumps TRACE_COUNTS[name]. compiler_options:
+    XLA options for these programs only (jax.jit's; the test suite compiles its large-batch programs with more
+    optimisation than the rest)."""
     def traced(*args, backend, live_length: bool = False, **kwargs):
         TRACE_COUNTS[name] += 1
         with backend_scope(backend), shd.mesh_scope(kwargs.get("mesh")), live_length_loop(live_length):
@@ -359,7 +363,8 @@ def _jit_program(name: str, program, static: tuple[str, ...], donate: tuple[int,
 
     traced.__name__ = traced.__qualname__ = f"dflash_{name}"
     # The loop takes the prefill handoff (argument 2) as donated: its caches are reused in place, not held twice.
-    return jax.jit(traced, static_argnames=("backend", "live_length", *static), donate_argnums=donate)
+    return jax.jit(traced, static_argnames=("backend", "live_length", *static), donate_argnums=donate,
+                   compiler_options=compiler_options)
 
 
 PREFILL_STATIC = ("cache_len", "stamp", "mesh")
@@ -518,30 +523,51 @@ def prepare_prompt(prompt, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
         if arr.ndim == 1:
             raise ValueError(f"prompt must be int [B, T] or a list of token lists, got a 1-D array of shape "
                              f"{arr.shape} (wrap a single prompt in a list)")
-        rows = [list(r) for r in arr] if arr.ndim == 2 else None
-        if rows is None:
+        if arr.ndim != 2:
             raise ValueError(f"prompt must be int [B, T], got shape {arr.shape}")
+        rows = list(arr)
         if arr.size and not np.issubdtype(arr.dtype, np.integer):
             raise ValueError(f"prompt token ids must be integers, got dtype {arr.dtype}")
     else:
-        rows = [list(r) for r in prompt]
+        rows = [r if isinstance(r, np.ndarray) else list(r) for r in prompt]
     if not rows:
         raise ValueError("empty prompt: the batch has no rows")
+    lens = np.fromiter(map(len, rows), np.int64, len(rows))
+    if (lens == 0).any():
+        raise ValueError(f"empty prompt: row {int(np.argmax(lens == 0))} has no tokens")
+    # Vectorised checks (a 40,000-row batch is validated in milliseconds, not a Python loop per token); the loop in
+    # `_first_bad_token` runs only to name the offending token when a check fails.
+    ids = _int_token_ids(rows, int(lens.sum()))
+    if ids is None or ((ids < 0) | (ids >= vocab_size)).any():
+        _first_bad_token(rows, vocab_size)
+    B, Tp = len(rows), prompt_bucket(int(lens.max()))
+    starts = np.cumsum(lens) - lens
+    padded = np.zeros((B, Tp), np.int32)
+    padded[np.repeat(np.arange(B), lens), np.arange(ids.size) - np.repeat(starts, lens)] = ids
+    return padded, lens.astype(np.int32)
+
+
+def _int_token_ids(rows, total: int) -> np.ndarray | None:
+    """Every row's ids, concatenated, as int64; None when one is not an integer (bools are not) or overflows."""
+    types = set(map(type, itertools.chain.from_iterable(rows)))
+    if not all(issubclass(t, (int, np.integer)) and not issubclass(t, bool) for t in types):
+        return None
+    try:
+        return np.fromiter(itertools.chain.from_iterable(rows), np.int64, total)
+    except OverflowError:
+        return None
+
+
+def _first_bad_token(rows, vocab_size: int) -> None:
+    """Raises the error that names the first id that is not an integer or lies outside the vocabulary."""
     for b, r in enumerate(rows):
-        if len(r) == 0:
-            raise ValueError(f"empty prompt: row {b} has no tokens")
         for t, tok in enumerate(r):
             if not isinstance(tok, (int, np.integer)) or isinstance(tok, bool):
                 raise ValueError(f"token ids must be integers, got {tok!r} at row {b}, position {t}")
             if not 0 <= int(tok) < vocab_size:
                 raise ValueError(f"token id {int(tok)} at row {b}, position {t} is outside the vocabulary "
                                  f"[0, {vocab_size})")
-    lens = np.array([len(r) for r in rows], np.int32)
-    Tp = prompt_bucket(int(lens.max()))
-    padded = np.zeros((len(rows), Tp), np.int32)
-    for b, r in enumerate(rows):
-        padded[b, :len(r)] = np.asarray(r, np.int64)
-    return padded, lens
+    raise AssertionError("no bad token found")  # unreachable: the caller found one
 
 
 def _check_budget(target: Target, lens: np.ndarray, max_new_tokens: int, max_cache_len) -> int:
@@ -779,7 +805,9 @@ def _run(call: ProgramCall) -> GenerationResult:
     steps = int(steps)
     B = call.batch or out.shape[0]  # padding rows (batch bucket, mesh's data axis) never reach the result
     out, n_out, acc = out[:B, :call.max_new], n_out[:B], acc[:B, :steps]
-    reasons = tuple("eos" if n > 0 and int(row[n - 1]) in call.eos else "length" for row, n in zip(out, n_out))
+    last = np.take_along_axis(out, np.maximum(n_out - 1, 0)[:, None].astype(np.int64), axis=1)[:, 0]
+    ended = (n_out > 0) & np.isin(last, np.asarray(call.eos, np.int64))
+    reasons = tuple(np.where(ended, "eos", "length").tolist())
     timings = {"prefill_s": t_prefill - t_start, "decode_s": t1 - t_decode,
                "total_s": (t_prefill - t_start) + (t1 - t_decode), "compile_s": compile_s}
     lens = np.asarray(call.args[3] if not isinstance(call.args[3], jax.Array) else _host(call.args[3]))[:B]
