@@ -48,20 +48,22 @@ def _alone(fn, rows, **kw):
 # -- programs: prefill apart from the loop ---------------------------------------------------------------------------
 
 def test_prompt_lengths_compile_prefill_only(pair, monkeypatch):
-    """100 prompt lengths over 1..1000 (7 prompt buckets): 7 prefill programs, 1 loop program, on CPU as on
-    accelerators (one 2048-slot minimum cache bucket; CPU's attention visits only the live blocks of it); a later
-    call with a new prompt bucket traces prefill again and not the loop."""
+    """23 prompt lengths over 1..1000 (both edges and the middle of each of the 7 prompt buckets): 7 prefill
+    programs, 1 loop program, on CPU as on accelerators (one 2048-slot minimum cache bucket; CPU's attention visits
+    only the live blocks of it); a later call with a new prompt bucket traces prefill again and not the loop."""
     monkeypatch.setattr(G, "_COMPILED", {})  # fresh jit caches: the counts below are this test's compiles
     target, drafter = pair
     before = dict(G.TRACE_COUNTS)
-    lens = np.linspace(1, 1000, 100).astype(int)
+    lens = np.array([1, 9, 16, 17, 25, 32, 33, 50, 64, 65, 100, 128, 129, 200, 256, 257, 400, 512, 513, 750, 1000,
+                     999, 700])
     rng = np.random.default_rng(0)
     for n in lens:
         dj.generate(target, drafter, [rng.integers(2, 74, int(n)).tolist()], max_new_tokens=2, eos_ids=())
     traces = {k: G.TRACE_COUNTS[k] - before[k] for k in before}
     counts = G.compiled_counts()
     buckets = sorted({G.prompt_bucket(int(n)) for n in lens})
-    print(f"\n[programs] 100 prompt lengths 1..1000: {counts['prefill']} prefill programs ({len(buckets)} buckets), "
+    print(f"\n[programs] {len(lens)} prompt lengths 1..1000: {counts['prefill']} prefill programs "
+          f"({len(buckets)} buckets), "
           f"{counts['speculative']} loop program(s)")
     assert buckets == [16, 32, 64, 128, 256, 512, 1024]
     assert traces["speculative"] == counts["speculative"] == 1

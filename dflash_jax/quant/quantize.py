@@ -43,6 +43,10 @@ def quantizable_names(model, *, exclude: Sequence[str] = (), lm_head: bool = Fal
     return names
 
 
+# One compiled program per shape (eager, each of its compares and adds would compile on its own).
+_round_codes = jax.jit(_round_to_e2m1_codes)
+
+
 def quantize_nvfp4(model, *, method: str = "rtn", exclude: Sequence[str] = (), calibration=None,
                    lm_head: bool = False, activations: str = "w4a16", candidates: int = 9):
     """The same kind of model (Target or Drafter) with NVFP4 leaves for every linear weight.
@@ -99,7 +103,7 @@ def calibrated_quantize(w: np.ndarray, x: np.ndarray, *, candidates: int = 9) ->
         cand = np.clip(sb_rtn * 2.0 ** (i / 8), 2.0 ** -9, E4M3_MAX)
         cand = np.asarray(jnp.asarray(cand, jnp.float32).astype(jnp.float8_e4m3fn).astype(jnp.float32))
         step = cand * s2  # [out, nb]
-        codes = np.asarray(_round_to_e2m1_codes(jnp.asarray(wb / step[..., None], jnp.float32)))
+        codes = np.asarray(_round_codes(jnp.asarray(wb / step[..., None], jnp.float32)))
         d = (wb - E2M1_GRID[codes] * step[..., None]).astype(np.float64)  # [out, nb, 16]
         err = np.einsum("obk,bkl,obl->ob", d, hess, d)
         better = err < best_err
@@ -115,7 +119,7 @@ def quantize_with_block_scales(w: np.ndarray, block_scale: np.ndarray, global_sc
     s2 = jnp.float32(global_scale)
     step = np.asarray(sb.astype(jnp.float32)) * np.float32(s2)
     v = w.reshape(out_f, in_f // BLOCK_SIZE, BLOCK_SIZE) / step[..., None]
-    codes = np.asarray(_round_to_e2m1_codes(jnp.asarray(v, jnp.float32))).reshape(out_f, in_f // 2, 2)
+    codes = np.asarray(_round_codes(jnp.asarray(v, jnp.float32))).reshape(out_f, in_f // 2, 2)
     packed = (codes[..., 0] | (codes[..., 1] << 4)).astype(np.uint8)
     return NVFP4Array(packed=jnp.asarray(packed), block_scale=sb, global_scale=s2, shape=(out_f, in_f))
 
