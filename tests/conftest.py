@@ -24,8 +24,10 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 # XLA compiles faster for this suite, whose run time is mostly compilation (tiny shapes, hundreds of programs, 2 CPU
 # cores): no LLVM optimisation and no expensive LLVM passes. That halves the backend compile of a decode program
-# (4.3-4.7 s -> 2.3-2.4 s for the 15 programs of one tiny generate call) and leaves its run time within noise; the
-# values are the same (no fast-math; the HLO passes, which decide how divisions and casts are computed, still run).
+# (4.3-4.7 s -> 2.3-2.4 s for the 15 programs of one tiny generate call) and leaves a tiny program's run time within
+# noise; the values are the same (no fast-math; the HLO passes, which decide how divisions and casts are computed,
+# still run). Unoptimised loops do run large batches ~2x slower: the sampling tests' 40,000-row programs ask for
+# LLVM level 1 through jax.jit's compiler_options (test_sampling.LARGE_BATCH_COMPILER_OPTIONS).
 # Not --xla_cpu_use_fusion_emitters=false: the older emitters round f32 -> E2M1 differently (tests/test_nvfp4.py's
 # JAX-helper tests see it) and run the 40,000-row sampling tests ~1.5x slower.
 # Appended to a user's XLA_FLAGS; children inherit it (those that add virtual devices keep it:

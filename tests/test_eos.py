@@ -146,11 +146,7 @@ def test_control_eos_searched_in_the_whole_block_fails(copy, monkeypatch):
             n_new = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1) + 1, n_new)
         return real(state, new_tokens, n_new, *rest)
 
-    if hasattr(gen, "_COMPILED"):
-        monkeypatch.setattr(gen, "_COMPILED", {})
-    else:
-        monkeypatch.setattr(gen, "_SPECULATIVE", gen._jit_program("speculative", gen._speculative_program,
-                                                                  gen.SPECULATIVE_STATIC))
+    monkeypatch.setattr(gen, "_COMPILED", {})  # fresh programs: traced with the flawed commit
     monkeypatch.setattr(gen, "_commit", whole_block)
     spec = dj.generate(copy["target"], copy["flawed"], PROMPTS, max_new_tokens=COPY_MAX_NEW, eos_ids=ONLY_REJECTED)
     with pytest.raises(AssertionError):

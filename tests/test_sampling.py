@@ -157,13 +157,14 @@ def row_keys(seed: int, n: int) -> jax.Array:
     return gen._row_keys(seed, n)
 
 
-# 120,000-row blocks: compiled with LLVM optimisation, as the decode programs below (LARGE_BATCH_COMPILER_OPTIONS).
-_LLVM_O1 = {"xla_backend_optimization_level": 1}
-jit_accept = jax.jit(accept_block, static_argnums=4, compiler_options=_LLVM_O1)
-jit_accept_with_bug = jax.jit(accept_with_bug, static_argnums=4, compiler_options=_LLVM_O1)
+# XLA options of this module's large-batch programs: LLVM optimisation level 1, which the suite's XLA_FLAGS turn
+# off for its hundreds of tiny programs (see `large_batch_programs` below for the figures).
+LARGE_BATCH_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
+jit_accept = jax.jit(accept_block, static_argnums=4, compiler_options=LARGE_BATCH_COMPILER_OPTIONS)  # 120,000 rows
+jit_accept_with_bug = jax.jit(accept_with_bug, static_argnums=4, compiler_options=LARGE_BATCH_COMPILER_OPTIONS)
 
 
-@jax.jit(static_argnums=2, compiler_options=_LLVM_O1)
+@jax.jit(static_argnums=2, compiler_options=LARGE_BATCH_COMPILER_OPTIONS)
 def jit_drafts(d_logits, keys, sp):
     """Drafts as the loop samples them (p_min does not change sampling: dropped so programs are shared)."""
     return sample_tokens(d_logits, keys, dataclasses.replace(sp, p_min=0.0), draft=True)
@@ -465,7 +466,6 @@ def _close(model, layer_scale, norm=None):
 # One warm 40,000-row speculative `generate`: 5.9 s with neither, 3.0 s with both (the default blocks at level 1:
 # 4.6-5.4 s).
 SAMPLING_CHUNK = 16
-LARGE_BATCH_COMPILER_OPTIONS = _LLVM_O1
 
 
 def large_batch_programs() -> dict:
@@ -598,13 +598,7 @@ def _path_counts(res):
 def fresh_programs(monkeypatch):
     """Make the next generate calls trace and compile anew (so a monkeypatched internal is traced in); the real
     compiled programs come back when the test ends."""
-    if hasattr(gen, "_COMPILED"):  # one dict of jitted programs
-        monkeypatch.setattr(gen, "_COMPILED", large_batch_programs())
-    else:  # jax.jit programs
-        monkeypatch.setattr(gen, "_SPECULATIVE", gen._jit_program("speculative", gen._speculative_program,
-                                                                  gen.SPECULATIVE_STATIC))
-        monkeypatch.setattr(gen, "_AUTOREGRESSIVE", gen._jit_program("autoregressive", gen._autoregressive_program,
-                                                                     gen.AUTOREGRESSIVE_STATIC))
+    monkeypatch.setattr(gen, "_COMPILED", large_batch_programs())
 
 
 # ---------------------------------------------------------------------------------------------------------------
