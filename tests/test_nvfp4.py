@@ -132,6 +132,22 @@ def test_nibble_order_low_first():
     np.testing.assert_array_equal(np.asarray(e)[0, 0], [6.0, 0.5])
 
 
+def test_weight_closed_over_by_jit_decodes_like_an_argument():
+    """A jitted function that closes over an NVFP4 weight hands it to XLA as a constant, which XLA's constant folder
+    evaluates: its uint8 -> 2 x float4 bitcast reads the two nibbles in the other order from compiled code (the
+    reason `unpack_e2m1` keeps that bitcast out of folding). Dequantization and the matmul give the same values
+    either way, and those values are the codes' E2M1 values times the scales."""
+    from dflash_jax.quant.linear import linear
+    rng = np.random.default_rng(3)
+    q = quantize(rng.standard_normal((8, 64)).astype(F32))
+    x = jnp.asarray(rng.standard_normal((2, 64)), F32)
+    by_codes = (nvfp4.E2M1_GRID[codes_of(q)].reshape(8, 4, 16)
+                * (np.asarray(q.block_scale.astype(F32)) * np.float32(q.global_scale))[..., None]).reshape(8, 64)
+    np.testing.assert_array_equal(np.asarray(jax.jit(dequantize)(q)), by_codes)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda: dequantize(q))()), by_codes)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: linear(x, q))(x)), np.asarray(jax.jit(linear)(x, q)))
+
+
 def test_zero_block_gets_scale_one():
     w = np.random.default_rng(0).standard_normal((2, 48)).astype(F32)
     w[1, 16:32] = 0.0

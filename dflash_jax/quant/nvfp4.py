@@ -171,12 +171,14 @@ def unpack_codes(packed: jax.Array) -> jax.Array:
 
 
 def unpack_e2m1(packed: jax.Array) -> jax.Array:
-    """uint8 [..., K/2] -> float4_e2m1fn [..., K] in element order.
+    """uint8 [..., K/2] -> float4_e2m1fn [..., K] in element order (ModelOpt's: element 2i is the LOW nibble).
 
-    bitcast_convert_type(uint8 -> float4) puts the LOW nibble in slot 0 (verified on
-    jax 0.10.2 CPU, jit and eager; tests pin it), which is ModelOpt's element 2i.
+    XLA's constant folder orders the two nibbles of this uint8 -> 2 x float4 bitcast the other way from compiled code
+    (jax 0.10.2), so a jitted function that closed over a packed weight (a constant to XLA) decoded other values than
+    one that took it as an argument. The optimization barrier keeps the bitcast out of constant folding (one nibble at
+    a time through uint4 also folds right, but runs the CPU matmul ~2x slower). tests/test_nvfp4.py checks both ways.
     """
-    e = jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)  # [..., K/2, 2]
+    e = jax.lax.bitcast_convert_type(jax.lax.optimization_barrier(packed), jnp.float4_e2m1fn)  # [..., K/2, 2]
     return e.reshape(packed.shape[:-1] + (packed.shape[-1] * 2,))
 
 
