@@ -26,13 +26,13 @@ def test_load_default_dflash2_says_what_to_do_until_one_is_shipped():
 # (--calibration-anchors, --reps and --smoke are taken by every bench and used only by --tau-table / --step-table /
 # --device-report)
 BENCH_NVFP4_SHRUNK = ["bench", "--nvfp4", "--prompts", "2", "--new-tokens", "6", "--reps", "2", "--draft-length", "3",
-                      "--calibration-anchors", "2", "--smoke"]
+                      "--calibration-anchors", "1", "--smoke"]
 # README's `bench --nvfp4 --dflash2 PATH` and `... --dflash2 /tmp/d2/out`, shrunk: the same DFlash rows with a DFlash2
 # folder that is not there (rows skipped with a note), run right after the bench above, whose programs they reuse.
 BENCH_NVFP4_DFLASH2_PATH_SHRUNK = ["bench", "--nvfp4", "--dflash2", "PATH", "--new-tokens", "6", "--prompts", "2",
-                                   "--reps", "2", "--draft-length", "3", "--calibration-anchors", "2", "--smoke"]
+                                   "--reps", "2", "--draft-length", "3", "--calibration-anchors", "1", "--smoke"]
 BENCH_NVFP4_DFLASH2_D2_OUT_SHRUNK = ["bench", "--nvfp4", "--prompts", "2", "--new-tokens", "6", "--dflash2",
-                                     "/tmp/d2/out", "--reps", "2", "--draft-length", "3", "--calibration-anchors", "2",
+                                     "/tmp/d2/out", "--reps", "2", "--draft-length", "3", "--calibration-anchors", "1",
                                      "--smoke"]
 
 

@@ -34,7 +34,7 @@ TINY = {
     "--max-new-tokens": "6", "--new-tokens": "6", "--prompts": "2", "--steps": "2", "--batch": "2",
     "--seq-len": "32", "--long-seq-len": "48", "--max-prompt-tokens": "16", "--anchors": "4", "--reps": "2",
     "--warmup": "1", "--budget-s": "30", "--draft-length": "3", "--windows": "4",
-    "--eval-prompts": "1", "--eval-tokens": "6", "--calibration-anchors": "2",
+    "--eval-prompts": "1", "--eval-tokens": "6", "--calibration-anchors": "1",
     # Model shape, where a command builds the model it trains: the same code paths at a fraction of the compile and
     # evaluation cost (train-target's held-out evaluation alone, 64 + 16 long windows at the shipped 6-layer shape,
     # was minutes on CI's cores). head_dim is fixed at 64, so --hidden 64 with one head.

@@ -227,7 +227,7 @@ def test_orbax_round_trip_keeps_w4a4_input_scales(pair, tmp_path):
 
 
 def test_calibrate_drafter_refuses_zero_anchors():
-    # (bench --calibration-anchors: the tests' shrunk tau table takes 2; 0 would collect no activation at all)
+    # (bench --calibration-anchors: the tests' shrunk tau table takes 1; 0 would collect no activation at all)
     from types import SimpleNamespace
 
     from dflash_jax.models.calibrate import calibrate_drafter
