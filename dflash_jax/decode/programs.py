@@ -716,32 +716,21 @@ def _sampling_params(sampling, temperature, top_k, top_p, p_min, draft_sampling)
                                sampling.draft_sampling)
 
 
-def _committed(x):
-    # device_put with the array's own sharding commits it where it is (no copy); `_committed` (private, so read with
-    # a default that skips the put) only saves the ~40 us a put costs on an array already committed
-    if isinstance(x, jax.Array) and not getattr(x, "_committed", True):
-        return jax.device_put(x, x.sharding)
-    return x
-
-
-def _as_compiled(model, mesh):
+def _as_compiled(model):
     """A model as its programs take it, so that equal models compile once whatever way they were built.
 
     * A drafter's model config `tie_word_embeddings` describes the target it borrows the embedding and head from;
       the drafter has neither and no program reads the field, but it is part of the static config a program is
       compiled for: a GGUF drafter file does not record it, and the shipped drafter read back from one compiled
       every program again. One value for drafters.
-    * Off a mesh, every array committed to the device it is on (most already are: loaded checkpoints). Whether an
-      argument is committed is part of the compiled program's key, so the same drafter quantized in memory (its
-      codes uncommitted) and read back from a file (committed) compiled separately too."""
+    * Every array committed to its device (`parallel.sharding.committed`): the same drafter quantized in memory and
+      read back from a file compiled separately too."""
     if model is None:
         return None
     if isinstance(model, Drafter) and model.config.model.tie_word_embeddings:
         model = model.replace(config=model.config.replace(
             model=model.config.model.replace(tie_word_embeddings=False)))
-    if mesh is None:
-        model = jax.tree.map(_committed, model)
-    return model
+    return shd.committed(model)
 
 
 def _prepare(name, target, drafter, prompt, *, max_new_tokens, draft_length, temperature, eos_ids, seed, top_k,
@@ -783,7 +772,7 @@ def _prepare(name, target, drafter, prompt, *, max_new_tokens, draft_length, tem
     if mesh is not None:
         padded, lens, keys = (shd.place(x, shd.batch_sharding(mesh, x.ndim)) for x in (padded, lens, keys))
         sampling, budget = shd.place_tree((sampling, budget), shd.replicated(mesh))
-    args = (_as_compiled(target, mesh), _as_compiled(drafter, mesh), padded, lens, keys, sampling, budget)
+    args = (_as_compiled(target), _as_compiled(drafter), padded, lens, keys, sampling, budget)
     return ProgramCall(name, args, prefill_static, loop_static, int(max_new_tokens),
                        0 if drafter is None else int(draft_length), eos, batch, prompts, bool(return_prompt))
 

@@ -26,6 +26,7 @@ from dflash_jax.models.layers import mlp, project_kv, project_q, rms_norm, write
 from dflash_jax.quant.linear import backend_scope, linear, program_backend
 from dflash_jax.params import DFlash2Params, DrafterParams, abstract_drafter, init_from_abstract, static_field
 from dflash_jax.models.target import KVCache, Target
+from dflash_jax.parallel.sharding import committed
 
 
 @jax.tree_util.register_dataclass
@@ -247,7 +248,8 @@ def draft_proposal(target: Target, drafter: Drafter, features, block, *,
 
 def _proposal(target: Target, drafter: Drafter, features, block, nvfp4_backend: str | None) -> Proposal:
     features, block = _check_inputs(drafter, target, features, block)
-    return _draft_jit(drafter, target, features, block, program_backend(drafter, target, backend=nvfp4_backend))
+    backend = program_backend(drafter, target, backend=nvfp4_backend)
+    return _draft_jit(*committed((drafter, target)), features, block, backend)
 
 
 def cached_context(drafter: Drafter, features: jax.Array) -> KVCache:

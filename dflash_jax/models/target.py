@@ -25,6 +25,7 @@ from dflash_jax.config import Qwen3Config
 from dflash_jax.models import deltanet as dn
 from dflash_jax.models.layers import decoder_layer, linear_attn_layer, norm, write_rows
 from dflash_jax.quant.linear import backend_scope, linear, program_backend
+from dflash_jax.parallel.sharding import committed
 from dflash_jax.params import (TargetParams, abstract_target, init_from_abstract, static_field)
 
 
@@ -226,7 +227,7 @@ def target_forward(target: Target, tokens, layer_ids: Sequence[int] = (), *,
             raise ValueError(f"token id {int(tokens[b, t])} at row {b}, position {t} is outside the vocabulary "
                              f"[0, {target.config.vocab_size})")
     backend = program_backend(target, backend=nvfp4_backend)
-    logits, features, _ = _target_forward_jit(target, tokens, tuple(int(i) for i in layer_ids), backend)
+    logits, features, _ = _target_forward_jit(committed(target), tokens, tuple(int(i) for i in layer_ids), backend)
     return logits, features
 
 
