@@ -522,7 +522,8 @@ def decode_core_section(report: Report, smoke: bool) -> dict:
 
 def embedded_section(report: Report, smoke: bool) -> dict:
     root = checkpoints_dir()
-    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    # bfloat16 as on a GPU; the CPU smoke run too (the programs section below then reuses its compiled programs)
+    dtype = "float32" if jax.default_backend() == "cpu" and not smoke else "bfloat16"
     target = load_target(root / "target", param_dtype=dtype, compute_dtype=dtype)
     drafter = load_drafter(root / "drafter", param_dtype=dtype, compute_dtype=dtype)
     tok = Tokenizer.from_file(root / "tokenizer.json")
