@@ -284,8 +284,8 @@ target, drafter, tok = dj.load_default(model="code-5m")  # the 5.8M trained pair
 drafters = {"dense": drafter, "nvfp4": dj.quantize_nvfp4(drafter)}
 prompts = [tok.encode(t) for t in corpus.held_out_prompts(2, seed=0)]
 LENGTHS, TEMPERATURES = (128, 256, 512, 1024), (0.0, 0.7, 1.0)
-if os.environ.get("{QUICK_ENV}"):  # the test suite's smaller run (a subset of the same grid)
-    LENGTHS, TEMPERATURES = (128,), (0.0, 0.7)
+if os.environ.get("{QUICK_ENV}"):  # the test suite's smaller run (a subset of the same grid: the exact, greedy one)
+    LENGTHS, TEMPERATURES = (128,), (0.0,)
 print("prompt lengths", [len(p) for p in prompts], "| lengths", LENGTHS, "| temperatures", TEMPERATURES)
 """.replace("{QUICK_ENV}", QUICK_ENV),
     """
