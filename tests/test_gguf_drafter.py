@@ -171,6 +171,22 @@ def test_roundtrip_is_bit_exact_with_identical_logits(tmp_path, target, inputs, 
     np.testing.assert_array_equal(ta, tb)
 
 
+def test_drafter_read_back_runs_the_programs_of_the_one_in_memory(tmp_path, target):
+    """A drafter read back from GGUF differs from the one in memory only where no program looks: its model config's
+    tie_word_embeddings (which the file does not record; it describes the target) and whether its arrays are
+    committed to the device (a read-back's are not). It runs the very programs the in-memory drafter compiled."""
+    d = dj.quantize_nvfp4(_drafter("dflash"))
+    d = jax.device_put(d.replace(config=d.config.replace(model=d.config.model.replace(tie_word_embeddings=True))),
+                       jax.devices()[0])
+    back = dj.load_drafter(dj.save_gguf(tmp_path / "d.gguf", d), param_dtype="float32", compute_dtype="float32")
+    assert back.config.model.tie_word_embeddings is False and back.config != d.config
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    first = dj.generate(target, d, prompts, max_new_tokens=8)
+    again = dj.generate(target, back, prompts, max_new_tokens=8)
+    assert first.timings["compile_s"] > 0 and again.timings["compile_s"] == 0.0
+    np.testing.assert_array_equal(first.tokens, again.tokens)
+
+
 def test_save_gguf_is_read_by_gguf_py(tmp_path):
     d = _quantized("dflash2")
     path = dj.save_gguf(tmp_path / "d.gguf", d)

@@ -53,6 +53,7 @@ from dflash_jax.models.drafter import Drafter, empty_draft_cache, append_context
 from dflash_jax.quant.linear import backend_scope, program_backend
 from dflash_jax.decode.sampling import SamplingParams, accept_block, sample_tokens
 from dflash_jax.models.target import KVCache, Target, commit_states, forward_with_cache
+from dflash_jax.params import committed
 
 PAD = -1
 
@@ -723,14 +724,14 @@ def _as_compiled(model):
       the drafter has neither and no program reads the field, but it is part of the static config a program is
       compiled for: a GGUF drafter file does not record it, and the shipped drafter read back from one compiled
       every program again. One value for drafters.
-    * Every array committed to its device (`parallel.sharding.committed`): the same drafter quantized in memory and
+    * Every array committed to its device (`params.committed`): the same drafter quantized in memory and
       read back from a file compiled separately too."""
     if model is None:
         return None
     if isinstance(model, Drafter) and model.config.model.tie_word_embeddings:
         model = model.replace(config=model.config.replace(
             model=model.config.model.replace(tie_word_embeddings=False)))
-    return shd.committed(model)
+    return committed(model)
 
 
 def _prepare(name, target, drafter, prompt, *, max_new_tokens, draft_length, temperature, eos_ids, seed, top_k,

@@ -24,9 +24,9 @@ from dflash_jax.models.attention import attention
 from dflash_jax.config import DrafterConfig, check_pair
 from dflash_jax.models.layers import mlp, project_kv, project_q, rms_norm, write_rows
 from dflash_jax.quant.linear import backend_scope, linear, program_backend
-from dflash_jax.params import DFlash2Params, DrafterParams, abstract_drafter, init_from_abstract, static_field
+from dflash_jax.params import (DFlash2Params, DrafterParams, abstract_drafter, committed, init_from_abstract,
+                               static_field)
 from dflash_jax.models.target import KVCache, Target
-from dflash_jax.parallel.sharding import committed
 
 
 @jax.tree_util.register_dataclass

@@ -25,8 +25,7 @@ from dflash_jax.config import Qwen3Config
 from dflash_jax.models import deltanet as dn
 from dflash_jax.models.layers import decoder_layer, linear_attn_layer, norm, write_rows
 from dflash_jax.quant.linear import backend_scope, linear, program_backend
-from dflash_jax.parallel.sharding import committed
-from dflash_jax.params import (TargetParams, abstract_target, init_from_abstract, static_field)
+from dflash_jax.params import TargetParams, abstract_target, committed, init_from_abstract, static_field
 
 
 @jax.tree_util.register_dataclass

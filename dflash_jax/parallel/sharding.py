@@ -235,19 +235,6 @@ def place(value, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def committed(tree):
-    """`tree` with every uncommitted jax.Array committed to the device it is on (device_put with its own sharding: no
-    copy). Whether an argument is committed is part of a jitted program's key, and models built different ways differ
-    there (checkpoints load committed, `quantize_nvfp4` returns its codes uncommitted): the package's jitted calls
-    commit their model arguments, so equal models compile once. `_committed` is private: read with a default that
-    skips the put (it only saves the ~40 us a put costs on an array already committed)."""
-    def commit(x):
-        if isinstance(x, jax.Array) and not getattr(x, "_committed", True):
-            return jax.device_put(x, x.sharding)
-        return x
-    return jax.tree.map(commit, tree)
-
-
 def place_tree(tree, sharding: NamedSharding):
     return jax.tree.map(lambda x: place(x, sharding), tree)
 

@@ -20,7 +20,7 @@ import numpy as np
 
 import dflash_jax.quant.linear as linear_mod
 from dflash_jax.quant.nvfp4 import BLOCK_SIZE, E2M1_GRID, E2M1_MAX, E4M3_MAX, NVFP4Array, _round_to_e2m1_codes, quantize
-from dflash_jax.params import is_linear_name, map_named, named_leaves
+from dflash_jax.params import committed, is_linear_name, map_named, named_leaves
 
 ATTENTION_PROJECTIONS = ("*self_attn.q_proj", "*self_attn.k_proj", "*self_attn.v_proj", "*self_attn.o_proj")
 # DFlash2's own linears: the matmuls llama.cpp still runs without their tensor scales (llama.cpp PR #28000
@@ -129,6 +129,9 @@ def collect_linear_inputs(forward, model, *args, max_rows: int = 4096, seed: int
 
     Returns {name: [n, in] float32}, at most max_rows rows per layer (a random subset).
     """
+    # Committed first: the package's jitted calls commit their model arguments (`params.committed`), and
+    # an uncommitted leaf would reach `linear` as a new object that `by_id` does not know.
+    model = committed(model)
     by_id = {id(leaf): name for name, leaf in named_leaves(model.params).items()}
     seen: dict[str, list[np.ndarray]] = {}
 
