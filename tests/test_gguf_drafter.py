@@ -174,7 +174,8 @@ def test_roundtrip_is_bit_exact_with_identical_logits(tmp_path, target, inputs, 
 def test_drafter_read_back_runs_the_programs_of_the_one_in_memory(tmp_path, target):
     """A drafter read back from GGUF differs from the one in memory only where no program looks: its model config's
     tie_word_embeddings (which the file does not record; it describes the target) and whether its arrays are
-    committed to the device (a read-back's are not). It runs the very programs the in-memory drafter compiled."""
+    committed to the device (a read-back's are not). It runs the very programs the in-memory drafter compiled: the
+    generation programs and `draft_logits`'s."""
     d = dj.quantize_nvfp4(_drafter("dflash"))
     d = jax.device_put(d.replace(config=d.config.replace(model=d.config.model.replace(tie_word_embeddings=True))),
                        jax.devices()[0])
@@ -185,6 +186,14 @@ def test_drafter_read_back_runs_the_programs_of_the_one_in_memory(tmp_path, targ
     again = dj.generate(target, back, prompts, max_new_tokens=8)
     assert first.timings["compile_s"] > 0 and again.timings["compile_s"] == 0.0
     np.testing.assert_array_equal(first.tokens, again.tokens)
+    from dflash_jax.models import drafter as drafter_mod
+    features = jax.random.normal(jax.random.key(0), (2, 5, len(d.config.target_layer_ids) * target.config.hidden_size), jnp.float32)
+    block = jnp.asarray([[9] + [d.config.mask_token_id] * (d.config.block_size - 1)] * 2, jnp.int32)
+    before = drafter_mod._draft_jit._cache_size()
+    logits = dj.draft_logits(target, d, features, block)
+    assert drafter_mod._draft_jit._cache_size() == before + 1
+    np.testing.assert_array_equal(dj.draft_logits(target, back, features, block), logits)
+    assert drafter_mod._draft_jit._cache_size() == before + 1
 
 
 def test_save_gguf_is_read_by_gguf_py(tmp_path):

@@ -49,7 +49,7 @@ from dflash_jax.parallel import sharding as shd
 from dflash_jax.config import check_pair
 from dflash_jax.decode.draft_step import draft_step
 from dflash_jax.models.attention import live_length_loop
-from dflash_jax.models.drafter import Drafter, empty_draft_cache, append_context
+from dflash_jax.models.drafter import Drafter, append_context, as_compiled, empty_draft_cache
 from dflash_jax.quant.linear import backend_scope, program_backend
 from dflash_jax.decode.sampling import SamplingParams, accept_block, sample_tokens
 from dflash_jax.models.target import KVCache, Target, commit_states, forward_with_cache
@@ -718,20 +718,11 @@ def _sampling_params(sampling, temperature, top_k, top_p, p_min, draft_sampling)
 
 
 def _as_compiled(model):
-    """A model as its programs take it, so that equal models compile once whatever way they were built.
-
-    * A drafter's model config `tie_word_embeddings` describes the target it borrows the embedding and head from;
-      the drafter has neither and no program reads the field, but it is part of the static config a program is
-      compiled for: a GGUF drafter file does not record it, and the shipped drafter read back from one compiled
-      every program again. One value for drafters.
-    * Every array committed to its device (`params.committed`): the same drafter quantized in memory and
-      read back from a file compiled separately too."""
+    """A model as its programs take it (`models.drafter.as_compiled` for a drafter; a target's arrays committed to
+    its device), so that equal models compile once whatever way they were built."""
     if model is None:
         return None
-    if isinstance(model, Drafter) and model.config.model.tie_word_embeddings:
-        model = model.replace(config=model.config.replace(
-            model=model.config.model.replace(tie_word_embeddings=False)))
-    return committed(model)
+    return as_compiled(model) if isinstance(model, Drafter) else committed(model)
 
 
 def _prepare(name, target, drafter, prompt, *, max_new_tokens, draft_length, temperature, eos_ids, seed, top_k,

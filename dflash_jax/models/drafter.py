@@ -246,10 +246,25 @@ def draft_proposal(target: Target, drafter: Drafter, features, block, *,
     return _proposal(target, drafter, features, block, nvfp4_backend)
 
 
+def as_compiled(drafter: Drafter) -> Drafter:
+    """The drafter as compiled programs take it, so that equal drafters compile once whatever way they were built.
+
+    * Its model config's `tie_word_embeddings` describes the target it borrows the embedding and head from; the
+      drafter has neither and no program reads the field, but it is part of the static config a program is compiled
+      for: a GGUF drafter file does not record it, and the shipped drafter read back from one compiled every program
+      again. One value (False) for drafters.
+    * Every array committed to its device (`params.committed`): the same drafter quantized in memory and read back
+      from a file compiled separately too."""
+    if drafter.config.model.tie_word_embeddings:
+        drafter = drafter.replace(config=drafter.config.replace(
+            model=drafter.config.model.replace(tie_word_embeddings=False)))
+    return committed(drafter)
+
+
 def _proposal(target: Target, drafter: Drafter, features, block, nvfp4_backend: str | None) -> Proposal:
     features, block = _check_inputs(drafter, target, features, block)
     backend = program_backend(drafter, target, backend=nvfp4_backend)
-    return _draft_jit(*committed((drafter, target)), features, block, backend)
+    return _draft_jit(as_compiled(drafter), committed(target), features, block, backend)
 
 
 def cached_context(drafter: Drafter, features: jax.Array) -> KVCache:
