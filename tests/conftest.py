@@ -15,8 +15,8 @@ os.environ.setdefault("DFLASH_JAX_NO_COMPILE_CACHE", "1")
 # before instead of compiling it again. JAX reads these variables when it is first imported (children) and the
 # config update below covers this process. Only programs that took >= 0.1 s to compile are stored (a threshold of
 # 0.5 s stored a third as many, and 7 decode test files ran 5% slower: 147 vs 139 s, mean of two runs each); JAX
-# never stores one with a host callback. The library's own switch (DFLASH_JAX_NO_COMPILE_CACHE, above) stays on: no test writes
-# into the user's cache, and tests/test_compile.py still checks that cache in folders of its own.
+# never stores one with a host callback. The library's own switch (DFLASH_JAX_NO_COMPILE_CACHE, above) stays on: no
+# test writes into the user's cache, and tests/test_compile.py still checks that cache in folders of its own.
 XLA_CACHE = Path(__file__).resolve().parents[1] / ".pytest_cache" / "dflash-jax-xla"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(XLA_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")

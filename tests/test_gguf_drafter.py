@@ -19,6 +19,7 @@ import dflash_jax as dj
 from dflash_jax import cli
 from dflash_jax.io import gguf_nvfp4 as g4
 from dflash_jax.io.gguf_drafter import GGUFError, gguf_name
+from dflash_jax.models import drafter as drafter_mod
 from dflash_jax.models.drafter import draft_proposal
 from dflash_jax.params import abstract_drafter, is_linear_name, named_leaves
 from dflash_jax.quant import nvfp4
@@ -186,8 +187,8 @@ def test_drafter_read_back_runs_the_programs_of_the_one_in_memory(tmp_path, targ
     again = dj.generate(target, back, prompts, max_new_tokens=8)
     assert first.timings["compile_s"] > 0 and again.timings["compile_s"] == 0.0
     np.testing.assert_array_equal(first.tokens, again.tokens)
-    from dflash_jax.models import drafter as drafter_mod
-    features = jax.random.normal(jax.random.key(0), (2, 5, len(d.config.target_layer_ids) * target.config.hidden_size), jnp.float32)
+    width = len(d.config.target_layer_ids) * target.config.hidden_size
+    features = jax.random.normal(jax.random.key(0), (2, 5, width), jnp.float32)  # [B, C, K*H]
     block = jnp.asarray([[9] + [d.config.mask_token_id] * (d.config.block_size - 1)] * 2, jnp.int32)
     before = drafter_mod._draft_jit._cache_size()
     logits = dj.draft_logits(target, d, features, block)
