@@ -832,3 +832,28 @@ def test_zlab_drafter_errors(zlab_folder, what):
     write_safetensors(folder / "model.safetensors", tensors)
     with pytest.raises(CheckpointError, match=pattern):
         dj.load_drafter(folder)
+
+
+_SAVE_ON_ANOTHER_DEVICE = """
+import sys, jax
+import dflash_jax as dj
+from test_checkpoint import _mixed_target
+t = _mixed_target(seed=9)
+t = t.replace(params=jax.device_put(t.params, jax.devices()[5]))
+dj.save(sys.argv[1], t)
+"""
+
+
+def test_orbax_folder_saved_on_a_device_this_host_lacks(tmp_path):
+    """A folder records the device its arrays were saved from ("cpu:5" here; "cpu:0" for every shipped model, which
+    a GPU host does not have). Loading places the arrays on this process's device instead of failing with orbax's
+    'Device cpu:5 was not found' / 'Topology mismatch'."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parents[1])]))
+    subprocess.run([sys.executable, "-c", _SAVE_ON_ANOTHER_DEVICE, str(tmp_path / "m")], env=env, check=True)
+    t = dj.load_target(tmp_path / "m")
+    assert_bit_exact(_mixed_target(seed=9), t)
+    assert {d for leaf in jax.tree.leaves(t.params) for d in leaf.devices()} == {jax.local_devices()[0]}

@@ -48,6 +48,19 @@ def test_file_list_deterministic_and_filtered() -> None:
     assert "os.py" in rels and "json/__init__.py" in rels
 
 
+def test_linked_file_outside_the_stdlib_is_skipped(tmp_path: Path) -> None:
+    """Debian links sitecustomize.py into the stdlib from /etc: the walk skips linked files (as linked folders), so
+    splitting the corpus never meets a path outside its root (it raised ValueError on such a machine)."""
+    root, elsewhere = tmp_path / "lib", tmp_path / "etc"
+    root.mkdir(), elsewhere.mkdir()
+    (root / "os.py").write_text("x = 1\n")
+    (elsewhere / "sitecustomize.py").write_text("y = 2\n")
+    (root / "sitecustomize.py").symlink_to(elsewhere / "sitecustomize.py")
+    files = stdlib_files(root)
+    assert [f.name for f in files] == ["os.py"]
+    assert sum(map(len, split_files(files, root=root))) == 1
+
+
 def test_split_disjoint_and_deterministic(split: tuple[list[Path], list[Path]]) -> None:
     train, held = split
     assert split_files(stdlib_files()) == (train, held)

@@ -400,10 +400,10 @@ HYBRID_SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_at
                     linear_value_head_dim=8, linear_conv_kernel_dim=4)
 
 
-def _hybrid_pair(smoke: bool):
+def _hybrid_pair(smoke: bool, dtype: str | None = None):
     """A random hybrid target with one Gated DeltaNet and one gated-attention layer, and a 1-layer DFlash drafter
-    tapping both layers."""
-    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    tapping both layers (dtype: float32 on CPU, bfloat16 on accelerators, unless given)."""
+    dtype = dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     shape = HYBRID_SMOKE if smoke else QWEN3_5_27B
     cfg = Qwen3Config(num_hidden_layers=2, model_type="qwen3_5", layer_types=("linear_attention", "full_attention"),
                       partial_rotary_factor=0.25, rope_theta=1e7, param_dtype=dtype, compute_dtype=dtype, **shape)
@@ -444,6 +444,25 @@ def hybrid_section(report: Report, smoke: bool) -> dict:
         print(f"  hybrid greedy speculative == autoregressive: {out['greedy_identical_rows']}/{len(prompts)} rows "
               f"(tau {sp.tau:.2f}, random drafter)", flush=True)
     report.section("hybrid", out)
+    return out
+
+
+def hybrid_exact_section(report: Report, smoke: bool) -> dict:
+    """Greedy speculative == autoregressive on the hybrid target in float32 compute on the device. The bfloat16 check
+    above may part at a near-tie (a random target's logits are nearly flat); float32 is where equality is promised,
+    so a mismatch here is a bug, not a rounding (dots at full float32 precision, not a GPU's default TF32)."""
+    target, drafter = _hybrid_pair(smoke, dtype="float32")
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(0, target.config.vocab_size, n)) for n in ((5, 9) if smoke else (37, 64))]
+    new = 8 if smoke else 64
+    with jax.default_matmul_precision("highest"):  # a GPU's default runs float32 dots in TF32
+        sp = G.generate(target, drafter, prompts, max_new_tokens=new, eos_ids=())
+        ar = G.generate_autoregressive(target, prompts, max_new_tokens=new, eos_ids=())
+    out = {"dtype": "float32 (matmul precision highest)", "rows": len(prompts), "max_new_tokens": new, "tau": sp.tau,
+           "greedy_identical_rows": sum(a == b for a, b in zip(sp.token_lists(), ar.token_lists()))}
+    print(f"  hybrid float32 greedy speculative == autoregressive: {out['greedy_identical_rows']}/{len(prompts)} rows "
+          f"(tau {sp.tau:.2f}, random drafter)", flush=True)
+    report.section("hybrid_exact", out)
     return out
 
 
@@ -672,12 +691,23 @@ def markdown(d: dict) -> str:
         if "greedy_identical_rows" in h:
             lines.append(f"- greedy speculative == autoregressive: {h['greedy_identical_rows']}/{h['rows']} rows")
         lines.append("")
+    if d.get("hybrid_exact"):
+        h = d["hybrid_exact"]
+        lines += ["## Hybrid target, float32 compute", "",
+                  f"- greedy speculative == autoregressive: {h['greedy_identical_rows']}/{h['rows']} rows "
+                  f"({h['max_new_tokens']} new tokens, tau {h['tau']:.2f})", ""]
+    if d.get("errors"):
+        lines += ["## Errors", ""] + [f"- {e['section']}: {e['error']}" for e in d["errors"]] + [""]
     if d.get("skipped"):
         lines += ["## Skipped", ""] + [f"- {s['what']}: {s['why']}" for s in d["skipped"]] + [""]
     return "\n".join(lines)
 
 
 # -- main -------------------------------------------------------------------------------------------------------
+
+SECTIONS = ("copy_bandwidth", "correctness", "linear", "step_costs", "decode_core", "embedded", "programs", "hybrid",
+            "hybrid_exact", "tile_sweep")
+
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m dflash_jax.bench.device_report", description=__doc__.split("\n")[0])
@@ -687,6 +717,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--target-layers", type=int, default=None, help="layers of the random target (default 4)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the pallas tile sweep")
     ap.add_argument("--no-embedded", action="store_true", help="skip the embedded pair")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated sections to run (default: all): " + ", ".join(SECTIONS))
     args = ap.parse_args(argv)
     smoke = args.smoke
     on_gpu = jax.default_backend() == "gpu"
@@ -710,10 +742,18 @@ def main(argv: list[str] | None = None) -> dict:
         ("programs", lambda: programs_section(report, smoke) if not args.no_embedded
          else report.skip("programs", "--no-embedded")),
         ("hybrid", lambda: hybrid_section(report, smoke)),
+        ("hybrid_exact", lambda: hybrid_exact_section(report, smoke)),
         ("tile_sweep", lambda: tile_sweep(shapes, report, smoke) if not args.no_sweep
          else report.skip("tile sweep", "--no-sweep")),  # last: it only tunes, the rest answers the question
     ]
+    only = None if args.only is None else {x.strip() for x in args.only.split(",") if x.strip()}
+    if only is not None and (unknown := only - set(SECTIONS)):
+        raise SystemExit(f"device_report: unknown section(s) {sorted(unknown)}; the sections are "
+                         + ", ".join(SECTIONS))
+    assert [n for n, _ in steps] == list(SECTIONS)
     for name, step in steps:
+        if only is not None and name not in only:
+            continue
         if report.left() <= 0:
             report.skip(name, "time budget spent")
             continue

@@ -322,17 +322,23 @@ def save(path: str | Path, model) -> Path:
 
 
 def _abstract_restore_target(abstract, nvfp4: dict[str, dict], dtype):
+    """The tree orbax restores into. Every leaf names this process's first device: without a sharding orbax takes
+    the one recorded at save time, and a folder saved on a CPU ("cpu:0") then cannot be read on a GPU host."""
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def struct(shape, leaf_dtype):
+        return jax.ShapeDtypeStruct(shape, leaf_dtype, sharding=here)
 
     def leaf(name, spec):
         if name in nvfp4:
             shape = tuple(nvfp4[name]["shape"])
             lead, k = shape[:-1], shape[-1]
-            scalar = jax.ShapeDtypeStruct((), jnp.float32)
-            return NVFP4Array(packed=jax.ShapeDtypeStruct(lead + (k // 2,), jnp.uint8),
-                              block_scale=jax.ShapeDtypeStruct(lead + (k // 16,), jnp.float8_e4m3fn),
+            scalar = struct((), jnp.float32)
+            return NVFP4Array(packed=struct(lead + (k // 2,), jnp.uint8),
+                              block_scale=struct(lead + (k // 16,), jnp.float8_e4m3fn),
                               global_scale=scalar, shape=shape,
                               input_scale=scalar if nvfp4[name]["input_scale"] else None)
-        return jax.ShapeDtypeStruct(spec.shape, dtype)
+        return struct(spec.shape, dtype)
 
     return map_named(leaf, abstract)
 

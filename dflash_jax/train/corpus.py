@@ -70,7 +70,9 @@ def _scan(root: Path) -> tuple[Path, ...]:
             if not name.endswith(".py") or name.startswith("_sysconfigdata_"):
                 continue
             path = Path(dirpath) / name
-            if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
+            # a linked file (Debian's sitecustomize.py -> /etc/python3.x/) lives outside the stdlib: skipped, as
+            # linked directories are
+            if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
                 continue
             try:
                 path.read_bytes().decode("utf-8")
