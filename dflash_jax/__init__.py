@@ -28,7 +28,7 @@ from dflash_jax.io.gguf import GGUFError
 
 __all__ = [
     "nvfp4", "NVFP4Array", "audit_scales", "ScaleAudit",
-    "Qwen3Config", "TargetConfig", "DrafterConfig", "default_target_layer_ids",
+    "TargetConfig", "Qwen3Config", "DrafterConfig", "default_target_layer_ids",
     "Target", "KVCache", "init_target", "target_forward",
     "Drafter", "init_drafter", "draft_logits", "draft_tokens",
     "generate", "generate_autoregressive", "GenerationResult", "SamplingParams",

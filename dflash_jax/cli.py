@@ -92,11 +92,11 @@ def _bench(args):
     from dflash_jax.bench import speculative as bench
 
     if args.random_tiny:
-        from dflash_jax.config import DrafterConfig, Qwen3Config
+        from dflash_jax.config import DrafterConfig, TargetConfig
         from dflash_jax.models.drafter import init_drafter
         from dflash_jax.decode.programs import generate
         from dflash_jax.models.target import init_target
-        cfg = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=6,
+        cfg = TargetConfig(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=6,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=32)
         dcfg = DrafterConfig(model=cfg.replace(num_hidden_layers=2), block_size=16, mask_token_id=511,
                              target_layer_ids=(1, 2, 3), num_target_layers=6)

@@ -52,12 +52,12 @@ _LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3Config:
+class TargetConfig:
     """One decoder-only target: GQA, NeoX RoPE, SwiGLU MLP, RMSNorm, with the family's features as switches.
 
     `model_type` names the HF family ("qwen3" | "qwen2" | "llama" | "mistral"); `qk_norm` (per-head q/k RMSNorm before RoPE)
     and `attention_bias` (biases on q/k/v, never on o_proj) default to that family's values and may be set apart
-    from it (`to_hf_dict` then refuses what HF cannot express). `TargetConfig` is the same class.
+    from it (`to_hf_dict` then refuses what HF cannot express). `Qwen3Config` is the same class (the name it first had).
 
     RoPE: `rope_type` "default", "linear" (positions divided by `rope_scaling_factor`) or "llama3" (Llama 3.x:
     long wavelengths divided by the factor, short ones kept, a smooth blend between, set by the low/high frequency
@@ -229,10 +229,10 @@ class Qwen3Config:
     def storage_dtype(self):
         return _DTYPES[self.param_dtype]
 
-    def replace(self, **changes) -> "Qwen3Config":
+    def replace(self, **changes) -> "TargetConfig":
         return dataclasses.replace(self, **changes)
 
-    def drafter_stack(self, num_hidden_layers: int) -> "Qwen3Config":
+    def drafter_stack(self, num_hidden_layers: int) -> "TargetConfig":
         """The layer stack of a DFlash drafter for this target: Qwen3 layers (q/k norm, no biases) of the target's
         sizes and RoPE, whatever the target's family (z-lab's drafters are Qwen3 layers for every target)."""
         return self.replace(num_hidden_layers=num_hidden_layers, model_type="qwen3", qk_norm=True,
@@ -242,7 +242,7 @@ class Qwen3Config:
     # -- HF config.json ----------------------------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: dict, *, param_dtype: str | None = None, compute_dtype: str | None = None,
-                     **overrides) -> "Qwen3Config":
+                     **overrides) -> "TargetConfig":
         """A config from an HF `config.json` of a Qwen3, Qwen2, Llama, Mistral or Qwen3.5 (`qwen3_5`, text-only or the
         multimodal layout whose text model sits under `text_config`) causal LM; what this decoder cannot run is
         refused with an error naming the key."""
@@ -322,7 +322,7 @@ class Qwen3Config:
 
     @classmethod
     def _from_qwen3_5(cls, d: dict, *, param_dtype: str | None, compute_dtype: str | None,
-                      **overrides) -> "Qwen3Config":
+                      **overrides) -> "TargetConfig":
         """Qwen3.5 / 3.6 / 3.8 (transformers 5.x `qwen3_5`): `Qwen3_5ForCausalLM`'s text config, or the multimodal
         `Qwen3_5ForConditionalGeneration` config whose text model is `text_config` (the vision config and the image
         token ids are not read: a text-only decoder never meets them, so an image_token_id outside a test model's
@@ -458,7 +458,7 @@ class Qwen3Config:
                 "original_max_position_embeddings": self.rope_original_max_position_embeddings}
 
 
-TargetConfig = Qwen3Config  # the clearer name: one config for every target family
+Qwen3Config = TargetConfig  # the name it first had (Qwen3 was the first family), kept for callers
 
 
 def _rope_fields(rope_scaling, key: str, d: dict) -> dict:
@@ -527,7 +527,7 @@ class DrafterConfig:
     `final_logit_softcapping` is set. The defaults are the original DFlash drafter.
     """
 
-    model: Qwen3Config  # the drafter's own layer stack (vocab/tie fields describe the target it borrows from)
+    model: TargetConfig  # the drafter's own layer stack (vocab/tie fields describe the target it borrows from)
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
@@ -688,7 +688,7 @@ class DrafterConfig:
             if dcfg.get(key):
                 raise NotImplementedError(f"drafter config.json: dflash_config.{key} is not supported; use the "
                                           "z-lab keys layer_types / sliding_window / is_causal")
-        # Attention layout as z-lab's attention sees it through an HF Qwen3Config (transformers 4.57):
+        # Attention layout as z-lab's attention sees it through an HF TargetConfig (transformers 4.57):
         # sliding_window (default 4096) is kept only when use_sliding_window is true, and a missing layer_types is
         # derived as "sliding_attention" for layers >= max_window_layers (default 28) when a window is kept.
         # A dflash_config.sliding_window (not an HF key) is taken as given.
@@ -702,7 +702,7 @@ class DrafterConfig:
         if window is not None and "sliding_window" not in dcfg and not d.get("use_sliding_window", False):
             if layer_types and "sliding_attention" in layer_types:
                 warnings.warn(f"drafter config.json: sliding_window {window} is ignored because use_sliding_window "
-                              "is not true (as HF Qwen3Config does); sliding layers attend without a window",
+                              "is not true (as HF TargetConfig does); sliding layers attend without a window",
                               stacklevel=2)
             window = None
         if layer_types is None and window is not None:
@@ -722,7 +722,7 @@ class DrafterConfig:
         # z-lab's drafter layers are Qwen3 layers whatever target they serve (a Llama or Qwen2 one included), so the
         # stack is read as qwen3 even where the file copies the target's model_type.
         stripped["model_type"] = "qwen3"
-        model = Qwen3Config.from_hf_dict(stripped, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        model = TargetConfig.from_hf_dict(stripped, param_dtype=param_dtype, compute_dtype=compute_dtype)
         return cls(model=model, block_size=int(block_size), mask_token_id=int(mask_token_id),
                    target_layer_ids=tuple(int(i) for i in layer_ids), num_target_layers=int(n_target), kind=kind,
                    layer_types=tuple(layer_types) if layer_types else None, sliding_window=window,
@@ -779,7 +779,7 @@ def read_json_object(file: str | Path) -> dict:
     return d
 
 
-def check_pair(drafter: DrafterConfig, target: Qwen3Config) -> None:
+def check_pair(drafter: DrafterConfig, target: TargetConfig) -> None:
     """Every way a drafter can be built for another target, as one clear error."""
     problems = []
     if drafter.model.hidden_size != target.hidden_size:
@@ -798,5 +798,5 @@ def check_pair(drafter: DrafterConfig, target: Qwen3Config) -> None:
         raise ValueError("drafter does not match target: " + "; ".join(problems))
 
 
-__all__ = ["Qwen3Config", "TargetConfig", "DrafterConfig", "default_target_layer_ids", "check_pair", "read_config_json",
+__all__ = ["TargetConfig", "Qwen3Config", "DrafterConfig", "default_target_layer_ids", "check_pair", "read_config_json",
            "default_compute_dtype"]

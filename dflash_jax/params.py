@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.quant.nvfp4 import NVFP4Array
 
 
@@ -166,17 +166,17 @@ class DFlash2Params:
     candidate_selector: CandidateSelector
 
 
-def _norm_init(cfg: Qwen3Config) -> str:
+def _norm_init(cfg: TargetConfig) -> str:
     return "zeros" if cfg.zero_centered_norm else "ones"  # a zero-centred norm's identity is w = 0
 
 
-def abstract_mlp(cfg: Qwen3Config) -> MLP:
+def abstract_mlp(cfg: TargetConfig) -> MLP:
     H, I = cfg.hidden_size, cfg.intermediate_size
     return MLP(gate_proj=ParamSpec((I, H), ("mlp", "embed")), up_proj=ParamSpec((I, H), ("mlp", "embed")),
                down_proj=ParamSpec((H, I), ("embed", "mlp")))
 
 
-def linear_qkv_order(cfg: Qwen3Config) -> np.ndarray:
+def linear_qkv_order(cfg: TargetConfig) -> np.ndarray:
     """[C] int: row g of the held in_proj_qkv (and channel g of conv1d) is HF's row order[g].
 
     HF stacks all q heads, then all k heads, then all v heads; held, each key head h is followed by its k head and
@@ -192,7 +192,7 @@ def linear_qkv_order(cfg: Qwen3Config) -> np.ndarray:
     return np.concatenate([q, Kd + q, v], axis=1).reshape(-1)
 
 
-def abstract_linear_attn_layer(cfg: Qwen3Config) -> LinearAttnLayer:
+def abstract_linear_attn_layer(cfg: TargetConfig) -> LinearAttnLayer:
     """A Gated DeltaNet layer. Its heads shard along "model" (logical axes linear_*): the conv channels (grouped by key
     head, `linear_qkv_order`), the gates and the per-head decay parameters follow the heads they belong to."""
     H, C, nV = cfg.hidden_size, cfg.linear_conv_dim, cfg.linear_num_value_heads
@@ -213,7 +213,7 @@ def abstract_linear_attn_layer(cfg: Qwen3Config) -> LinearAttnLayer:
                            mlp=abstract_mlp(cfg))
 
 
-def abstract_layer(cfg: Qwen3Config, i: int | None = None) -> DecoderLayer | LinearAttnLayer:
+def abstract_layer(cfg: TargetConfig, i: int | None = None) -> DecoderLayer | LinearAttnLayer:
     """Layer i of the config's stack (by `layer_types`); i=None: an attention layer (drafters, dense targets)."""
     if i is not None and cfg.layer_type(i) == "linear_attention":
         return abstract_linear_attn_layer(cfg)
@@ -244,7 +244,7 @@ def abstract_layer(cfg: Qwen3Config, i: int | None = None) -> DecoderLayer | Lin
     )
 
 
-def abstract_target(cfg: Qwen3Config) -> TargetParams:
+def abstract_target(cfg: TargetConfig) -> TargetParams:
     V, H = cfg.vocab_size, cfg.hidden_size
     return TargetParams(
         embed_tokens=ParamSpec((V, H), ("vocab", "embed")),

@@ -18,7 +18,7 @@ import pytest
 
 import dflash_jax as dj
 from random_models import nontrivial_dflash2, random_params
-from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.io.safetensors_io import write_safetensors
 from dflash_jax.models.drafter import draft_proposal
 from dflash_jax.params import abstract_drafter, abstract_target, from_named, named_leaves
@@ -28,12 +28,12 @@ from dflash_jax.quant.linear import set_default_backend
 linear_mod = importlib.import_module("dflash_jax.quant.linear")
 
 
-def tiny_qwen3(**kw) -> Qwen3Config:
+def tiny_qwen3(**kw) -> TargetConfig:
     """A tiny float32 Qwen3 config (vocab 64, hidden 32, 4 layers, GQA 4:2, head_dim 8, untied); kw overrides."""
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, rope_theta=10000.0, tie_word_embeddings=False)
     base.update(kw)
-    return Qwen3Config(**base)
+    return TargetConfig(**base)
 
 
 # -- the random setups of the generation tests ------------------------------------------------------------------------
@@ -41,7 +41,7 @@ def tiny_qwen3(**kw) -> Qwen3Config:
 @dataclasses.dataclass(frozen=True)
 class Setup:
     name: str
-    target: Qwen3Config
+    target: TargetConfig
     drafter: DrafterConfig
     draft_length: int | None  # None = block_size - 1
 

@@ -47,14 +47,14 @@ import numpy as np  # noqa: E402
 import dflash_jax as dj  # noqa: E402
 from dflash_jax.decode import programs as G  # noqa: E402
 from dflash_jax.parallel import sharding as S  # noqa: E402
-from dflash_jax.config import DrafterConfig, Qwen3Config  # noqa: E402
+from dflash_jax.config import DrafterConfig, TargetConfig  # noqa: E402
 from dflash_jax.models.drafter import draft_proposal  # noqa: E402
 from dflash_jax.params import named_leaves  # noqa: E402
 from random_models import make_drafter, make_target, nontrivial_dflash2  # noqa: E402
 
 # Tiny, but every rule is exercised: 4 query heads over model=4 (1 each), 2 KV heads (< 4: replicated), intermediate
 # and vocabulary split in 4, head_dim 16 so that NVFP4 o_proj / down_proj shards hold whole 16-blocks.
-CFG = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+CFG = TargetConfig(vocab_size=96, hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
 DCFG = DrafterConfig(model=CFG.replace(num_hidden_layers=1), block_size=4, mask_token_id=95, target_layer_ids=(0, 1),
                      num_target_layers=2)

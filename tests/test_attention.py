@@ -17,7 +17,7 @@ from random_models import make_drafter, make_target
 from dflash_jax.bench.lowering import loop_report
 from dflash_jax.decode import programs as G
 from dflash_jax.models.attention import LIVE_CHUNK, attention, attention_chunk, live_length_loop, visible
-from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models.target import KVCache, forward_with_cache
 
 
@@ -185,7 +185,7 @@ def test_live_length_loop_is_a_data_dependent_loop_and_off_by_default():
 
 # -- through the model -------------------------------------------------------------------------------------------
 
-CFG = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+CFG = TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, rope_theta=10000.0)
 
 
@@ -266,7 +266,7 @@ def test_attention_chunk_is_an_execution_setting():
 
     from dflash_jax.io.checkpoint import _config_from_json
     from dflash_jax.models.attention import block_sizes
-    assert "attention_chunk" not in {f.name for f in dataclasses.fields(Qwen3Config)}
+    assert "attention_chunk" not in {f.name for f in dataclasses.fields(TargetConfig)}
     old = dict(dataclasses.asdict(CFG), attention_chunk=256)
     assert _config_from_json("target", old) == CFG
     dcfg = DrafterConfig(model=CFG.replace(num_hidden_layers=1), block_size=4, mask_token_id=63,

@@ -20,7 +20,7 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax.io.checkpoint import CheckpointError
-from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.quant.nvfp4 import E2M1_GRID, NVFP4Array, dequantize, quantize
 from dflash_jax.params import is_linear_name, map_named, named_leaves
 from dflash_jax.io.safetensors_io import SafetensorsError, read_header, read_safetensors, write_safetensors
@@ -30,12 +30,12 @@ F8 = np.dtype(ml_dtypes.float8_e4m3fn)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def tiny_cfg(**kw) -> Qwen3Config:
+def tiny_cfg(**kw) -> TargetConfig:
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=16, rope_theta=10000.0, param_dtype="float32",
                 compute_dtype="float32", bos_token_id=1, eos_token_id=2)
     base.update(kw)
-    return Qwen3Config(**base)
+    return TargetConfig(**base)
 
 
 def drafter_cfg(**kw) -> DrafterConfig:

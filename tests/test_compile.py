@@ -25,13 +25,13 @@ import dflash_jax as dj
 import dflash_jax.quant.linear as linear_mod
 from random_models import make_drafter, make_target
 from dflash_jax.bench.mesh import xla_flags_with_devices
-from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.config import DrafterConfig, TargetConfig
 
 G = importlib.import_module("dflash_jax.decode.programs")
 ROOT = Path(__file__).resolve().parents[1]
 
 # A config no other test module uses, so every count below starts from programs this module builds.
-CFG = Qwen3Config(vocab_size=72, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+CFG = TargetConfig(vocab_size=72, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, rope_theta=10000.0)
 DCFG = DrafterConfig(model=CFG.replace(num_hidden_layers=1), block_size=4, mask_token_id=71, target_layer_ids=(0, 1),
                      num_target_layers=2)
@@ -160,10 +160,10 @@ SHARDING_SCRIPT = textwrap.dedent('''
     sys.path.insert(0, {tests!r})
     import dflash_jax as dj
     from dflash_jax.decode import programs as G
-    from dflash_jax.config import DrafterConfig, Qwen3Config
+    from dflash_jax.config import DrafterConfig, TargetConfig
     from random_models import make_drafter, make_target
     assert len(jax.devices()) == 4, jax.devices()
-    cfg = Qwen3Config(vocab_size=72, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    cfg = TargetConfig(vocab_size=72, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0)
     dcfg = DrafterConfig(model=cfg.replace(num_hidden_layers=1), block_size=4, mask_token_id=71,
                          target_layer_ids=(0, 1), num_target_layers=2)

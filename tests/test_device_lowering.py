@@ -19,13 +19,13 @@ from jax import export
 
 import dflash_jax as dj
 from dflash_jax.bench.lowering import loop_report, prefill_module, speculative_module
-from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.decode import programs as G
 from dflash_jax.models.attention import attention_chunk
 from dflash_jax.quant import pallas_nvfp4 as P
 from random_models import make_drafter, make_target, nontrivial_dflash2
 
-CFG = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+CFG = TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, rope_theta=10000.0)
 DCFG = DrafterConfig(model=CFG.replace(num_hidden_layers=1), block_size=4, mask_token_id=63, target_layer_ids=(0, 1),
                      num_target_layers=2)

@@ -16,7 +16,7 @@ from dflash_jax.quant.quantize import DFLASH2_PROJECTIONS, ablated_forward, drop
 from random_models import make_target, nontrivial_dflash2, random_params
 from helpers import context_and_block, logits_of_params, proposal_of_params
 
-CFG = dj.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+CFG = dj.TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
 DCFG = dj.DrafterConfig(model=CFG.replace(num_hidden_layers=2), block_size=8, mask_token_id=127,
                         target_layer_ids=(1, 2), num_target_layers=4, kind="dflash2", conv_group_size=16,

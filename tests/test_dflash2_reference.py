@@ -35,7 +35,7 @@ import dflash_jax as dj
 from helpers import tiny_qwen3
 from random_models import random_params
 from dflash_jax.models import selector as sel_mod
-from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models.drafter import empty_draft_cache, append_context, block_logits, draft_proposal, draft_tokens
 from dflash_jax.params import abstract_drafter, map_named, named_leaves
 from dflash_jax.models.attention import visible
@@ -50,7 +50,7 @@ def _t(**kw):
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    target: Qwen3Config
+    target: TargetConfig
     drafter: DrafterConfig
     ctx_len: int
     batch: int = 2

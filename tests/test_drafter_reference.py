@@ -28,7 +28,7 @@ from torch_reference import rel_err, rms, rope, torch_inputs
 import dflash_jax as dj
 from helpers import tiny_qwen3
 from random_models import make_drafter, make_target
-from dflash_jax.config import DrafterConfig, Qwen3Config, check_pair
+from dflash_jax.config import DrafterConfig, TargetConfig, check_pair
 from dflash_jax.models.drafter import empty_draft_cache, append_context, block_logits
 from dflash_jax.models.layers import rms_norm
 import report  # tests/report.py
@@ -43,8 +43,8 @@ _ERRORS: dict[str, float] = report.section("drafter reference max relative error
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    target: Qwen3Config
-    drafter: Qwen3Config  # the drafter's own layer stack (hidden/vocab must match the target)
+    target: TargetConfig
+    drafter: TargetConfig  # the drafter's own layer stack (hidden/vocab must match the target)
     block_size: int
     taps: tuple[int, ...]
     ctx_len: int

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax.config import Qwen3Config
+from dflash_jax.config import TargetConfig
 from dflash_jax.io import gguf_model
 from dflash_jax.io.checkpoint import CheckpointError
 from dflash_jax.io.gguf import NATIVE_TYPES, GGUFError, GGUFFile, is_gguf
@@ -29,13 +29,13 @@ gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
 
-def tiny_cfg(**kw) -> Qwen3Config:
+def tiny_cfg(**kw) -> TargetConfig:
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
                 max_position_embeddings=128, tie_word_embeddings=True, param_dtype="float32",
                 compute_dtype="float32", bos_token_id=1, eos_token_id=2)
     base.update(kw)
-    return Qwen3Config(**base)
+    return TargetConfig(**base)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from dflash_jax.quant.nvfp4 import NVFP4Array
 from random_models import make_target, nontrivial_dflash2, random_params
 
 Q = gguf.GGMLQuantizationType
-CFG = dj.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+CFG = dj.TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
 DFLASH = dj.DrafterConfig(model=CFG.replace(num_hidden_layers=2, eos_token_id=3), block_size=8, mask_token_id=127,
                           target_layer_ids=(0, 2), num_target_layers=4,

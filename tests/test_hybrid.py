@@ -19,7 +19,7 @@ import pytest
 import dflash_jax as dj
 import dflash_jax.decode.programs as programs
 import helpers as H
-from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.io.checkpoint import CheckpointError
 from dflash_jax.io.safetensors_io import read_safetensors, write_safetensors
 from dflash_jax.models import deltanet as dn
@@ -30,7 +30,7 @@ from random_models import random_params
 LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
               linear_conv_kernel_dim=4)
 # the copy pair's sizes (vocab 48, hidden 64, 2 target layers: taps (1, 0)), a DeltaNet layer then gated attention
-HCFG = Qwen3Config(vocab_size=48, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+HCFG = TargetConfig(vocab_size=48, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, rope_theta=10000.0, model_type="qwen3_5",
                    layer_types=("linear_attention", "full_attention"), partial_rotary_factor=0.25, **LINEAR)
 
@@ -238,7 +238,7 @@ def test_bad_hybrid_configs_are_named():
     d = HCFG.to_hf_dict()
     d["layer_types"] = ["linear_attention", "mamba"]
     with pytest.raises(NotImplementedError, match="mamba"):
-        Qwen3Config.from_hf_dict(d)
+        TargetConfig.from_hf_dict(d)
 
 
 def test_drafter_configs_with_rope_parameters_or_rope_theta_read_the_same():
@@ -418,7 +418,7 @@ def test_qwen35_gguf_bad_input_is_named(hf, tmp_path):
 def _sampled_pair():
     import test_sampling as ts
     V = ts.V
-    cfg = Qwen3Config(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+    cfg = TargetConfig(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=8, rope_theta=10000.0, model_type="qwen3_5",
                       layer_types=("linear_attention", "full_attention"), partial_rotary_factor=0.5,
                       linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=4, linear_value_head_dim=4,

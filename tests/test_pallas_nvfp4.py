@@ -30,7 +30,7 @@ from jax import export
 
 import dflash_jax as dj
 from dflash_jax.quant import pallas_nvfp4 as P
-from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models.drafter import empty_draft_cache, append_context, block_logits
 from dflash_jax.quant.linear import linear, resolve_backend, set_default_backend
 from helpers import clean_backend  # noqa: F401  (autouse: the default backend around every test)
@@ -361,7 +361,7 @@ def test_default_tiles_compile_for_sm90_within_limits(monkeypatch, m, n, k, dtyp
 
 # Shapes chosen so no activation or dense weight has the [out, in] shape of a quantized weight: the HLO check below
 # then looks for those shapes as float buffers. Ragged on purpose: K = 48, 80, 144; N = 24, 80.
-TCFG = Qwen3Config(vocab_size=112, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,
+TCFG = TargetConfig(vocab_size=112, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=12, rope_theta=10000.0, tie_word_embeddings=False)
 DCFG = DrafterConfig(TCFG.replace(num_hidden_layers=1), 4, 111, (0, 1, 2), 4)
 PROMPTS = [[5, 9, 33, 2, 71, 8, 14], [40, 41, 3, 99, 17, 23, 60, 61, 62, 7, 1]]

@@ -17,12 +17,12 @@ import pytest
 
 import dflash_jax as dj
 from random_models import make_drafter, make_target
-from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.config import DrafterConfig, TargetConfig
 
 G = importlib.import_module("dflash_jax.decode.programs")
 
 # A config of its own (vocab 76), so that the jit caches start empty for it.
-CFG = Qwen3Config(vocab_size=76, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+CFG = TargetConfig(vocab_size=76, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
                   max_position_embeddings=4096)
 DCFG = DrafterConfig(model=CFG.replace(num_hidden_layers=1), block_size=4, mask_token_id=75, target_layer_ids=(0, 1),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.bench import quality
-from dflash_jax.config import Qwen3Config
+from dflash_jax.config import TargetConfig
 from dflash_jax.models.target import target_forward
 
 from random_models import make_target
@@ -35,7 +35,7 @@ def test_handwritten_set_is_valid_python_and_not_repetitive():
 
 
 def test_text_loss_is_the_mean_next_token_nll():
-    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     target = make_target(cfg, seed=3, std=0.02)
 
@@ -74,7 +74,7 @@ def test_text_loss_of_padded_batch_equals_each_text_alone():
 
     import dflash_jax as dj
 
-    cfg = dj.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = dj.TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     target = dj.init_target(cfg, jax.random.key(0))
 

@@ -39,7 +39,7 @@ import pytest
 
 import stats
 from dflash_jax.decode import sampling
-from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models.attention import attention_chunk
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.params import abstract_drafter, abstract_target, map_named
@@ -411,7 +411,7 @@ def test_top_k_top_p_block_stays_in_support_and_is_lossless():
 # Tiny models and the exact target law
 # ---------------------------------------------------------------------------------------------------------------
 
-CFG = Qwen3Config(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+CFG = TargetConfig(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=8, rope_theta=10000.0, param_dtype="float32",
                   compute_dtype="float32",
                   # The context limit caps generate's KV caches at 64 slots (32 + the verify's extra, rounded to 64)

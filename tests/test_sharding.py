@@ -19,7 +19,7 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax.parallel import sharding as S
-from dflash_jax.config import Qwen3Config
+from dflash_jax.config import TargetConfig
 from random_models import make_target
 from dflash_jax.bench.mesh import xla_flags_with_devices
 
@@ -130,7 +130,7 @@ def test_checkpoints_load_straight_into_shards(run8):
 def test_rules_replicate_kv_heads_below_the_model_axis():
     import jax
     mesh = S.make_mesh(1, 1)
-    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    cfg = TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     rules = S.rules_for(cfg, mesh)
     assert rules.spec(("q_heads", "embed")) == jax.sharding.PartitionSpec("model", None)
@@ -143,7 +143,7 @@ def test_rules_replicate_kv_heads_below_the_model_axis():
 
 def test_shard_on_one_device_keeps_generation():
     """A 1 x 1 mesh is a valid mesh: the same tokens as the unplaced models, through the mesh code path."""
-    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    cfg = TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     target = make_target(cfg, 0)
     placed = S.shard(target, S.make_mesh(1, 1))

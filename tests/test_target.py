@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax.config import Qwen3Config
+from dflash_jax.config import TargetConfig
 from dflash_jax.models.layers import rms_norm, write_rows
 from dflash_jax.params import (abstract_drafter, abstract_target, is_spec, logical_axes, map_named,
                                named_leaves)
@@ -30,15 +30,15 @@ PARITY_RTOL = 1e-4  # of the reference's scale (max |ref|)
 CACHE_RTOL = 2e-6  # same math, different shapes / reduction orders
 
 
-def tiny_cfg(**kw) -> Qwen3Config:
+def tiny_cfg(**kw) -> TargetConfig:
     base = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, rope_theta=10000.0, param_dtype="float32",
                 compute_dtype="float32")
     base.update(kw)
-    return Qwen3Config(**base)
+    return TargetConfig(**base)
 
 
-def random_target(cfg: Qwen3Config, seed: int = 0, std: float = 0.15) -> Target:
+def random_target(cfg: TargetConfig, seed: int = 0, std: float = 0.15) -> Target:
     """Weights big enough that attention is far from uniform; norm weights (incl. q/k norms) away from 1."""
     t = init_target(cfg, jax.random.key(seed))
     rng = np.random.default_rng(seed)

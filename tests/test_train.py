@@ -14,7 +14,7 @@ from dflash_jax.train.loop import OptimConfig, run
 from dflash_jax.train.target import lm_loss, random_windows
 from helpers import inference_at_anchors, training_batch
 
-CFG = dj.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+CFG = dj.TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=10000.0)
 
 

@@ -22,7 +22,7 @@ from dflash_jax.train.loop import OptimConfig, run
 from random_models import nontrivial_dflash2, random_params
 from helpers import inference_at_anchors, training_batch
 
-CFG = dj.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+CFG = dj.TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=10000.0)
 DCFG = dj.DrafterConfig(model=CFG.replace(num_hidden_layers=2), block_size=6, mask_token_id=63,
                         target_layer_ids=(1, 2), num_target_layers=4, kind="dflash2", conv_group_size=8,

@@ -14,7 +14,7 @@ from dflash_jax.train import unlikelihood as ul
 from dflash_jax.train.loop import OptimConfig, make_optimizer
 from dflash_jax.train.target import main as train_target_main
 
-CFG = dj.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+CFG = dj.TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=10000.0)
 
 

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.bench import speculative as bench
-from dflash_jax.config import Qwen3Config
+from dflash_jax.config import TargetConfig
 from dflash_jax.decode import programs as G
 from dflash_jax.decode.programs import generate
 from dflash_jax.io.compile_cache import enable_compilation_cache
@@ -48,14 +48,14 @@ from dflash_jax.params import abstract_target, is_spec
 SECTIONS = ("attention", "programs", "sampling", "cli", "scan", "prefill_memory")
 
 # One Qwen3-8B decoder layer (vocab cut: the embedding and LM head are not what prefill memory is about).
-QWEN3_8B_LAYER = Qwen3Config(vocab_size=1024, hidden_size=4096, intermediate_size=12288, num_hidden_layers=1,
+QWEN3_8B_LAYER = TargetConfig(vocab_size=1024, hidden_size=4096, intermediate_size=12288, num_hidden_layers=1,
                              num_attention_heads=32, num_key_value_heads=8, head_dim=128, param_dtype="bfloat16",
                              compute_dtype="bfloat16")
-SMALL_PREFILL = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+SMALL_PREFILL = TargetConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
 
 
-def prefill_temp_bytes(cfg: Qwen3Config, tokens: int, batch: int = 1) -> int:
+def prefill_temp_bytes(cfg: TargetConfig, tokens: int, batch: int = 1) -> int:
     """Temp bytes XLA allocates for `prefill` of `batch` prompts of `tokens` tokens into a cache of as many slots
     (compiled for this backend, never run: weights and prompts are abstract)."""
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, cfg.storage_dtype), abstract_target(cfg),
@@ -181,7 +181,7 @@ def cli_section(prompt: str = "def f(x):") -> dict:
 def scan_section(*, layers: int = 36, hidden: int = 256, steps: int = 64, reps: int = 3) -> dict:
     """Prototype only (not the package's forward): layers unrolled vs lax.scan over stacked layers."""
 
-    cfg = Qwen3Config(vocab_size=4096, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+    cfg = TargetConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     target = init_target(cfg, jax.random.key(0))
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *target.params.layers)

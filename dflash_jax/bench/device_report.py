@@ -69,7 +69,7 @@ from dflash_jax.quant.nvfp4 import NVFP4Array, dequantize, quantize
 from dflash_jax.bench import compile as compilebench
 from dflash_jax.bench import speculative as bench
 from dflash_jax.bench.lowering import loop_report, speculative_module
-from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.decode import programs as G
 from dflash_jax.io.checkpoint import load_drafter, load_target
 from dflash_jax.io.shipped import checkpoints_dir
@@ -344,11 +344,11 @@ def tile_sweep(shapes, report: Report, smoke: bool) -> list[dict]:
 def _qwen3_8b_pair(target_layers: int, drafter_layers: int, smoke: bool):
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     if smoke:
-        cfg = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=target_layers,
+        cfg = TargetConfig(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=target_layers,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, param_dtype=dtype,
                           compute_dtype=dtype)
     else:  # Qwen3-8B shapes (36 layers in the real model)
-        cfg = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        cfg = TargetConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                           num_hidden_layers=target_layers, num_attention_heads=32, num_key_value_heads=8,
                           head_dim=128, param_dtype=dtype, compute_dtype=dtype)
     taps = tuple(sorted({min(target_layers - 1, max(0, round(1 + i * (target_layers - 2) / 4))) for i in range(5)}))
@@ -405,11 +405,11 @@ def _hybrid_pair(smoke: bool, dtype: str | None = None):
     tapping both layers (dtype: float32 on CPU, bfloat16 on accelerators, unless given)."""
     dtype = dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     shape = HYBRID_SMOKE if smoke else QWEN3_5_27B
-    cfg = Qwen3Config(num_hidden_layers=2, model_type="qwen3_5", layer_types=("linear_attention", "full_attention"),
+    cfg = TargetConfig(num_hidden_layers=2, model_type="qwen3_5", layer_types=("linear_attention", "full_attention"),
                       partial_rotary_factor=0.25, rope_theta=1e7, param_dtype=dtype, compute_dtype=dtype, **shape)
     heads = (dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16) if smoke else
              dict(num_attention_heads=cfg.hidden_size // 128, num_key_value_heads=8, head_dim=128))
-    dmodel = Qwen3Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+    dmodel = TargetConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                          intermediate_size=cfg.intermediate_size, num_hidden_layers=1, param_dtype=dtype,
                          compute_dtype=dtype, **heads)
     dcfg = DrafterConfig(dmodel, 8, cfg.vocab_size - 1, (0, 1), 2)
@@ -474,7 +474,7 @@ def _set_backend(backend: str | None):
 # -- 4b. the decode core (issue 26, part 1) ---------------------------------------------------------------------
 
 def _lowering_counts(smoke: bool) -> dict:
-    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    cfg = TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0)
     dcfg = DrafterConfig(cfg.replace(num_hidden_layers=1), 4, 63, (0, 1), 2)
     target, drafter = init_target(cfg, jax.random.key(0)), init_drafter(dcfg, jax.random.key(1))

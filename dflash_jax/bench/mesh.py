@@ -67,16 +67,16 @@ from dflash_jax.models.drafter import Drafter  # noqa: E402
 from dflash_jax.models.target import Target  # noqa: E402
 from dflash_jax.quant.quantize import quantize_nvfp4  # noqa: E402
 from dflash_jax.parallel import sharding as S  # noqa: E402
-from dflash_jax.config import DrafterConfig, Qwen3Config  # noqa: E402
+from dflash_jax.config import DrafterConfig, TargetConfig  # noqa: E402
 from dflash_jax.io.safetensors_io import write_safetensors  # noqa: E402
 from dflash_jax.params import abstract_drafter, abstract_target  # noqa: E402
 from dflash_jax.params import abstract_target, named_leaves  # noqa: E402
 from dflash_jax.params import is_spec  # noqa: E402
 
 
-def qwen3_8b_shaped(layers: int, vocab: int) -> tuple[Qwen3Config, DrafterConfig]:
+def qwen3_8b_shaped(layers: int, vocab: int) -> tuple[TargetConfig, DrafterConfig]:
     """Qwen3-8B's widths (hidden 4096, intermediate 12288, 32 query / 8 KV heads of 128) with `layers` layers."""
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers,
+    cfg = TargetConfig(vocab_size=vocab, hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                       param_dtype="bfloat16", compute_dtype="float32")
     taps = tuple(sorted({0, layers - 1}))
@@ -96,7 +96,7 @@ def _random(model_cls, abstract, cfg_dtype, seed):
     return jax.tree.map(draw, abstract, is_leaf=is_spec)
 
 
-def random_pair(cfg: Qwen3Config, dcfg: DrafterConfig, seed: int = 0):
+def random_pair(cfg: TargetConfig, dcfg: DrafterConfig, seed: int = 0):
     dt = np.dtype(cfg.storage_dtype)
     target = Target(params=_random(Target, abstract_target(cfg), dt, seed), config=cfg)
     drafter = Drafter(params=_random(Drafter, abstract_drafter(dcfg), dt, seed + 1), config=dcfg)
@@ -134,16 +134,16 @@ def compare(name: str, target, drafter, mesh, prompts, max_new: int) -> dict:
 
 # -- loading a big checkpoint ----------------------------------------------------------------------------------------
 
-def load_config(gb: float, model: int) -> Qwen3Config:
+def load_config(gb: float, model: int) -> TargetConfig:
     """A Qwen3-shaped bf16 config of about `gb` GB whose heads, intermediate and vocabulary split over `model`."""
     H, I, V = (2048, 6144, 32768) if gb >= 0.5 else (256, 768, 4096)
     per_layer = 3 * H * H + 3 * H * I  # q, o, k+v (16 query / 8 KV heads of H/16: k+v = H*H), mlp
     layers = max(1, int(round((gb * 1e9 / 2 - 2 * V * H) / per_layer)))
-    return Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=layers,
+    return TargetConfig(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=layers,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=H // 16, param_dtype="bfloat16")
 
 
-def write_random_checkpoint(folder: Path, cfg: Qwen3Config, file_gb: float = 0.5) -> int:
+def write_random_checkpoint(folder: Path, cfg: TargetConfig, file_gb: float = 0.5) -> int:
     """A random HF Qwen3 checkpoint (bf16) in several safetensors files with an index; returns its bytes."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
@@ -216,7 +216,7 @@ def load_benchmark(gb: float, data: int, model: int, devices: int) -> dict:
 
 
 def smoke_pair():
-    cfg = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    cfg = TargetConfig(vocab_size=96, hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
     dcfg = DrafterConfig(model=cfg.replace(num_hidden_layers=1), block_size=4, mask_token_id=95,
                          target_layer_ids=(0, 1), num_target_layers=2)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from dflash_jax.config import Qwen3Config
+from dflash_jax.config import TargetConfig
 from dflash_jax.io import checkpoint
 from dflash_jax.io import gguf_drafter as gd
 from dflash_jax.models.drafter import Drafter, draft_proposal
@@ -226,7 +226,7 @@ def _stand_in_target(cfg) -> Target:
     """A random target of the drafter's shape: it lends the embedding and LM head, which decide nothing about
     whether a drafter scale reaches the output."""
     m = cfg.model
-    tcfg = Qwen3Config(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.hidden_size,
+    tcfg = TargetConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.hidden_size,
                        num_hidden_layers=cfg.num_target_layers, num_attention_heads=m.num_attention_heads,
                        num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, rope_theta=m.rope_theta,
                        param_dtype="float32", compute_dtype="float32")

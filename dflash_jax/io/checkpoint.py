@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding
 
-from dflash_jax.config import (DrafterConfig, Qwen3Config, default_compute_dtype, read_config_json,
+from dflash_jax.config import (DrafterConfig, TargetConfig, default_compute_dtype, read_config_json,
                                read_json_object)
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
@@ -283,8 +283,8 @@ def _params_from_hf(kind: str, path: Path, abstract, dtype, quant: dict | None, 
 _RETIRED_FIELDS = ("attention_chunk",)
 
 
-def _model_config(d: dict) -> Qwen3Config:
-    return Qwen3Config(**{k: v for k, v in d.items() if k not in _RETIRED_FIELDS})
+def _model_config(d: dict) -> TargetConfig:
+    return TargetConfig(**{k: v for k, v in d.items() if k not in _RETIRED_FIELDS})
 
 
 def _config_from_json(kind: str, d: dict):
@@ -403,7 +403,7 @@ def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dty
     arch = d.get("architectures") or []
     if "DFlashDraftModel" in arch or "DFlash2DraftModel" in arch:
         raise CheckpointError(f"{path}: is a DFlash drafter ({arch[0]}), not a target (use load_drafter)")
-    cfg = Qwen3Config.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
+    cfg = TargetConfig.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
     tensors = None
     if cfg.model_type == "qwen3_5":
         tensors = _qwen3_5_text_tensors(path, _read_tensors(path, lazy=mesh is not None))
@@ -446,7 +446,7 @@ def _load_gguf_target(path: Path, param_dtype: str, compute_dtype: str, mesh):
         tensors = gguf_model.hf_tensors(g, d)
     except GGUFError as e:
         raise CheckpointError(str(e)) from None
-    cfg = Qwen3Config.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
+    cfg = TargetConfig.from_hf_dict(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
     abstract = abstract_target(cfg)
     try:
         gguf_model.check_against(g, tensors, {_dense_keys("target", n)[0]: s.shape

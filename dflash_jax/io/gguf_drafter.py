@@ -41,7 +41,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from dflash_jax.config import DRAFTER_KINDS, DrafterConfig, Qwen3Config
+from dflash_jax.config import DRAFTER_KINDS, DrafterConfig, TargetConfig
 from dflash_jax.io import gguf as gguf_io
 from dflash_jax.io import gguf_nvfp4 as g4
 from dflash_jax.io.gguf import GGUFFile, is_gguf
@@ -270,7 +270,7 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict, path, *, vocab_siz
         raise NotImplementedError(f"{path}: {a}.attention.value_length differs from key_length")
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     param_dtype, compute_dtype = _dtypes(param_dtype, compute_dtype)
-    model = Qwen3Config(vocab_size=int(V), hidden_size=H, intermediate_size=num(f"{a}.feed_forward_length"),
+    model = TargetConfig(vocab_size=int(V), hidden_size=H, intermediate_size=num(f"{a}.feed_forward_length"),
                         num_hidden_layers=n_layers, num_attention_heads=heads,
                         num_key_value_heads=num(f"{a}.attention.head_count_kv", heads), head_dim=head_dim,
                         rms_norm_eps=num(f"{a}.attention.layer_norm_rms_epsilon", 1e-6, float),

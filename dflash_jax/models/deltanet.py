@@ -28,7 +28,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import Qwen3Config
+from dflash_jax.config import TargetConfig
 from dflash_jax.params import GatedDeltaNet
 from dflash_jax.quant.linear import linear
 
@@ -49,7 +49,7 @@ class DeltaInputs:
     beta: jax.Array  # [B, T, nV] float32
 
 
-def empty_states(cfg: Qwen3Config, batch: int) -> tuple[jax.Array, jax.Array]:
+def empty_states(cfg: TargetConfig, batch: int) -> tuple[jax.Array, jax.Array]:
     """(conv window [B, K-1, C] in the compute dtype, recurrent state [B, nV, dk, dv] float32), all zeros."""
     conv = jnp.zeros((batch, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim), cfg.dtype)
     state = jnp.zeros((batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
@@ -165,7 +165,7 @@ def chunked_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     return jnp.moveaxis(o, 1, 2), state
 
 
-def _inputs(p: GatedDeltaNet, h: jax.Array, conv: jax.Array, cfg: Qwen3Config):
+def _inputs(p: GatedDeltaNet, h: jax.Array, conv: jax.Array, cfg: TargetConfig):
     """Projections, conv and gates of h [B, T, H] after the window conv [B, K-1, C]: (DeltaInputs, z [B, T, nV, dv])."""
     B, T, _ = h.shape
     nK, nV, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
@@ -189,7 +189,7 @@ def _inputs(p: GatedDeltaNet, h: jax.Array, conv: jax.Array, cfg: Qwen3Config):
     return DeltaInputs(xin=xin, q=q, k=k, v=v, g=g, beta=beta), z
 
 
-def _output(p: GatedDeltaNet, o: jax.Array, z: jax.Array, cfg: Qwen3Config, dtype) -> jax.Array:
+def _output(p: GatedDeltaNet, o: jax.Array, z: jax.Array, cfg: TargetConfig, dtype) -> jax.Array:
     """`Qwen3_5RMSNormGated(o, z)` then out_proj: o [B, T, nV, dv] float32 -> [B, T, H]."""
     B, T = o.shape[:2]
     o = o.astype(dtype).astype(jnp.float32)  # HF hands the norm the core output in the activation dtype
@@ -205,7 +205,7 @@ def _window(xin: jax.Array, n: jax.Array, width: int) -> jax.Array:
     return jnp.take_along_axis(xin, idx[:, :, None], axis=1)
 
 
-def deltanet(p: GatedDeltaNet, h: jax.Array, cfg: Qwen3Config, conv: jax.Array, state: jax.Array, *,
+def deltanet(p: GatedDeltaNet, h: jax.Array, cfg: TargetConfig, conv: jax.Array, state: jax.Array, *,
              keep: jax.Array | None = None, defer: bool = False, chunk: int = CHUNK):
     """One Gated DeltaNet over h [B, T, H] (the layer's normed input) from (conv [B, K-1, C], state [B, nV, dk, dv]).
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.models.attention import attention
-from dflash_jax.config import Qwen3Config
+from dflash_jax.config import TargetConfig
 from dflash_jax.quant.linear import linear
 from dflash_jax.models.deltanet import deltanet
 from dflash_jax.params import MLP, Attention, DecoderLayer, LinearAttnLayer
@@ -29,7 +29,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return y.astype(x.dtype) * weight.astype(x.dtype)
 
 
-def norm(x: jax.Array, weight: jax.Array, cfg: Qwen3Config) -> jax.Array:
+def norm(x: jax.Array, weight: jax.Array, cfg: TargetConfig) -> jax.Array:
     """The config's RMSNorm: `rms_norm`, or Qwen3.5's zero-centred one (x * (1 + w), all in float32, then cast)."""
     if not cfg.zero_centered_norm:
         return rms_norm(x, weight, cfg.rms_norm_eps)
@@ -38,7 +38,7 @@ def norm(x: jax.Array, weight: jax.Array, cfg: Qwen3Config) -> jax.Array:
     return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
-def rope_inv_freq(cfg: Qwen3Config) -> jax.Array:
+def rope_inv_freq(cfg: TargetConfig) -> jax.Array:
     """The rotary inverse frequencies [rd/2] float32 for the config's rope type (HF's `ROPE_INIT_FUNCTIONS`); rd is
     the rotated part of a head (`rotary_dim`: the whole head but for partial rotary)."""
     rd = cfg.rotary_dim
@@ -61,7 +61,7 @@ def rope_inv_freq(cfg: Qwen3Config) -> jax.Array:
     return inv_freq
 
 
-def rope(x: jax.Array, positions: jax.Array, cfg: Qwen3Config) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, cfg: TargetConfig) -> jax.Array:
     """NeoX rotate-half RoPE over the first `rotary_dim` dims of each head (the rest pass). x [B, T, n, hd],
     positions [B, T] (absolute). Qwen3.5's multimodal sections rotate by three position streams that are equal for
     text, which is this."""
@@ -80,7 +80,7 @@ def rope(x: jax.Array, positions: jax.Array, cfg: Qwen3Config) -> jax.Array:
     return jnp.concatenate(parts, axis=-1).astype(x.dtype)
 
 
-def _project(h: jax.Array, weight, bias, heads: int, cfg: Qwen3Config) -> jax.Array:
+def _project(h: jax.Array, weight, bias, heads: int, cfg: TargetConfig) -> jax.Array:
     """h [B, T, H] -> [B, T, heads, hd]: the one `linear`, then the bias where the family has one (Qwen2)."""
     B, T, _ = h.shape
     if (bias is not None) != cfg.attention_bias:  # params built for another family than the config says
@@ -93,14 +93,14 @@ def _project(h: jax.Array, weight, bias, heads: int, cfg: Qwen3Config) -> jax.Ar
     return y.reshape(B, T, heads, cfg.head_dim)
 
 
-def _qk_norm(x: jax.Array, weight, cfg: Qwen3Config) -> jax.Array:
+def _qk_norm(x: jax.Array, weight, cfg: TargetConfig) -> jax.Array:
     if (weight is not None) != cfg.qk_norm:
         raise ValueError(f"config qk_norm={cfg.qk_norm} but the layer's params "
                          f"{'have' if weight is not None else 'have no'} q_norm / k_norm")
     return norm(x, weight, cfg) if cfg.qk_norm else x
 
 
-def project_kv(attn: Attention, h: jax.Array, positions: jax.Array, cfg: Qwen3Config):
+def project_kv(attn: Attention, h: jax.Array, positions: jax.Array, cfg: TargetConfig):
     """Keys (normed where the family has q/k norm, rotated) and values of h [B, T, H] -> ([B, T, nKV, hd] x2)."""
     k = _project(h, attn.k_proj, getattr(attn, "k_bias", None), cfg.num_key_value_heads, cfg)
     k = rope(_qk_norm(k, attn.k_norm, cfg), positions, cfg)
@@ -108,7 +108,7 @@ def project_kv(attn: Attention, h: jax.Array, positions: jax.Array, cfg: Qwen3Co
     return constrain_kv(k, v, cfg)  # placed as the KV cache on a mesh (dflash_jax.parallel.sharding); identity otherwise
 
 
-def project_q(attn: Attention, h: jax.Array, positions: jax.Array, cfg: Qwen3Config) -> jax.Array:
+def project_q(attn: Attention, h: jax.Array, positions: jax.Array, cfg: TargetConfig) -> jax.Array:
     """Queries [B, T, nH, hd]; with an output gate (Qwen3.5) (queries, gate [B, T, nH * hd])."""
     if cfg.attn_output_gate:
         B, T, _ = h.shape
@@ -124,7 +124,7 @@ def mlp(p: MLP, x: jax.Array) -> jax.Array:
     return linear(jax.nn.silu(linear(x, p.gate_proj)) * linear(x, p.up_proj), p.down_proj)
 
 
-def decoder_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cfg: Qwen3Config, *,
+def decoder_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cfg: TargetConfig, *,
                   cache_k: jax.Array | None = None, cache_v: jax.Array | None = None,
                   cache_len: jax.Array | None = None, write: bool = False, mask: jax.Array | None = None,
                   causal: bool, window: int | None = None, chunk: int | None = None):
@@ -157,7 +157,7 @@ def decoder_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cfg: 
     return (x, cache_k, cache_v) if write else (x, k, v)
 
 
-def linear_attn_layer(layer: LinearAttnLayer, x: jax.Array, cfg: Qwen3Config, conv: jax.Array, state: jax.Array, *,
+def linear_attn_layer(layer: LinearAttnLayer, x: jax.Array, cfg: TargetConfig, conv: jax.Array, state: jax.Array, *,
                       keep: jax.Array | None = None, defer: bool = False):
     """One Qwen3.5 Gated DeltaNet decoder layer over x [B, T, H] from its states (see `models.deltanet.deltanet`).
 

@@ -1,4 +1,5 @@
-"""The Qwen3 target model: params + static config, a preallocated KV cache with per-row lengths, one forward.
+"""The target model (Qwen3, Qwen2, Llama, Mistral, Qwen3.5 hybrids: one code path, config switches): params +
+static config, a preallocated KV cache with per-row lengths, one forward.
 
 One function (`forward_with_cache`) serves prefill, extend and verify: the new tokens' K/V are written at each row's
 current length, the tokens attend causally to the cache (slots below length + T), and the cache comes back with
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import Qwen3Config
+from dflash_jax.config import TargetConfig
 from dflash_jax.models import deltanet as dn
 from dflash_jax.models.layers import decoder_layer, linear_attn_layer, norm, write_rows
 from dflash_jax.quant.linear import backend_scope, linear, program_backend
@@ -32,7 +33,7 @@ from dflash_jax.params import TargetParams, abstract_target, committed, init_fro
 @dataclasses.dataclass(frozen=True)
 class Target:
     params: TargetParams
-    config: Qwen3Config = static_field()
+    config: TargetConfig = static_field()
 
     def replace(self, **changes) -> "Target":
         return dataclasses.replace(self, **changes)
@@ -61,7 +62,7 @@ class KVCache:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def empty(cls, cfg: Qwen3Config, batch: int, max_len: int) -> "KVCache":
+    def empty(cls, cfg: TargetConfig, batch: int, max_len: int) -> "KVCache":
         shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
         attn = [cfg.layer_type(i) == "full_attention" for i in range(cfg.num_hidden_layers)]
         if not any(attn):
@@ -83,7 +84,7 @@ class KVCache:
         return sum(x.nbytes // x.shape[0] for x in leaves)
 
 
-def init_target(cfg: Qwen3Config, key: jax.Array) -> Target:
+def init_target(cfg: TargetConfig, key: jax.Array) -> Target:
     params = init_from_abstract(abstract_target(cfg), key, cfg.storage_dtype)
     return Target(params=params, config=cfg)
 
@@ -166,7 +167,7 @@ def forward_hidden(target: Target, tokens: jax.Array, cache: KVCache | None, lay
     return h, features, cache
 
 
-def commit_states(cache: KVCache, n: jax.Array, cfg: Qwen3Config) -> KVCache:
+def commit_states(cache: KVCache, n: jax.Array, cfg: TargetConfig) -> KVCache:
     """The cache after a deferred (verify) pass keeps only each row's first n[b] tokens in its DeltaNet states
     (0 <= n <= T; see `models.deltanet.commit`); KV entries roll back by `lengths` as for dense targets (the
     caller sets them). A cache without deferred states comes back as it is."""

@@ -49,7 +49,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.quant.nvfp4 import BLOCK_SIZE, NVFP4Array
 from dflash_jax.params import abstract_drafter, abstract_target, map_named, named_leaves
 
@@ -102,7 +102,7 @@ class Rules:
         return P(*(self.axis(a) for a in logical_axes))
 
 
-def rules_for(cfg: Qwen3Config, mesh: Mesh, *, what: str = "model") -> Rules:
+def rules_for(cfg: TargetConfig, mesh: Mesh, *, what: str = "model") -> Rules:
     """The rules for a Qwen3 layer stack (target or drafter) of config `cfg` on `mesh`; raises ShardingError naming
     the axis and the sizes when the model axis cannot split heads, intermediate or vocabulary into whole units."""
     _check_mesh(mesh)
@@ -156,7 +156,7 @@ def _model_parts(tree):
     """(params, config, abstract params, kind) of a Target or Drafter."""
     # Told apart by their config (models sit above this package and are not imported here).
     config = getattr(tree, "config", None)
-    if isinstance(config, Qwen3Config):
+    if isinstance(config, TargetConfig):
         return tree.params, config, abstract_target(config), "target"
     if isinstance(config, DrafterConfig):
         return tree.params, config.model, abstract_drafter(config), "drafter"
@@ -172,14 +172,14 @@ def param_shardings(model, mesh: Mesh):
     return map_named(lambda n, leaf: _leaf_sharding(n, axes[n], leaf, rules, mesh, kind), params)
 
 
-def cache_sharding(cfg: Qwen3Config, mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
+def cache_sharding(cfg: TargetConfig, mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
     """(K/V buffers [B, S, nKV, hd], lengths [B]) shardings of a KV cache of a model of config `cfg`."""
     rules = rules_for(cfg, mesh)
     return (NamedSharding(mesh, P("data", None, "model" if rules.kv_sharded else None, None)),
             NamedSharding(mesh, P("data")))
 
 
-def constrain_cache(cache, cfg: Qwen3Config, mesh: Mesh | None):
+def constrain_cache(cache, cfg: TargetConfig, mesh: Mesh | None):
     """`cache` (a KVCache, inside a traced program) pinned to `cache_sharding`; identity without a mesh."""
     if mesh is None or cache is None:
         return cache
@@ -204,7 +204,7 @@ def mesh_scope(mesh: Mesh | None):
         _scoped_mesh.reset(token)
 
 
-def constrain_kv(k: jax.Array, v: jax.Array, cfg: Qwen3Config) -> tuple[jax.Array, jax.Array]:
+def constrain_kv(k: jax.Array, v: jax.Array, cfg: TargetConfig) -> tuple[jax.Array, jax.Array]:
     """New keys/values [B, T, nKV, hd] placed as the cache they are written into (identity outside `mesh_scope`).
 
     Without this, with KV heads replicated and query heads sharded, XLA partitions the cache write like the grouped

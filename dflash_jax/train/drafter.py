@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.io.checkpoint import load_drafter, load_target, save
-from dflash_jax.config import DrafterConfig, Qwen3Config, default_target_layer_ids
+from dflash_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids
 from dflash_jax.models.drafter import Drafter, block_pass, context_kv, embed_block, head_logits, init_drafter
 from dflash_jax.decode.programs import generate, generate_autoregressive
 from dflash_jax.params import abstract_drafter, from_named, named_leaves
@@ -46,7 +46,7 @@ def decay_gamma(block_size: int) -> float:
     return GAMMA.get(block_size, max(1.0, 7.0 * block_size / 16))
 
 
-def shipped_drafter_config(target_cfg: Qwen3Config, mask_token_id: int, *, layers: int = 1, block_size: int = 16,
+def shipped_drafter_config(target_cfg: TargetConfig, mask_token_id: int, *, layers: int = 1, block_size: int = 16,
                            taps: int = 3, tap_ids=None) -> DrafterConfig:
     model = target_cfg.drafter_stack(layers)  # Qwen3 layers, whatever the target's family
     ids = tuple(tap_ids) if tap_ids else default_target_layer_ids(target_cfg.num_hidden_layers, taps)
@@ -95,7 +95,7 @@ def sample_anchors(lengths: np.ndarray, prompt_lens: np.ndarray, num_anchors: in
 
 # -- loss ----------------------------------------------------------------------------------------------------------
 
-def training_hidden(params, batch, cfg: DrafterConfig, target_cfg: Qwen3Config) -> tuple[jax.Array, Target]:
+def training_hidden(params, batch, cfg: DrafterConfig, target_cfg: TargetConfig) -> tuple[jax.Array, Target]:
     """Final hidden states [B, N, bs-1, H] of block slots 1..bs-1 for every anchor, all blocks in one forward, and
     the frozen target (whose lm_head turns them into logits).
 
@@ -132,7 +132,7 @@ def training_hidden(params, batch, cfg: DrafterConfig, target_cfg: Qwen3Config) 
     return h.reshape(B, N, bs, -1)[:, :, 1:], target  # slots 1..bs-1
 
 
-def training_logits(params, batch, cfg: DrafterConfig, target_cfg: Qwen3Config) -> jax.Array:
+def training_logits(params, batch, cfg: DrafterConfig, target_cfg: TargetConfig) -> jax.Array:
     """Logits [B, N, bs-1, V] of block slots 1..bs-1 for every anchor (see `training_hidden`); output_multiplier
     and final_logit_softcapping applied as at inference."""
     h, target = training_hidden(params, batch, cfg, target_cfg)
@@ -168,7 +168,7 @@ def restricted_head(target: Target, vocab_ids: jax.Array) -> Target:
     return target.replace(params=dataclasses.replace(target.params, lm_head=jnp.take(head, vocab_ids, axis=0)))
 
 
-def drafter_loss(cfg: DrafterConfig, target_cfg: Qwen3Config, gamma: float | None = None,
+def drafter_loss(cfg: DrafterConfig, target_cfg: TargetConfig, gamma: float | None = None,
                  vocab_ids: np.ndarray | None = None):
     """loss_fn(drafter_params, batch): decay-weighted CE over many blocks per sequence in one forward.
 

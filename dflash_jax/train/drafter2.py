@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from dflash_jax.models import selector as sel_mod
 from dflash_jax.io.checkpoint import load_target
-from dflash_jax.config import DrafterConfig, Qwen3Config
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models.drafter import Drafter, head_logits
 from dflash_jax.train.drafter import (CHECKPOINTS, add_training_arguments, build_data_or_exit, decay_gamma,
                                       eval_eos, eval_prompts_and_length, mask_token_id, measure_tau,
@@ -52,7 +52,7 @@ from dflash_jax.train.drafter import warm_start  # noqa: F401  (re-exported: the
 from dflash_jax.train.loop import cross_entropy, load_training_tokenizer
 
 
-def shipped_drafter2_config(target_cfg: Qwen3Config, mask_token_id: int, *, layers: int = 1, block_size: int = 16,
+def shipped_drafter2_config(target_cfg: TargetConfig, mask_token_id: int, *, layers: int = 1, block_size: int = 16,
                             taps: int = 3, tap_ids=None, conv_kernel_size: int = 2, conv_group_size: int = 16,
                             selector_rank: int = 64, selector_top_k: int = 16,
                             sliding_window: int | None = None) -> DrafterConfig:
@@ -80,7 +80,7 @@ def selector_terms(params, h: jax.Array, logits: jax.Array, batch, cfg: DrafterC
     return scores, jnp.argmax(hit, axis=-1), valid & hit.any(axis=-1)
 
 
-def drafter2_loss(cfg: DrafterConfig, target_cfg: Qwen3Config, gamma: float | None = None,
+def drafter2_loss(cfg: DrafterConfig, target_cfg: TargetConfig, gamma: float | None = None,
                   selector_weight: float = 1.0):
     """loss_fn(params, batch) -> (base + selector_weight * selector, metrics). See the module docstring."""
     if not cfg.is_dflash2:

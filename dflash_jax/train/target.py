@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.io.checkpoint import save
-from dflash_jax.config import Qwen3Config
+from dflash_jax.config import TargetConfig
 from dflash_jax.models.target import Target, forward_with_cache, init_target
 from dflash_jax.train import corpus, unlikelihood
 from dflash_jax.train.loop import OptimConfig, batch_rng, cross_entropy, lm_loss, load_training_tokenizer, run  # noqa: F401
@@ -37,9 +37,9 @@ CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 
 def shipped_target_config(vocab_size: int, eos_id: int, *, layers: int = 6, hidden: int = 256,
                           intermediate: int = 768, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
-                          rope_theta: float = 100_000.0, max_positions: int = 4096) -> Qwen3Config:
+                          rope_theta: float = 100_000.0, max_positions: int = 4096) -> TargetConfig:
     """The shipped target's shape (defaults), chosen by a measured pilot (checkpoints/README.md)."""
-    return Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+    return TargetConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                        head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=rope_theta,
                        max_position_embeddings=max_positions, tie_word_embeddings=True, eos_token_id=eos_id,
@@ -61,7 +61,7 @@ def mixed_windows(streams: list[np.ndarray], weights: list[float], batch: int, l
     return np.stack(rows)
 
 
-def heldout_loss_fn(cfg: Qwen3Config, eval_stream: np.ndarray, seq_len: int, n_windows: int = 64,
+def heldout_loss_fn(cfg: TargetConfig, eval_stream: np.ndarray, seq_len: int, n_windows: int = 64,
                     name: str = "heldout_loss", chunk: int = 16):
     # Fixed windows (seed 1234), so every evaluation of every run sees the same text.
     windows = random_windows(eval_stream, n_windows, seq_len + 1, np.random.default_rng(1234))

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import Qwen3Config
+from dflash_jax.config import TargetConfig
 from dflash_jax.models.target import Target, forward_with_cache
 from dflash_jax.decode.programs import generate_autoregressive
 from dflash_jax.train.loop import batch_rng, lm_loss
@@ -50,7 +50,7 @@ def repeat_mask(rows: np.ndarray, prefix_len: int, n: int = 4) -> np.ndarray:
     return mask
 
 
-def unlikelihood_loss(cfg: Qwen3Config, weight: float):
+def unlikelihood_loss(cfg: TargetConfig, weight: float):
     """loss_fn(params, batch) -> (next-token loss on batch["text"] + weight * unlikelihood on batch["generated"],
     metrics). batch["generated"] [B, S] is prefix + greedy continuation, batch["repeated"] [B, S] its repeat mask."""
     next_token_loss = lm_loss(cfg)
@@ -75,7 +75,7 @@ def unlikelihood_loss(cfg: Qwen3Config, weight: float):
 PREFIX_SEED_OFFSET = 7919
 
 
-def make_batch_fn(cfg: Qwen3Config, text_batch, prefix_windows, *, prefix_len: int, new_tokens: int,
+def make_batch_fn(cfg: TargetConfig, text_batch, prefix_windows, *, prefix_len: int, new_tokens: int,
                   ngram: int, seed: int):
     """batch_fn(step, params): real text and the current model's greedy continuations of real prefixes.
 
