@@ -47,6 +47,7 @@ from jax.experimental import io_callback
 
 from dflash_jax.parallel import sharding as shd
 from dflash_jax.config import check_pair
+from dflash_jax.frozen import Replaceable
 from dflash_jax.decode.draft_step import draft_step
 from dflash_jax.models.attention import live_length_loop
 from dflash_jax.models.drafter import Drafter, append_context, as_compiled, empty_draft_cache
@@ -139,7 +140,7 @@ class GenerationResult:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class LoopState:
+class LoopState(Replaceable):
     step: jax.Array  # [] int32
     out: jax.Array  # [B, N + W] int32 output buffer (N = budget bucket, W = tokens one step can commit), PAD-filled
     n_out: jax.Array  # [B] int32 tokens emitted so far
@@ -153,21 +154,15 @@ class LoopState:
     acc: jax.Array  # [B, steps bucket] int32 committed tokens per step (incl. bonus)
     key: jax.Array  # PRNG key data [B, 2] uint32 (one stream per row)
 
-    def replace(self, **changes) -> "LoopState":
-        return dataclasses.replace(self, **changes)
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Budget:
+class Budget(Replaceable):
     """What ends a row or the loop: traced, so changing them never recompiles."""
 
     max_new: jax.Array  # [] int32 tokens to emit per row (<= the output buffer's bucket)
     max_steps: jax.Array  # [] int32 loop iterations allowed (0: prefill only)
     eos: jax.Array  # [E] int32 EOS ids, padded with -1 (never a token)
-
-    def replace(self, **changes) -> "Budget":
-        return dataclasses.replace(self, **changes)
 
 
 def _commit(state: LoopState, new_tokens: jax.Array, n_new: jax.Array, budget: Budget

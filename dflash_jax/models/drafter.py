@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from dflash_jax.models import block_conv, selector
 from dflash_jax.models.attention import attention
 from dflash_jax.config import DrafterConfig, check_pair
+from dflash_jax.frozen import Replaceable
 from dflash_jax.models.layers import mlp, project_kv, project_q, rms_norm, write_rows
 from dflash_jax.quant.linear import backend_scope, linear, program_backend
 from dflash_jax.params import (DFlash2Params, DrafterParams, abstract_drafter, committed, init_from_abstract,
@@ -31,12 +32,9 @@ from dflash_jax.models.target import KVCache, Target
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Drafter:
+class Drafter(Replaceable):
     params: DrafterParams | DFlash2Params  # DFlash2Params when config.kind == "dflash2"
     config: DrafterConfig = static_field()
-
-    def replace(self, **changes) -> "Drafter":
-        return dataclasses.replace(self, **changes)
 
 
 def empty_draft_cache(cfg: DrafterConfig, batch: int, max_len: int) -> KVCache:

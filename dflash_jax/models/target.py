@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import TargetConfig
+from dflash_jax.frozen import Replaceable
 from dflash_jax.models import deltanet as dn
 from dflash_jax.models.layers import decoder_layer, linear_attn_layer, norm, write_rows
 from dflash_jax.quant.linear import backend_scope, linear, program_backend
@@ -31,12 +32,9 @@ from dflash_jax.params import TargetParams, abstract_target, committed, init_fro
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Target:
+class Target(Replaceable):
     params: TargetParams
     config: TargetConfig = static_field()
-
-    def replace(self, **changes) -> "Target":
-        return dataclasses.replace(self, **changes)
 
     @property
     def lm_head(self):
@@ -45,7 +43,7 @@ class Target:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class KVCache:
+class KVCache(Replaceable):
     k: tuple[jax.Array | None, ...]  # per layer [B, S, nKV, hd], post-RoPE (None: a DeltaNet layer)
     v: tuple[jax.Array | None, ...]  # per layer [B, S, nKV, hd]
     lengths: jax.Array  # [B] int32: positions < lengths[b] are valid
@@ -57,9 +55,6 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return next(k for k in self.k if k is not None).shape[1]
-
-    def replace(self, **changes) -> "KVCache":
-        return dataclasses.replace(self, **changes)
 
     @classmethod
     def empty(cls, cfg: TargetConfig, batch: int, max_len: int) -> "KVCache":

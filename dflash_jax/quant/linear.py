@@ -42,6 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.frozen import Replaceable
 from dflash_jax.quant import pallas_nvfp4
 from dflash_jax.quant.nvfp4 import BLOCK_SIZE, NVFP4Array, _quantize, dequantize, unpack_e2m1
 
@@ -238,7 +239,7 @@ def _check_nvfp4(w: NVFP4Array) -> None:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class DequantizedNVFP4:
+class DequantizedNVFP4(Replaceable):
     """The exact dense equivalent of an NVFP4Array, in the same clothes: what `audit_scales` runs a forward with.
 
     `linear` computes x @ weight.T, first rounding x through NVFP4 when `round_input` (a W4A4 leaf, or any leaf on
@@ -256,9 +257,6 @@ class DequantizedNVFP4:
     input_scale: Any = None  # the original leaf's (not used by linear)
     act_scale: Any = None  # float32 [] or None: activation tensor scale when round_input
     round_input: bool = dataclasses.field(default=False, metadata=dict(static=True))
-
-    def replace(self, **fields: Any) -> "DequantizedNVFP4":
-        return dataclasses.replace(self, **fields)
 
     @property
     def ndim(self) -> int:

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.frozen import Replaceable
+
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -39,7 +41,7 @@ def e2m1_values() -> np.ndarray:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class NVFP4Array:
+class NVFP4Array(Replaceable):
     """A quantized tensor of logical shape `shape`, blocks of 16 along the last axis.
 
     Leading dims are free ([out, in], [L, out, in], ...); `global_scale` is always one
@@ -54,9 +56,6 @@ class NVFP4Array:
     # float32 [] or None. W4A4 only (ModelOpt `input_scale` = calibrated amax_act / (6*448)): when present, linear
     # quantizes its activations to NVFP4 with this tensor scale, as a Blackwell W4A4 GEMM would; None = W4A16.
     input_scale: Any = None
-
-    def replace(self, **fields: Any) -> NVFP4Array:
-        return dataclasses.replace(self, **fields)
 
     @property
     def ndim(self) -> int:
@@ -188,7 +187,7 @@ def dequantize_unscaled(q: NVFP4Array, dtype: Any = jnp.float32) -> jax.Array:
     Exact in bfloat16, float16 and float32: an E2M1 value has 2 significant bits and an E4M3 scale 4, so their
     product has at most 6 (the smallest, 0.5 * 2^-9, is a normal bf16/f32 number and an f16 subnormal). A matmul
     with this weight and the tensor scale applied to its f32 result rounds only x and the accumulation, the same in
-    every dtype (what the Pallas kernel computes, and the portable backend since issue 26).
+    every dtype (what the Pallas kernel computes, and the portable backend too: the backends agree in bf16).
     """
     values = unpack_e2m1(q.packed).astype(jnp.float32)  # [..., K]
     blocks = values.reshape(q.shape[:-1] + (q.shape[-1] // BLOCK_SIZE, BLOCK_SIZE))
