@@ -135,7 +135,8 @@ MUTANTS = [
     Mutant("budget-overshoot", "a block may overshoot max_new_tokens", "decode/programs.py",
            "n = jnp.minimum(n, max_new - state.n_out)  # a block may overshoot the budget: cut inside it",
            "n = n", ("tests/test_eos.py", "-k", "budget"),
-           alt=(("decode/programs.py", "n = jnp.minimum(n, budget.max_new - state.n_out)", "n = n"),)),
+           alt=(("decode/programs.py", "n = jnp.minimum(n, budget.max_new - state.n_out)", "n = n"),
+                ("decode/loop.py", "n = jnp.minimum(n, budget.max_new - state.n_out)", "n = n"))),
 ]
 
 # Patches whose `new` calls `_planted`: the helper appended to the patched file.

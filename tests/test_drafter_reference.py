@@ -263,7 +263,7 @@ def test_chunked_context_equals_draft_logits_and_cache_holds_no_block_kv():
     pos = np.arange(cache.max_len)[None, :, None, None]
     stale = pos >= lens[:, None, None, None]
     junk = lambda a: jnp.where(stale, 50.0 * jnp.asarray(rng.standard_normal(a.shape), a.dtype), a)
-    dirty = cache.replace(k=tuple(junk(k) for k in cache.k), v=tuple(junk(v) for v in cache.v))
+    dirty = cache.replace(layers=tuple(e.replace(k=junk(e.k), v=junk(e.v)) for e in cache.layers))
     np.testing.assert_allclose(np.asarray(_block_logits_jit(drafter, target, jnp.asarray(block), dirty)),
                                np.asarray(again), rtol=0, atol=1e-6)
 

@@ -122,10 +122,10 @@ def _rollback_gap(target, shift: int = 0):
         refs.append(step(refs[-1], verify[:, t:t + 1]))
     gap = 0.0
     for i in cfg.linear_layer_ids:
-        want_conv = np.stack([np.asarray(refs[b].conv[i][b]) for b in range(B)])
-        want_state = np.stack([np.asarray(refs[b].state[i][b]) for b in range(B)])
-        gap = max(gap, float(np.abs(np.asarray(got.conv[i]) - want_conv).max()),
-                  float(np.abs(np.asarray(got.state[i]) - want_state).max()))
+        want_conv = np.stack([np.asarray(refs[b].layers[i].conv[b]) for b in range(B)])
+        want_state = np.stack([np.asarray(refs[b].layers[i].state[b]) for b in range(B)])
+        gap = max(gap, float(np.abs(np.asarray(got.layers[i].conv) - want_conv).max()),
+                  float(np.abs(np.asarray(got.layers[i].state) - want_state).max()))
     return gap
 
 
@@ -566,8 +566,8 @@ def test_states_after_prefill_and_every_step_match_transformers(hf):
             hf_conv = hf_conv[..., linear_qkv_order(cfg)]  # HF's q | k | v channels, grouped by key head here
             hf_state = past.get_recurrent_state(i).numpy()
             scale = max(1.0, float(np.abs(hf_state).max()))
-            worst = max(worst, float(np.abs(np.asarray(cache.conv[i]) - hf_conv).max()),
-                        float(np.abs(np.asarray(cache.state[i]) - hf_state).max()) / scale)
+            worst = max(worst, float(np.abs(np.asarray(cache.layers[i].conv) - hf_conv).max()),
+                        float(np.abs(np.asarray(cache.layers[i].state) - hf_state).max()) / scale)
         if s == 8:
             break
         tok = int(np.asarray(logits)[0, -1].argmax())

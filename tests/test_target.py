@@ -162,6 +162,11 @@ def _set_lengths(cache: KVCache, lengths) -> KVCache:
     return cache.replace(lengths=jnp.asarray(lengths, jnp.int32))
 
 
+def _kv(cache: KVCache) -> list:
+    """Every layer's keys and values, in layer order."""
+    return [a for e in cache.layers for a in (e.k, e.v)]
+
+
 def _right_padded(seqs, width):
     """Rows of different lengths as one [B, width] batch; causal no-cache outputs of a row's prefix ignore padding."""
     out = np.zeros((len(seqs), width), np.int32)
@@ -187,7 +192,7 @@ def test_prefill_chunks_equal_one_call_equal_no_cache(cache_target):
     np.testing.assert_array_equal(np.asarray(cache.lengths), [13, 13])
     assert rel_err(jnp.concatenate(logits, 1), ref_logits) < CACHE_RTOL
     assert rel_err(jnp.concatenate(feats, 1), ref_feats) < CACHE_RTOL
-    for k1, k2 in zip(cache.k + cache.v, one_cache.k + one_cache.v):
+    for k1, k2 in zip(_kv(cache), _kv(one_cache)):
         assert rel_err(k1[:, :13], k2[:, :13]) < CACHE_RTOL
 
 
@@ -208,7 +213,7 @@ def test_ragged_batch_equals_rows_alone(cache_target):
         _, _, c1 = _fwd(cache_target, prompt[b:b + 1], KVCache.empty(CACHE_CFG, 1, 16))
         l1, _, c1 = _fwd(cache_target, step[b:b + 1], _set_lengths(c1, [n]))
         assert rel_err(logits[b], l1[0]) < CACHE_RTOL, b
-        for kb, k1 in zip(cache.k + cache.v, c1.k + c1.v):
+        for kb, k1 in zip(_kv(cache), _kv(c1)):
             assert rel_err(kb[b, :n + 4], k1[0, :n + 4]) < CACHE_RTOL, b
 
 
@@ -242,7 +247,7 @@ def test_writes_beyond_cache_are_dropped_not_clamped(cache_target):
     logits, _, small = _fwd(cache_target, tok[:, 6:], small)  # positions 6..9; 8 and 9 do not fit
     ref_logits, _, _ = _fwd(cache_target, tok, None)
     # Positions that fit are exact; slot 7 holds position 7's key, not position 9's (what a clamp would leave).
-    for ks, kb in zip(small.k + small.v, big.k + big.v):
+    for ks, kb in zip(_kv(small), _kv(big)):
         assert ks.shape[1] == 8
         assert rel_err(ks[:, :8], kb[:, :8]) < CACHE_RTOL
         assert rel_err(ks[:, 7], kb[:, 9]) > 1e-2
@@ -309,7 +314,7 @@ class ForwardVariantsTest(chex.TestCase):
         l2, _, cache = fwd(target, tok[:, 3:], cache, TAPS)
         chex.assert_trees_all_close(jnp.concatenate([l1, l2], 1), ref_logits, rtol=1e-5, atol=1e-6)
         chex.assert_trees_all_equal(cache.lengths, jnp.array([6, 6], jnp.int32))
-        chex.assert_shape(cache.k, [(2, 8, CACHE_CFG.num_key_value_heads, CACHE_CFG.head_dim)] * 2)
+        chex.assert_shape([e.k for e in cache.layers], [(2, 8, CACHE_CFG.num_key_value_heads, CACHE_CFG.head_dim)] * 2)
 
 
 def test_bad_layer_id_and_tokens_rejected(cache_target):
@@ -399,7 +404,8 @@ def test_nonfinite_stale_slots_beyond_length_are_ignored(cache_target):
     tok = _tokens((2, 8), 13)
     _, _, cache = _fwd(cache_target, tok[:, :6], KVCache.empty(CACHE_CFG, 2, 16))
     ref, _, _ = _fwd(cache_target, tok[:, 6:], cache)
-    poisoned = cache.replace(v=tuple(v.at[:, 12].set(jnp.nan) for v in cache.v))  # slot 12 > any position used
+    # slot 12 > any position used
+    poisoned = cache.replace(layers=tuple(e.replace(v=e.v.at[:, 12].set(jnp.nan)) for e in cache.layers))
     got, _, _ = _fwd(cache_target, tok[:, 6:], poisoned)
     assert rel_err(got, ref) < CACHE_RTOL
 
@@ -407,9 +413,10 @@ def test_nonfinite_stale_slots_beyond_length_are_ignored(cache_target):
 def test_empty_cache_buffers_are_distinct_and_donatable():
     """k and v (and every layer) get their own buffers, so a step can donate the cache and update it in place."""
     cache = KVCache.empty(CACHE_CFG, 2, 8)
-    ptrs = [a.unsafe_buffer_pointer() for a in cache.k + cache.v]
+    ptrs = [a.unsafe_buffer_pointer() for a in _kv(cache)]
     assert len(set(ptrs)) == len(ptrs)
-    step = jax.jit(lambda c: c.replace(k=tuple(k + 1 for k in c.k), v=tuple(v + 2 for v in c.v)), donate_argnums=0)
+    step = jax.jit(lambda c: c.replace(layers=tuple(e.replace(k=e.k + 1, v=e.v + 2) for e in c.layers)),
+                   donate_argnums=0)
     out = step(cache)
-    assert all(a.is_deleted() for a in cache.k + cache.v)  # donated
-    assert float(out.k[0][0, 0, 0, 0]) == 1.0 and float(out.v[1][0, 0, 0, 0]) == 2.0
+    assert all(a.is_deleted() for a in _kv(cache))  # donated
+    assert float(out.layers[0].k[0, 0, 0, 0]) == 1.0 and float(out.layers[1].v[0, 0, 0, 0]) == 2.0

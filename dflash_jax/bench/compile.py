@@ -42,7 +42,8 @@ from dflash_jax.decode.programs import generate
 from dflash_jax.io.compile_cache import enable_compilation_cache
 from dflash_jax.io.shipped import load_default
 from dflash_jax.models.layers import decoder_layer, rms_norm, write_rows
-from dflash_jax.models.target import KVCache, Target, init_target, lm_logits
+from dflash_jax.models.cache import AttentionCache, KVCache
+from dflash_jax.models.target import Target, init_target, lm_logits
 from dflash_jax.params import abstract_target, is_spec
 
 SECTIONS = ("attention", "programs", "sampling", "cli", "scan", "prefill_memory")
@@ -190,14 +191,13 @@ def scan_section(*, layers: int = 36, hidden: int = 256, steps: int = 64, reps: 
     def step_unrolled(target, cache, tok):
         x = jnp.take(target.params.embed_tokens, tok, axis=0)
         pos = cache.lengths[:, None]
-        ks, vs = [], []
-        for i, layer in enumerate(target.params.layers):
-            x, k, v = decoder_layer(layer, x, pos, cfg, cache_k=cache.k[i], cache_v=cache.v[i],
+        entries = []
+        for layer, entry in zip(target.params.layers, cache.layers):
+            x, k, v = decoder_layer(layer, x, pos, cfg, cache_k=entry.k, cache_v=entry.v,
                                     cache_len=cache.lengths, causal=True)
-            ks.append(write_rows(cache.k[i], k, pos))
-            vs.append(write_rows(cache.v[i], v, pos))
+            entries.append(AttentionCache(k=write_rows(entry.k, k, pos), v=write_rows(entry.v, v, pos)))
         logits = lm_logits(target, rms_norm(x, target.params.norm, cfg.rms_norm_eps))
-        return jnp.argmax(logits[:, -1], -1), KVCache(tuple(ks), tuple(vs), cache.lengths + 1)
+        return jnp.argmax(logits[:, -1], -1), KVCache(tuple(entries), cache.lengths + 1)
 
     def step_scanned(target, cache, tok):
         x = jnp.take(target.params.embed_tokens, tok, axis=0)
@@ -209,9 +209,9 @@ def scan_section(*, layers: int = 36, hidden: int = 256, steps: int = 64, reps: 
                                     causal=True)
             return x, (write_rows(ck, k, pos), write_rows(cv, v, pos))
 
-        x, (ks, vs) = jax.lax.scan(layer_fn, x, (stacked, cache.k, cache.v))
+        x, (ks, vs) = jax.lax.scan(layer_fn, x, (stacked, cache.layers[0].k, cache.layers[0].v))
         logits = lm_logits(target, rms_norm(x, target.params.norm, cfg.rms_norm_eps))
-        return jnp.argmax(logits[:, -1], -1), KVCache(ks, vs, cache.lengths + 1)
+        return jnp.argmax(logits[:, -1], -1), KVCache((AttentionCache(ks, vs),), cache.lengths + 1)
 
     def decode_loop(step):
         def run(target, cache, tok):
@@ -224,8 +224,10 @@ def scan_section(*, layers: int = 36, hidden: int = 256, steps: int = 64, reps: 
 
     out = {}
     empty = KVCache.empty(cfg, B, S)
-    for name, step, cache in (("unrolled", step_unrolled, empty),
-                              ("scan", step_scanned, KVCache(jnp.stack(empty.k), jnp.stack(empty.v), empty.lengths))):
+    # the scanned form holds every layer's keys (values) in one stacked [L, B, S, nKV, hd] array
+    stacked_cache = KVCache((AttentionCache(jnp.stack([e.k for e in empty.layers]),
+                                            jnp.stack([e.v for e in empty.layers])),), empty.lengths)
+    for name, step, cache in (("unrolled", step_unrolled, empty), ("scan", step_scanned, stacked_cache)):
         fn = decode_loop(step)
         tok = jnp.zeros((B,), jnp.int32)
         t0 = time.perf_counter()

@@ -18,7 +18,8 @@ import jax
 from dflash_jax.models import selector
 from dflash_jax.models.drafter import Drafter, block_hidden, head_logits, propose_from_hidden
 from dflash_jax.decode.sampling import SamplingParams, _draw, sample_tokens
-from dflash_jax.models.target import KVCache, Target
+from dflash_jax.models.cache import KVCache
+from dflash_jax.models.target import Target
 
 
 def draft_step(drafter: Drafter, target: Target, block: jax.Array, cache: KVCache, num_slots: int, keys: jax.Array,

@@ -68,13 +68,21 @@ def finish(conv: DynamicConv, y: jax.Array, taps: jax.Array, *, group_size: int,
     return grouped_causal_conv(y, taps, conv.base_kernel[1], group_size, block_len)
 
 
-def around(conv: DynamicConv | None, sublayer, x: jax.Array, *, kernel_size: int, group_size: int,
-           block_len: int) -> jax.Array:
-    """finish(sublayer(prepare(x))), or sublayer(x) for a layer without a convolution (DFlash)."""
-    if conv is None:
-        return sublayer(x)
-    u, taps = prepare(conv, x, kernel_size=kernel_size, group_size=group_size, block_len=block_len)
-    return finish(conv, sublayer(u), taps, group_size=group_size, block_len=block_len)
+def sublayer_hook(attention_conv: DynamicConv | None, mlp_conv: DynamicConv | None, *, kernel_size: int,
+                  group_size: int, block_len: int):
+    """A decoder layer's sublayer hook (`models.layers.SublayerHook`) that convolves around each sublayer:
+    finish(sublayer(prepare(x))) with the layer's attention or MLP convolution; a sublayer without one (DFlash) runs
+    as it is."""
+    convs = {"attention": attention_conv, "mlp": mlp_conv}
+
+    def hook(kind: str, x: jax.Array):
+        conv = convs[kind]
+        if conv is None:
+            return x, lambda y: y
+        u, taps = prepare(conv, x, kernel_size=kernel_size, group_size=group_size, block_len=block_len)
+        return u, lambda y: finish(conv, y, taps, group_size=group_size, block_len=block_len)
+
+    return hook
 
 
-__all__ = ["dynamic_taps", "grouped_causal_conv", "prepare", "finish", "around"]
+__all__ = ["dynamic_taps", "grouped_causal_conv", "prepare", "finish", "sublayer_hook"]

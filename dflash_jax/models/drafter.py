@@ -14,20 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Sequence
 
 import chex
 import jax
 import jax.numpy as jnp
 
 from dflash_jax.models import block_conv, selector
-from dflash_jax.models.attention import attention
 from dflash_jax.config import DrafterConfig, check_pair
 from dflash_jax.frozen import Replaceable
-from dflash_jax.models.layers import mlp, project_kv, project_q, rms_norm, write_rows
+from dflash_jax.models.layers import decoder_layer, norm, project_kv, write_rows
 from dflash_jax.quant.linear import backend_scope, linear, program_backend
 from dflash_jax.params import (DFlash2Params, DrafterParams, abstract_drafter, committed, init_from_abstract,
                                static_field)
-from dflash_jax.models.target import KVCache, Target
+from dflash_jax.models.cache import AttentionCache, KVCache
+from dflash_jax.models.target import Target
 
 
 @jax.tree_util.register_dataclass
@@ -38,8 +39,9 @@ class Drafter(Replaceable):
 
 
 def empty_draft_cache(cfg: DrafterConfig, batch: int, max_len: int) -> KVCache:
-    """An empty drafter context cache: a `KVCache` (per layer [B, S, nKV, hd] keys after k_norm + RoPE, and values;
-    lengths [B] = committed context positions held) shaped by the drafter's own model config."""
+    """An empty drafter context cache: a `KVCache` (per layer an `AttentionCache` of [B, S, nKV, hd] keys after
+    k_norm + RoPE, and values; lengths [B] = committed context positions held) shaped by the drafter's own model
+    config."""
     return KVCache.empty(cfg.model, batch, max_len)
 
 
@@ -50,17 +52,16 @@ def init_drafter(cfg: DrafterConfig, key: jax.Array) -> Drafter:
 def fuse_context(drafter: Drafter, features: jax.Array) -> jax.Array:
     """[B, C, K*H] target features -> [B, C, H] context, computed once and shared by every layer."""
     cfg = drafter.config.model
-    return rms_norm(linear(features.astype(cfg.dtype), drafter.params.fc), drafter.params.hidden_norm,
-                    cfg.rms_norm_eps)
+    return norm(linear(features.astype(cfg.dtype), drafter.params.fc), drafter.params.hidden_norm, cfg)
 
 
-def context_kv(drafter: Drafter, features: jax.Array, positions: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+def context_kv(drafter: Drafter, features: jax.Array, positions: jax.Array) -> tuple[AttentionCache, ...]:
     """Per drafter layer, the context keys (k_norm + RoPE at `positions` [B, C]) and values [B, C, nKV, hd] of target
     features [B, C, K*H]: what every block query sees of the context. Inference caches them (`append_context`);
-    training uses them directly."""
+    training uses them directly (slot = position: C covers positions 0..C-1)."""
     cfg = drafter.config.model
     ctx = fuse_context(drafter, features)
-    return [project_kv(layer.self_attn, ctx, positions, cfg) for layer in drafter.params.layers]
+    return tuple(AttentionCache(*project_kv(layer.self_attn, ctx, positions, cfg)) for layer in drafter.params.layers)
 
 
 def append_context(drafter: Drafter, features: jax.Array, n_valid: jax.Array, cache: KVCache) -> KVCache:
@@ -72,18 +73,18 @@ def append_context(drafter: Drafter, features: jax.Array, n_valid: jax.Array, ca
     positions = cache.lengths[:, None] + offsets  # [B, C]
     # Slots past a row's valid count go to an out-of-range index and are dropped by the scatter.
     write_pos = jnp.where(offsets < n_valid[:, None], positions, cache.max_len)
-    kv = context_kv(drafter, features, positions)
-    ks = tuple(write_rows(cache.k[i], k, write_pos) for i, (k, _) in enumerate(kv))
-    vs = tuple(write_rows(cache.v[i], v, write_pos) for i, (_, v) in enumerate(kv))
-    return KVCache(k=ks, v=vs, lengths=cache.lengths + n_valid.astype(jnp.int32))
+    layers = tuple(AttentionCache(k=write_rows(old.k, new.k, write_pos), v=write_rows(old.v, new.v, write_pos))
+                   for old, new in zip(cache.layers, context_kv(drafter, features, positions)))
+    return KVCache(layers=layers, lengths=cache.lengths + n_valid.astype(jnp.int32))
 
 
-def block_pass(drafter: Drafter, x: jax.Array, positions: jax.Array, ctx_k, ctx_v, ctx_len: jax.Array, *,
-               mask: jax.Array | None = None, chunk: int | None = None, block_len: int | None = None) -> jax.Array:
+def block_pass(drafter: Drafter, x: jax.Array, positions: jax.Array, context: Sequence[AttentionCache],
+               ctx_len: jax.Array, *, mask: jax.Array | None = None, chunk: int | None = None,
+               block_len: int | None = None) -> jax.Array:
     """The drafter layer stack over block queries x [B, Q, H] at positions [B, Q]: Q / block_len whole blocks
     (default block_len = block_size); DFlash2's convolution never crosses from one block into the next.
 
-    ctx_k/ctx_v: per layer [B, S, nKV, hd] context keys/values, slot = position, valid below ctx_len ([B] per row,
+    context: per layer the context keys/values [B, S, nKV, hd], slot = position, valid below ctx_len ([B] per row,
     or [B, Q] per query); mask [B, Q, Q]: which block keys each query sees (None: the whole block). Each layer's
     causality and sliding window come from the config (`layer_attention`, z-lab's rule) and are applied by
     `attention` to context and block keys alike, by absolute position. Inference (one block, cache) and training
@@ -94,24 +95,15 @@ def block_pass(drafter: Drafter, x: jax.Array, positions: jax.Array, ctx_k, ctx_
     cfg = dcfg.model
     conv = dict(kernel_size=dcfg.conv_kernel_size, group_size=dcfg.conv_group_size,
                 block_len=dcfg.block_size if block_len is None else block_len)
-    for i, layer in enumerate(drafter.params.layers):
+    for i, (layer, ctx) in enumerate(zip(drafter.params.layers, context)):
         causal, window = dcfg.layer_attention(i)
-
-        def attention_sublayer(u, layer=layer, i=i, causal=causal, window=window):
-            q = project_q(layer.self_attn, u, positions, cfg)
-            kb, vb = project_kv(layer.self_attn, u, positions, cfg)
-            a = attention(q, positions, cache_k=ctx_k[i], cache_v=ctx_v[i], cache_len=ctx_len, k=kb, v=vb,
-                          k_pos=positions, k_mask=mask, causal=causal, window=window, chunk=chunk)
-            return linear(a, layer.self_attn.o_proj)
-
-        # A Qwen3 decoder layer (as layers.decoder_layer) whose two sublayers DFlash2 wraps in its convolution.
+        # DFlash2 wraps both sublayers of the decoder layer in its convolution; the block's own K/V are scratch
+        hook = block_conv.sublayer_hook(getattr(layer, "attention_conv", None), getattr(layer, "mlp_conv", None),
+                                        **conv)
         with jax.named_scope(f"draft_layer{i}"):
-            h = rms_norm(x, layer.input_layernorm, cfg.rms_norm_eps)
-            x = x + block_conv.around(getattr(layer, "attention_conv", None), attention_sublayer, h, **conv)
-            h = rms_norm(x, layer.post_attention_layernorm, cfg.rms_norm_eps)
-            x = x + block_conv.around(getattr(layer, "mlp_conv", None), lambda u, layer=layer: mlp(layer.mlp, u), h,
-                                      **conv)
-    return rms_norm(x, drafter.params.norm, cfg.rms_norm_eps)
+            x, _, _ = decoder_layer(layer, x, positions, cfg, cache_k=ctx.k, cache_v=ctx.v, cache_len=ctx_len,
+                                    mask=mask, causal=causal, window=window, chunk=chunk, hook=hook)
+    return norm(x, drafter.params.norm, cfg)
 
 
 def embed_block(drafter: Drafter, target: Target, block: jax.Array) -> jax.Array:
@@ -151,7 +143,7 @@ def block_hidden(drafter: Drafter, target: Target, block: jax.Array, cache: KVCa
     by the layers' causal / sliding-window rules."""
     B, bs = block.shape
     positions = cache.lengths[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]  # [B, bs]
-    return block_pass(drafter, embed_block(drafter, target, block), positions, cache.k, cache.v, cache.lengths,
+    return block_pass(drafter, embed_block(drafter, target, block), positions, cache.layers, cache.lengths,
                       block_len=bs)
 
 

@@ -9,6 +9,7 @@ nothing here knows or cares whether a weight is quantized.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import chex
 import jax
@@ -22,20 +23,19 @@ from dflash_jax.params import MLP, Attention, DecoderLayer, LinearAttnLayer
 from dflash_jax.parallel.sharding import constrain_kv
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    # Statistics in f32 whatever the activation dtype (as HF Qwen3RMSNorm does).
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, zero_centered: bool = False) -> jax.Array:
+    """RMSNorm with its statistics in f32 whatever the activation dtype (as HF Qwen3RMSNorm does): y * w, cast to
+    x.dtype first; zero_centered: Qwen3.5's `Qwen3_5RMSNorm`, y * (1 + w) all in float32, then cast."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if zero_centered:
+        return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return y.astype(x.dtype) * weight.astype(x.dtype)
 
 
 def norm(x: jax.Array, weight: jax.Array, cfg: TargetConfig) -> jax.Array:
-    """The config's RMSNorm: `rms_norm`, or Qwen3.5's zero-centred one (x * (1 + w), all in float32, then cast)."""
-    if not cfg.zero_centered_norm:
-        return rms_norm(x, weight, cfg.rms_norm_eps)
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
-    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    """The config's RMSNorm (its eps, zero-centred for Qwen3.5)."""
+    return rms_norm(x, weight, cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norm)
 
 
 def rope_inv_freq(cfg: TargetConfig) -> jax.Array:
@@ -124,12 +124,27 @@ def mlp(p: MLP, x: jax.Array) -> jax.Array:
     return linear(jax.nn.silu(linear(x, p.gate_proj)) * linear(x, p.up_proj), p.down_proj)
 
 
+def _identity(y: jax.Array) -> jax.Array:
+    return y
+
+
+def no_hook(kind: str, h: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+    """The sublayer hook of a plain decoder layer: the sublayer sees its normed input as it is, and its output goes
+    to the residual as it is."""
+    return h, _identity
+
+
+# hook(kind, h) -> (what the sublayer runs on, what its output goes through before the residual add), for kind
+# "attention" and "mlp": how DFlash2 puts its block convolution around both sublayers (`block_conv.sublayer_hook`).
+SublayerHook = Callable[[str, jax.Array], tuple[jax.Array, Callable[[jax.Array], jax.Array]]]
+
+
 def decoder_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cfg: TargetConfig, *,
                   cache_k: jax.Array | None = None, cache_v: jax.Array | None = None,
                   cache_len: jax.Array | None = None, write: bool = False, mask: jax.Array | None = None,
-                  causal: bool, window: int | None = None, chunk: int | None = None):
+                  causal: bool, window: int | None = None, chunk: int | None = None, hook: SublayerHook = no_hook):
     """One Qwen3 decoder layer over x [B, T, H] at absolute positions [B, T], with the layer's causality and sliding
-    window (None = full).
+    window (None = full): the target's attention layers and every drafter layer.
 
     write=False: the queries attend to cached keys (cache_k/cache_v [B, S, nKV, hd], slot = position, valid below
     cache_len; none when cache_k is None) and to this call's own keys (restricted by mask [B, T, T] when given).
@@ -138,23 +153,25 @@ def decoder_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cfg: 
     to the cache alone, valid below cache_len (which counts the new tokens). Returns (x, cache_k, cache_v) updated.
     Writing before reading lets XLA update the cache in place: a read of the old cache next to an in-place write of
     it forces a copy of the whole cache every step.
+    hook: what runs around each sublayer (`SublayerHook`; DFlash2's convolution), nothing by default.
     """
-    h = norm(x, layer.input_layernorm, cfg)
+    h, finish = hook("attention", norm(x, layer.input_layernorm, cfg))
     q = project_q(layer.self_attn, h, positions, cfg)
     q, gate = q if cfg.attn_output_gate else (q, None)
     k, v = project_kv(layer.self_attn, h, positions, cfg)
     if write:
-        cache_k, cache_v = write_rows(cache_k, k, positions), write_rows(cache_v, v, positions)
-        a = attention(q, positions, cache_k=cache_k, cache_v=cache_v, cache_len=cache_len, causal=causal,
-                      window=window, chunk=chunk)
+        k, v = write_rows(cache_k, k, positions), write_rows(cache_v, v, positions)
+        a = attention(q, positions, cache_k=k, cache_v=v, cache_len=cache_len, causal=causal, window=window,
+                      chunk=chunk)
     else:
         a = attention(q, positions, cache_k=cache_k, cache_v=cache_v, cache_len=cache_len, k=k, v=v,
                       k_pos=positions, k_mask=mask, causal=causal, window=window, chunk=chunk)
     if gate is not None:  # Qwen3.5: a sigmoid output gate per head and dim
         a = a * jax.nn.sigmoid(gate)
-    x = x + linear(a, layer.self_attn.o_proj)
-    x = x + mlp(layer.mlp, norm(x, layer.post_attention_layernorm, cfg))
-    return (x, cache_k, cache_v) if write else (x, k, v)
+    x = x + finish(linear(a, layer.self_attn.o_proj))
+    h, finish = hook("mlp", norm(x, layer.post_attention_layernorm, cfg))
+    x = x + finish(mlp(layer.mlp, h))
+    return x, k, v
 
 
 def linear_attn_layer(layer: LinearAttnLayer, x: jax.Array, cfg: TargetConfig, conv: jax.Array, state: jax.Array, *,

@@ -7,9 +7,10 @@ lengths advanced by T. Rollback is arithmetic on `lengths`; rejected slots stay 
 memory, are never visible (only slots below a length are), and get overwritten by the next write.
 
 Hybrid targets (Qwen3.5: `layer_types`) mix attention layers with Gated DeltaNet layers (models/deltanet.py), whose
-cache entry is a conv window and a recurrent state instead of K/V. Those cannot roll back by a length: a verify pass
-(`defer_states=True`) leaves them untouched and records its delta-rule inputs in `KVCache.deferred`, and
-`commit_states` applies each row's accepted prefix once acceptance is known.
+cache entry (models/cache.py) is a conv window and a recurrent state instead of K/V: one step function per layer
+type. Those states cannot roll back by a length: a verify pass (`defer_states=True`) leaves them untouched and
+records its delta-rule inputs in the entry (`DeltaNetCache.deferred`), and `commit_states` applies each row's
+accepted prefix once acceptance is known.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ import numpy as np
 from dflash_jax.config import TargetConfig
 from dflash_jax.frozen import Replaceable
 from dflash_jax.models import deltanet as dn
+from dflash_jax.models.cache import AttentionCache, DeltaNetCache, KVCache
 from dflash_jax.models.layers import decoder_layer, linear_attn_layer, norm, write_rows
 from dflash_jax.quant.linear import backend_scope, linear, program_backend
-from dflash_jax.params import TargetParams, abstract_target, committed, init_from_abstract, static_field
+from dflash_jax.params import (DecoderLayer, LinearAttnLayer, TargetParams, abstract_target, committed,
+                               init_from_abstract, static_field)
 
 
 @jax.tree_util.register_dataclass
@@ -41,47 +44,37 @@ class Target(Replaceable):
         return self.params.embed_tokens if self.params.lm_head is None else self.params.lm_head
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache(Replaceable):
-    k: tuple[jax.Array | None, ...]  # per layer [B, S, nKV, hd], post-RoPE (None: a DeltaNet layer)
-    v: tuple[jax.Array | None, ...]  # per layer [B, S, nKV, hd]
-    lengths: jax.Array  # [B] int32: positions < lengths[b] are valid
-    # Hybrid targets only (None otherwise), per layer, None for attention layers:
-    conv: tuple[jax.Array | None, ...] | None = None  # [B, K-1, C] the DeltaNet's conv window
-    state: tuple[jax.Array | None, ...] | None = None  # [B, nV, dk, dv] float32 recurrent state
-    deferred: tuple | None = None  # per layer DeltaInputs of a verify pass not yet committed (`commit_states`)
-
-    @property
-    def max_len(self) -> int:
-        return next(k for k in self.k if k is not None).shape[1]
-
-    @classmethod
-    def empty(cls, cfg: TargetConfig, batch: int, max_len: int) -> "KVCache":
-        shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        attn = [cfg.layer_type(i) == "full_attention" for i in range(cfg.num_hidden_layers)]
-        if not any(attn):
-            raise ValueError("config: a target needs at least one full_attention layer (its KV cache holds the "
-                             "positions)")
-        # One buffer per array (k and v never share one), so a cache can be donated and updated in place.
-        k = tuple(jnp.zeros(shape, cfg.dtype) if a else None for a in attn)
-        v = tuple(jnp.zeros(shape, cfg.dtype) if a else None for a in attn)
-        conv = state = None
-        if cfg.is_hybrid:
-            pairs = [None if a else dn.empty_states(cfg, batch) for a in attn]
-            conv = tuple(None if p is None else p[0] for p in pairs)
-            state = tuple(None if p is None else p[1] for p in pairs)
-        return cls(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32), conv=conv, state=state)
-
-    def state_bytes_per_row(self) -> int:
-        """Bytes of the DeltaNet states (conv windows and recurrent states) one row holds."""
-        leaves = [x for x in (self.conv or ()) + (self.state or ()) if x is not None]
-        return sum(x.nbytes // x.shape[0] for x in leaves)
-
-
 def init_target(cfg: TargetConfig, key: jax.Array) -> Target:
     params = init_from_abstract(abstract_target(cfg), key, cfg.storage_dtype)
     return Target(params=params, config=cfg)
+
+
+def _attention_step(layer: DecoderLayer, x: jax.Array, entry: AttentionCache | None, positions: jax.Array,
+                    cache_len: jax.Array | None, cfg: TargetConfig, window: int | None, empty_cache: bool
+                    ) -> tuple[jax.Array, AttentionCache | None]:
+    """An attention layer over x [B, T, H] and its cache entry: (x, the entry with the new K/V written)."""
+    if entry is None or empty_cache:  # the new tokens see each other only
+        x, k, v = decoder_layer(layer, x, positions, cfg, causal=True, window=window)
+        if entry is not None:
+            entry = AttentionCache(k=write_rows(entry.k, k, positions), v=write_rows(entry.v, v, positions))
+        return x, entry
+    # written at each row's length first, then the cache is attended (slots < length + T)
+    x, k, v = decoder_layer(layer, x, positions, cfg, cache_k=entry.k, cache_v=entry.v, cache_len=cache_len,
+                            write=True, causal=True, window=window)
+    return x, AttentionCache(k=k, v=v)
+
+
+def _deltanet_step(layer: LinearAttnLayer, x: jax.Array, entry: DeltaNetCache | None, cfg: TargetConfig,
+                   keep: jax.Array | None, defer: bool) -> tuple[jax.Array, DeltaNetCache]:
+    """A Gated DeltaNet layer over x [B, T, H] from its entry's states (zero states without one): (x, the entry with
+    the states advanced, or with defer the states untouched and the pass's inputs in `deferred`)."""
+    if entry is None:
+        entry = DeltaNetCache(*dn.empty_states(cfg, x.shape[0]))
+    if defer:
+        x, d = linear_attn_layer(layer, x, cfg, entry.conv, entry.state, keep=keep, defer=True)
+        return x, entry.replace(deferred=d)
+    x, conv, state = linear_attn_layer(layer, x, cfg, entry.conv, entry.state, keep=keep)
+    return x, DeltaNetCache(conv=conv, state=state)
 
 
 def forward_hidden(target: Target, tokens: jax.Array, cache: KVCache | None, layer_ids: Sequence[int] = (), *,
@@ -95,8 +88,8 @@ def forward_hidden(target: Target, tokens: jax.Array, cache: KVCache | None, lay
     empty_cache: the cache holds nothing yet (prefill): the new K/V are written, the empty cache is not attended
     (attending to a constant-empty cache only gives XLA constants to fold at compile time).
     Hybrid targets: state_keep [B] makes the DeltaNet states absorb only each row's first state_keep[b] tokens
-    (right-padded prompts; None = all T); defer_states leaves them untouched and records the pass in
-    `cache.deferred` for `commit_states` (verify). With cache=None the DeltaNet layers start from zero states.
+    (right-padded prompts; None = all T); defer_states leaves them untouched and records the pass in each DeltaNet
+    entry's `deferred` for `commit_states` (verify). With cache=None the DeltaNet layers start from zero states.
     """
     cfg = target.config
     p = target.params
@@ -111,54 +104,25 @@ def forward_hidden(target: Target, tokens: jax.Array, cache: KVCache | None, lay
     if positions is None:  # with a cache, the new tokens must sit at slots lengths..lengths+T-1 (the default)
         start = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    cache_len = None if cache is None else cache.lengths + T
 
     x = jnp.take(p.embed_tokens, tokens, axis=0).astype(cfg.dtype)  # [B, T, H]
-    new_k, new_v, feats = [], [], {}
-    new_conv, new_state, deferred = [], [], []
+    entries, feats = [], {}
     for i, layer in enumerate(p.layers):
-        if cfg.layer_type(i) == "linear_attention":
-            with jax.named_scope(f"layer{i}"):
-                if cache is None:
-                    conv, state = dn.empty_states(cfg, B)
-                else:
-                    conv, state = cache.conv[i], cache.state[i]
-                if defer_states:
-                    x, d = linear_attn_layer(layer, x, cfg, conv, state, keep=state_keep, defer=True)
-                    deferred.append(d)
-                else:
-                    x, conv, state = linear_attn_layer(layer, x, cfg, conv, state, keep=state_keep)
-                    deferred.append(None)
-                new_k.append(None)
-                new_v.append(None)
-                new_conv.append(conv)
-                new_state.append(state)
-            if i in layer_ids:
-                feats[i] = x
-            continue
-        new_conv.append(None)
-        new_state.append(None)
-        deferred.append(None)
+        entry = None if cache is None else cache.layers[i]
         with jax.named_scope(f"layer{i}"):
-            kw = dict(causal=True, window=windows[i])
-            if cache is None or empty_cache:  # the new tokens see each other only
-                x, k, v = decoder_layer(layer, x, positions, cfg, **kw)
-                if cache is not None:
-                    new_k.append(write_rows(cache.k[i], k, positions))
-                    new_v.append(write_rows(cache.v[i], v, positions))
-            else:  # written at each row's length first, then the cache is attended (slots < length + T)
-                x, k, v = decoder_layer(layer, x, positions, cfg, cache_k=cache.k[i], cache_v=cache.v[i],
-                                        cache_len=cache.lengths + T, write=True, **kw)
-                new_k.append(k)
-                new_v.append(v)
+            if cfg.layer_type(i) == "linear_attention":
+                x, entry = _deltanet_step(layer, x, entry, cfg, state_keep, defer_states)
+            else:
+                x, entry = _attention_step(layer, x, entry, positions, cache_len, cfg, windows[i], empty_cache)
+        entries.append(entry)
         if i in layer_ids:
             feats[i] = x
     h = norm(x, p.norm, cfg)
     features = (jnp.concatenate([feats[i] for i in layer_ids], axis=-1) if layer_ids
                 else jnp.zeros((B, T, 0), cfg.dtype))
     if cache is not None:
-        hybrid = dict(conv=tuple(new_conv), state=tuple(new_state),
-                      deferred=tuple(deferred) if defer_states else None) if cfg.is_hybrid else {}
-        cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + T, **hybrid)
+        cache = KVCache(layers=tuple(entries), lengths=cache.lengths + T)
     return h, features, cache
 
 
@@ -166,13 +130,16 @@ def commit_states(cache: KVCache, n: jax.Array, cfg: TargetConfig) -> KVCache:
     """The cache after a deferred (verify) pass keeps only each row's first n[b] tokens in its DeltaNet states
     (0 <= n <= T; see `models.deltanet.commit`); KV entries roll back by `lengths` as for dense targets (the
     caller sets them). A cache without deferred states comes back as it is."""
-    if cache.deferred is None:
+    if not cache.has_deferred:
         return cache
-    conv, state = list(cache.conv), list(cache.state)
-    for i, d in enumerate(cache.deferred):
-        if d is not None:
-            conv[i], state[i] = dn.commit(d, cache.state[i], n, cfg.linear_conv_kernel_dim - 1)
-    return cache.replace(conv=tuple(conv), state=tuple(state), deferred=None)
+    width = cfg.linear_conv_kernel_dim - 1
+
+    def commit(entry):
+        if not isinstance(entry, DeltaNetCache):
+            return entry
+        return DeltaNetCache(*dn.commit(entry.deferred, entry.state, n, width))
+
+    return cache.replace(layers=tuple(commit(e) for e in cache.layers))
 
 
 def lm_logits(target: Target, h: jax.Array) -> jax.Array:

@@ -185,9 +185,12 @@ def constrain_cache(cache, cfg: TargetConfig, mesh: Mesh | None):
         return cache
     kv, lens = cache_sharding(cfg, mesh)
     c = jax.lax.with_sharding_constraint
-    # DeltaNet layers of a hybrid target hold no K/V (None); their states stay where XLA puts them
-    return cache.replace(k=tuple(None if k is None else c(k, kv) for k in cache.k),
-                         v=tuple(None if v is None else c(v, kv) for v in cache.v), lengths=c(cache.lengths, lens))
+
+    def pin(entry):  # an attention entry's K/V; a DeltaNet entry's states stay where XLA puts them (entries are told
+        # apart by their fields: models sit above this package and are not imported here)
+        return entry.replace(k=c(entry.k, kv), v=c(entry.v, kv)) if hasattr(entry, "k") else entry
+
+    return cache.replace(layers=tuple(pin(e) for e in cache.layers), lengths=c(cache.lengths, lens))
 
 
 # The mesh a program is traced for (set by decoding's jitted programs, from their static `mesh` argument), so that

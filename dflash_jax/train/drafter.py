@@ -127,8 +127,7 @@ def training_hidden(params, batch, cfg: DrafterConfig, target_cfg: TargetConfig)
     ctx_len = jnp.where(keep_q, jnp.repeat(anchors, bs, axis=1), 0)  # [B, Q]: context slots < anchor
     sees_blk = (block_id[:, None] == block_id[None, :])[None] & keep_q[:, :, None]  # [B, Q, Q]
 
-    h = block_pass(drafter, embed_block(drafter, target, block), positions,
-                   [kv[0] for kv in ctx_kv], [kv[1] for kv in ctx_kv], ctx_len, mask=sees_blk)
+    h = block_pass(drafter, embed_block(drafter, target, block), positions, ctx_kv, ctx_len, mask=sees_blk)
     return h.reshape(B, N, bs, -1)[:, :, 1:], target  # slots 1..bs-1
 
 
