@@ -1,10 +1,11 @@
 """dflash-jax: DFlash block-diffusion speculative decoding with NVFP4 drafters, in JAX.
 
 Public calls (a contract): `load_target`, `load_drafter` (folders and llama.cpp `dflash` GGUF files), `save`,
-`save_hf`, `save_gguf`, `target_forward`, `draft_logits`, `draft_tokens`, `generate`, `generate_autoregressive` (with `SamplingParams`),
-`audit_scales`, `audit_file`, `quantize_nvfp4`, `load_default`, `enable_compilation_cache`, `load_tokenizer` (GGUF
-or tokenizer.json), `make_mesh`, `shard` (dflash_jax.parallel.sharding), and the `nvfp4` module. Drafters are DFlash or
-DFlash2 (`DrafterConfig.kind`); every call takes either.
+`save_hf`, `save_gguf`, `target_forward`, `draft_logits`, `draft_tokens`, `generate`, `generate_autoregressive`
+(with `SamplingParams`, `GenerationOptions`), `audit_scales`, `audit_file`, `quantize_nvfp4`, `load_default`,
+`enable_compilation_cache`, `load_tokenizer` (GGUF or tokenizer.json), `make_mesh`, `shard`
+(dflash_jax.parallel.sharding), and the `nvfp4` module. Drafters are DFlash or DFlash2 (`DrafterConfig.kind`); every
+call takes either.
 """
 
 from dflash_jax.quant import nvfp4
@@ -15,7 +16,9 @@ from dflash_jax.io.audit_file import FileAudit, audit_file
 from dflash_jax.io.compile_cache import enable_compilation_cache
 from dflash_jax.config import DrafterConfig, Qwen3Config, TargetConfig, default_target_layer_ids
 from dflash_jax.models.drafter import Drafter, draft_logits, draft_tokens, init_drafter
-from dflash_jax.decode.programs import GenerationResult, generate, generate_autoregressive
+from dflash_jax.decode.options import GenerationOptions
+from dflash_jax.decode.programs import generate, generate_autoregressive
+from dflash_jax.decode.result import GenerationResult
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.quant.nvfp4 import NVFP4Array
 from dflash_jax.quant.quantize import drop_global_scales, quantize_nvfp4
@@ -31,7 +34,7 @@ __all__ = [
     "TargetConfig", "Qwen3Config", "DrafterConfig", "default_target_layer_ids",
     "Target", "KVCache", "init_target", "target_forward",
     "Drafter", "init_drafter", "draft_logits", "draft_tokens",
-    "generate", "generate_autoregressive", "GenerationResult", "SamplingParams",
+    "generate", "generate_autoregressive", "GenerationResult", "SamplingParams", "GenerationOptions",
     "load_target", "load_drafter", "save", "save_hf", "save_gguf", "CheckpointError", "audit_file", "FileAudit",
     "quantize_nvfp4", "drop_global_scales", "load_default", "Tokenizer", "load_tokenizer", "ModelTokenizer",
     "TokenizerError", "GGUFError", "smollm2_path", "enable_compilation_cache",

@@ -38,7 +38,7 @@ class Mutant:
     old: str
     new: str
     tests: tuple[str, ...]  # pytest arguments (files, node ids, -k expressions)
-    issue: bool = False  # named in issue 15 (must be killed)
+    issue: bool = False  # one of the required bugs (the rest are extra ones of the same families)
     alt: tuple[tuple[str, str, str], ...] = ()  # (file, old, new) for other versions of the code
 
 
@@ -70,7 +70,7 @@ def _planted(w):
 '''
 
 AUDIT_TESTS = ("tests/test_quantize.py", "-k", "audit")
-# The EOS test of `_commit` since EOS ids became a traced argument (issue 14).
+# The EOS test of `_commit` since EOS ids became a traced argument (a Budget field, not a static tuple).
 _EOS_TRACED = "is_eos = (new_tokens[:, :, None] == budget.eos[None, None, :]).any(axis=-1)"
 SAMPLING = "tests/test_sampling.py"
 PROOF = "speculative_output_has_target_distribution or sampled_eos"
@@ -85,13 +85,17 @@ MUTANTS = [
            "is_eos = jnp.isin(new_tokens, jnp.asarray(eos_ids, jnp.int32)) & (j < n[:, None])",
            "is_eos = jnp.isin(new_tokens, jnp.asarray(eos_ids, jnp.int32))",
            ("tests/test_eos.py", "-k", "not control"), issue=True,
-           alt=(("decode/programs.py", _EOS_TRACED + " & (j < n[:, None])", _EOS_TRACED),)),
+           alt=(("decode/programs.py", _EOS_TRACED + " & (j < n[:, None])", _EOS_TRACED),
+                ("decode/loop.py", _EOS_TRACED + " & (j < n[:, None])", _EOS_TRACED))),
     Mutant("key-reuse", "the drafting key reused for acceptance", "decode/programs.py",
            "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, keys, sampling, **q_kw)",
            "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, s.key, sampling, **q_kw)",
            (SAMPLING, "-k", PROOF), issue=True,
            alt=(("decode/programs.py", "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, keys, sampling)",
-                 "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, s.key, sampling)"),)),
+                 "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, s.key, sampling)"),
+                ("decode/loop.py",
+                 "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, keys, sampling, **q_kw)",
+                 "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, s.key, sampling, **q_kw)"))),
     Mutant("scale-reuse", "an MLP applies block 0's NVFP4 scale to every block", "models/layers.py",
            "linear(x, p.up_proj), p.down_proj)", "linear(x, _planted(p.up_proj)), p.down_proj)", AUDIT_TESTS,
            issue=True),
@@ -121,7 +125,9 @@ MUTANTS = [
            "x = x + linear(attend(q, k, v, mask), layer.self_attn.o_proj)",
            "x = x + linear(attend(q, k, v, mask), _planted(layer.self_attn.o_proj))",
            AUDIT_TESTS, alt=(("models/layers.py", "x = x + linear(a, layer.self_attn.o_proj)",
-                              "x = x + linear(a, _planted(layer.self_attn.o_proj))"),)),
+                              "x = x + linear(a, _planted(layer.self_attn.o_proj))"),
+                             ("models/layers.py", "x = x + finish(linear(a, layer.self_attn.o_proj))",
+                              "x = x + finish(linear(a, _planted(layer.self_attn.o_proj)))"))),
     Mutant("accept-ratio-inverted", "accept while u * p(x) < q(x)", "decode/sampling.py",
            "ok = (u * q_x < p_x) & proposed", "ok = (u * p_x < q_x) & proposed", (SAMPLING, "-k", PROOF)),
     Mutant("pmin-cut-residual", "at a p_min cut, the token drawn from the residual as if the slot were rejected",
@@ -131,7 +137,9 @@ MUTANTS = [
            "n = jnp.where(hit, first_eos + 1, n)", "n = jnp.where(hit, first_eos, n)",
            ("tests/test_eos.py", "-k", "not control"),
            alt=(("decode/programs.py", "n = jnp.where(hit, jnp.argmax(is_eos, axis=1) + 1, n)",
-                 "n = jnp.where(hit, jnp.argmax(is_eos, axis=1), n)"),)),
+                 "n = jnp.where(hit, jnp.argmax(is_eos, axis=1), n)"),
+                ("decode/loop.py", "n = jnp.where(hit, jnp.argmax(is_eos, axis=1) + 1, n)",
+                 "n = jnp.where(hit, jnp.argmax(is_eos, axis=1), n)"))),
     Mutant("budget-overshoot", "a block may overshoot max_new_tokens", "decode/programs.py",
            "n = jnp.minimum(n, max_new - state.n_out)  # a block may overshoot the budget: cut inside it",
            "n = n", ("tests/test_eos.py", "-k", "budget"),
@@ -197,7 +205,7 @@ def main() -> int:
     chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
     if args.list:
         for m in MUTANTS:
-            print(f"{m.name:22s} {'[issue 15] ' if m.issue else ''}{m.what}  ->  {' '.join(m.tests)}")
+            print(f"{m.name:22s} {'[must kill] ' if m.issue else ''}{m.what}  ->  {' '.join(m.tests)}")
         return 0
     results = []
     for m in chosen:
@@ -206,7 +214,7 @@ def main() -> int:
         print(f"{m.name:22s} {status:8s} {dt:7.0f}s  {detail}", flush=True)
     killed = sum(s == "KILLED" for _, s in results)
     issue = [(m, s) for m, s in results if m.issue]
-    print(f"\nkilled {killed} / {len(results)} planted bugs; issue-15 bugs killed "
+    print(f"\nkilled {killed} / {len(results)} planted bugs; required bugs killed "
           f"{sum(s == 'KILLED' for _, s in issue)} / {len(issue)}")
     return 0 if killed == len(results) else 1
 

@@ -15,6 +15,7 @@ import pytest
 import dflash_jax as dj
 from random_models import make_drafter, make_target
 from dflash_jax.bench.lowering import loop_report
+from dflash_jax.decode import buckets
 from dflash_jax.decode import programs as G
 from dflash_jax.models.attention import LIVE_CHUNK, attention, attention_chunk, live_length_loop, visible
 from dflash_jax.config import DrafterConfig, TargetConfig
@@ -179,8 +180,8 @@ def test_live_length_loop_is_a_data_dependent_loop_and_off_by_default():
     static = report()
     assert static["dynamic"] == 0 and static["static"] >= 1, static
     # The rule per platform: CPU programs take the live-length loop, accelerators the static form.
-    assert G.uses_live_length_loop("cpu") and not G.uses_live_length_loop("cuda")
-    assert not G.uses_live_length_loop("gpu") and not G.uses_live_length_loop("tpu")
+    assert buckets.uses_live_length_loop("cpu") and not buckets.uses_live_length_loop("cuda")
+    assert not buckets.uses_live_length_loop("gpu") and not buckets.uses_live_length_loop("tpu")
 
 
 # -- through the model -------------------------------------------------------------------------------------------
@@ -240,7 +241,7 @@ def test_generation_live_length_loop_equals_static_form(monkeypatch):
     prompts = [rng.integers(0, 63, n).tolist() for n in (30, 5, 17)]
     out = {}
     for live in (True, False):
-        monkeypatch.setitem(G.LIVE_LENGTH_LOOP, "cpu", live)
+        monkeypatch.setitem(buckets.LIVE_LENGTH_LOOP, "cpu", live)
         call = G.speculative_call(target, drafter, prompts, max_new_tokens=24)
         assert call.loop_static["live_length"] is (live if jax.default_backend() == "cpu" else False)
         with attention_chunk(8):

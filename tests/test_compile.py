@@ -28,6 +28,7 @@ from dflash_jax.bench.mesh import xla_flags_with_devices
 from dflash_jax.config import DrafterConfig, TargetConfig
 
 G = importlib.import_module("dflash_jax.decode.programs")
+from dflash_jax.decode import buckets
 ROOT = Path(__file__).resolve().parents[1]
 
 # A config no other test module uses, so every count below starts from programs this module builds.
@@ -99,7 +100,7 @@ def test_prompt_length_and_budget_buckets():
     print(f"\n[compile] program keys for 100 prompt lengths in 1..1000: {len(prefill_keys)} prefill, "
           f"{len(loop_keys)} loop")
     assert len(prefill_keys) <= 10 and len(loop_keys) == 1
-    assert [G.bucket(n) for n in (1, 16, 17, 1000, 1024, 1025)] == [16, 16, 32, 1024, 1024, 2048]
+    assert [buckets.bucket(n) for n in (1, 16, 17, 1000, 1024, 1025)] == [16, 16, 32, 1024, 1024, 2048]
     for lo, hi in ((1, 256), (257, 512), (513, 1024)):  # one program per budget bucket
         budgets = {tuple(sorted(G.speculative_call(target, drafter, [[1, 2]], max_new_tokens=n).static.items()))
                    for n in range(lo, hi + 1, 7)}

@@ -27,6 +27,7 @@ from random_models import make_drafter, make_target
 from helpers import COPY_MAX_NEW, COPY_PROMPTS, FLAW, PBS, SETUPS, build_copy_pair, cycle_next
 
 gen = importlib.import_module("dflash_jax.decode.programs")
+from dflash_jax.decode import loop
 PAD = -1
 PROMPTS = [COPY_PROMPTS[2], COPY_PROMPTS[1], COPY_PROMPTS[0] + [cycle_next(COPY_PROMPTS[0][-1])]]  # cycles 2, 5, 0
 
@@ -137,7 +138,7 @@ def _eos_of(rest):
 def test_control_eos_searched_in_the_whole_block_fails(copy, monkeypatch):
     """Negative control: an EOS search over the whole verified block (not the committed prefix) ends row 2 at a
     rejected argmax, and the comparison above catches it."""
-    real = gen._commit
+    real = loop._commit
 
     def whole_block(state, new_tokens, n_new, *rest):
         eos = _eos_of(rest)
@@ -147,7 +148,7 @@ def test_control_eos_searched_in_the_whole_block_fails(copy, monkeypatch):
         return real(state, new_tokens, n_new, *rest)
 
     monkeypatch.setattr(gen, "_COMPILED", {})  # fresh programs: traced with the flawed commit
-    monkeypatch.setattr(gen, "_commit", whole_block)
+    monkeypatch.setattr(loop, "_commit", whole_block)
     spec = dj.generate(copy["target"], copy["flawed"], PROMPTS, max_new_tokens=COPY_MAX_NEW, eos_ids=ONLY_REJECTED)
     with pytest.raises(AssertionError):
         assert_same_result(spec, copy["ar"])

@@ -31,6 +31,7 @@ from helpers import (COPY_MAX_NEW, COPY_PROMPTS, FLAW, PBS, PMASK, PV, SETUPS, a
 import report  # tests/report.py
 
 G = importlib.import_module("dflash_jax.decode.programs")  # the package re-exports the function under the same name
+from dflash_jax.decode import prefill
 PAD = -1
 STATS: dict[str, object] = report.section("generate")  # figures printed at the end of the run (tests/report.py)
 
@@ -291,7 +292,7 @@ def sampled_runs(copy_runs):
     with seed 0). While it is traced, `_stamp` (the prefill-timing host callback) is replaced by a wrapper that counts
     calls and runs the real one on another thread, as a GPU runtime does with host callbacks."""
     r = copy_runs
-    calls, orig = [], G._stamp
+    calls, orig = [], prefill._stamp
 
     def stamp_elsewhere(x):
         calls.append(threading.current_thread().name)
@@ -303,7 +304,7 @@ def sampled_runs(copy_runs):
 
     other = [cycle_prompt(8, 9), cycle_prompt(33, 14), cycle_prompt(20, 12)]  # same padded shape (16)
     traces0, prefill0 = G.TRACE_COUNTS["speculative"], G.TRACE_COUNTS["prefill"]
-    G._stamp = stamp_elsewhere
+    prefill._stamp = stamp_elsewhere
     # prefill holds the stamp: a fresh prefill program (the loop programs kept) traces the wrapper in
     compiled = G._COMPILED
     G._COMPILED = {k: v for k, v in compiled.items() if k != "prefill"}
@@ -315,7 +316,7 @@ def sampled_runs(copy_runs):
                 dj.generate(r["target"], r["flawed"], COPY_PROMPTS, seed=1, **kw),
                 dj.generate(r["target"], r["flawed"], other, seed=0, **kw)]
     finally:
-        G._stamp = orig
+        prefill._stamp = orig
         G._COMPILED = compiled
     return dict(res=res, traces=(traces0, traces1, G.TRACE_COUNTS["speculative"]), stamp_calls=calls,
                 prefill_traced=prefill1 - prefill0)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
+import dflash_jax.decode.loop as loop
 import dflash_jax.decode.programs as programs
 import helpers as H
 from dflash_jax.config import DrafterConfig, TargetConfig
@@ -149,15 +150,15 @@ def test_greedy_speculative_equals_autoregressive_ragged(target, ar):
     assert 1.5 <= sp.tau <= 5 and tau.max() - tau.min() > 1  # partial and ragged acceptance
     # a mutant commit (one token too many; too few is caught by the rollback test) breaks it: the greedy tokens
     # depend on the rollback
-    original = programs.commit_states
+    original = loop.commit_states
     for shift in (1,):
         saved = dict(programs._COMPILED)
         try:
-            programs.commit_states = lambda c, n, cfg, s=shift: original(c, jnp.clip(n + s, 0, 8), cfg)
+            loop.commit_states = lambda c, n, cfg, s=shift: original(c, jnp.clip(n + s, 0, 8), cfg)
             programs._COMPILED.clear()
             bad = dj.generate(target, flawed, PROMPTS, max_new_tokens=40)
         finally:
-            programs.commit_states = original
+            loop.commit_states = original
             programs._COMPILED.clear()
             programs._COMPILED.update(saved)
         assert not all(np.array_equal(a, b) for a, b in zip(ar.tokens, bad.tokens)), shift
@@ -470,12 +471,12 @@ def test_sampled_speculative_output_has_the_hybrid_target_distribution(sampled):
     for temperature in (1.0, 0.6):
         _assert_sampled_law(ts, _sampled_run(ts, target, drafter, temperature, progs), logits, temperature,
                             "hybrid speculative")
-    original = programs.commit_states
+    original = loop.commit_states
     try:
-        programs.commit_states = lambda c, n, cfg: original(c, jnp.minimum(n + 1, 4), cfg)
+        loop.commit_states = lambda c, n, cfg: original(c, jnp.minimum(n + 1, 4), cfg)
         bad = _sampled_run(ts, target, drafter, 1.0, ts.large_batch_programs())  # fresh programs: traced with the bug
     finally:
-        programs.commit_states = original
+        loop.commit_states = original
     stats.assert_fails("hybrid rollback one token too many", ts.compare(bad.tokens, ts.exact_law(logits, 1.0)))
 
 

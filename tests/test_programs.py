@@ -1,4 +1,4 @@
-"""Prefill and the generation loop as two programs, buckets, and the calling conventions (issue 26, items 4 and 6).
+"""Prefill and the generation loop as two programs, buckets, and the calling conventions.
 
 - a new prompt-length bucket compiles a new prefill program only: 100 prompt lengths over 1..1000 -> 1 loop program;
 - batches run in a batch bucket whose padding rows are inert (never in the result, never changing a real row);
@@ -20,6 +20,10 @@ from random_models import make_drafter, make_target
 from dflash_jax.config import DrafterConfig, TargetConfig
 
 G = importlib.import_module("dflash_jax.decode.programs")
+from dflash_jax.decode import buckets
+from dflash_jax.decode import loop as loop_mod
+from dflash_jax.decode import prefill as prefill_mod
+from dflash_jax.decode.result import GenerationResult
 
 # A config of its own (vocab 76), so that the jit caches start empty for it.
 CFG = TargetConfig(vocab_size=76, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -48,7 +52,7 @@ def _alone(fn, rows, **kw):
 # -- programs: prefill apart from the loop ---------------------------------------------------------------------------
 
 def test_prompt_lengths_compile_prefill_only(pair, monkeypatch):
-    """23 prompt lengths over 1..1000 (both edges and the middle of each of the 7 prompt buckets): 7 prefill
+    """23 prompt lengths over 1..1000 (both edges and the middle of each of the 7 prompt prompt_buckets): 7 prefill
     programs, 1 loop program, on CPU as on accelerators (one 2048-slot minimum cache bucket; CPU's attention visits
     only the live blocks of it); a later call with a new prompt bucket traces prefill again and not the loop."""
     monkeypatch.setattr(G, "_COMPILED", {})  # fresh jit caches: the counts below are this test's compiles
@@ -61,25 +65,25 @@ def test_prompt_lengths_compile_prefill_only(pair, monkeypatch):
         dj.generate(target, drafter, [rng.integers(2, 74, int(n)).tolist()], max_new_tokens=2, eos_ids=())
     traces = {k: G.TRACE_COUNTS[k] - before[k] for k in before}
     counts = G.compiled_counts()
-    buckets = sorted({G.prompt_bucket(int(n)) for n in lens})
+    prompt_buckets = sorted({buckets.prompt_bucket(int(n)) for n in lens})
     print(f"\n[programs] {len(lens)} prompt lengths 1..1000: {counts['prefill']} prefill programs "
-          f"({len(buckets)} buckets), "
+          f"({len(prompt_buckets)} buckets), "
           f"{counts['speculative']} loop program(s)")
-    assert buckets == [16, 32, 64, 128, 256, 512, 1024]
+    assert prompt_buckets == [16, 32, 64, 128, 256, 512, 1024]
     assert traces["speculative"] == counts["speculative"] == 1
-    assert traces["prefill"] == counts["prefill"] == len(buckets)
+    assert traces["prefill"] == counts["prefill"] == len(prompt_buckets)
     # the key of a loop program holds no prompt length: the cache bucket is one for this whole range
     def loop_key(n):  # the loop's static arguments + the shapes it sees (cache slots, rows)
         call = G.speculative_call(target, drafter, [[1] * int(n)], max_new_tokens=2)
         return tuple(sorted(call.loop_static.items())), call.prefill_static["cache_len"], call.args[2].shape[0]
     assert len({loop_key(n) for n in lens}) == 1
     # the accelerators' rule keys the same range by one loop program too (static trip counts: only the flag differs)
-    monkeypatch.setitem(G.LIVE_LENGTH_LOOP, "cpu", False)
+    monkeypatch.setitem(buckets.LIVE_LENGTH_LOOP, "cpu", False)
     assert len({loop_key(n) for n in lens}) == 1
-    monkeypatch.setitem(G.LIVE_LENGTH_LOOP, "cpu", True)
+    monkeypatch.setitem(buckets.LIVE_LENGTH_LOOP, "cpu", True)
     # a prompt of 1800 tokens: 1800 + 256 + 4 slots -> the next cache bucket (4096): one more loop program
     dj.generate(target, drafter, [[3] * 1800], max_new_tokens=2, eos_ids=())
-    assert G.compiled_counts() == {"prefill": len(buckets) + 1, "speculative": 2, "autoregressive": 0}
+    assert G.compiled_counts() == {"prefill": len(prompt_buckets) + 1, "speculative": 2, "autoregressive": 0}
 
 
 def test_loop_program_has_no_host_op_and_takes_a_device_handoff(pair):
@@ -87,14 +91,14 @@ def test_loop_program_has_no_host_op_and_takes_a_device_handoff(pair):
     target, drafter = pair
     call = G.speculative_call(target, drafter, _rows(1, (5, 9)), max_new_tokens=NEW)
     pre = call.run_prefill()
-    assert isinstance(pre, G.Prefilled) and all(isinstance(x, jax.Array) for x in jax.tree.leaves(pre))
+    assert isinstance(pre, prefill_mod.Prefilled) and all(isinstance(x, jax.Array) for x in jax.tree.leaves(pre))
     t, d, _, _, keys, sampling, budget = call.args
-    loop = jax.make_jaxpr(lambda *a: G._speculative_loop(*a, draft_length=call.draft_length,
+    loop = jax.make_jaxpr(lambda *a: loop_mod.speculative_loop(*a, draft_length=call.draft_length,
                                                          out_len=call.loop_static["out_len"]))(
         t, d, pre, keys, sampling, budget)
     names = [e.primitive.name for e in loop.jaxpr.eqns]
     assert names.count("while") == 1 and not [n for n in names if "callback" in n]
-    pf = jax.make_jaxpr(lambda *a: G._prefill_program(*a, cache_len=call.prefill_static["cache_len"], stamp=True))(
+    pf = jax.make_jaxpr(lambda *a: prefill_mod.prefill_program(*a, cache_len=call.prefill_static["cache_len"], stamp=True))(
         t, d, call.args[2], call.args[3])
     assert [e.primitive.name for e in pf.jaxpr.eqns].count("io_callback") == 1
 
@@ -102,15 +106,15 @@ def test_loop_program_has_no_host_op_and_takes_a_device_handoff(pair):
 # -- buckets -----------------------------------------------------------------------------------------------------------
 
 def test_bucket_rules():
-    assert [G.batch_bucket(n) for n in (1, 2, 3, 5, 9, 16, 17, 33)] == [1, 2, 4, 8, 16, 16, 32, 48]
-    assert [G.cache_bucket(n) for n in (1, 300, 2048, 2049, 4096, 4097, 8200, 16385)] == [
+    assert [buckets.batch_bucket(n) for n in (1, 2, 3, 5, 9, 16, 17, 33)] == [1, 2, 4, 8, 16, 16, 32, 48]
+    assert [buckets.cache_bucket(n) for n in (1, 300, 2048, 2049, 4096, 4097, 8200, 16385)] == [
         2048, 2048, 2048, 4096, 4096, 5120, 9216, 17408]
-    assert [G.prompt_bucket(n) for n in (1, 17, 4096, 4097, 5000)] == [16, 32, 4096, 5120, 5120]
+    assert [buckets.prompt_bucket(n) for n in (1, 17, 4096, 4097, 5000)] == [16, 32, 4096, 5120, 5120]
     # above 4k the waste is under 1024 slots (a power of two would have been up to 2x)
     for n in range(4097, 40000, 997):
-        assert 0 <= G.cache_bucket(n) - n < 1024
+        assert 0 <= buckets.cache_bucket(n) - n < 1024
     # 64 rows x 8.2k tokens of a Qwen3-8B-shaped cache (36 layers, 8 KV heads, head 128, bf16): slots 9216, not 16384
-    assert G.cache_bucket(8200 + 256 + 16) == 9216
+    assert buckets.cache_bucket(8200 + 256 + 16) == 9216
 
 
 def test_batch_bucket_padding_rows_are_inert(pair):
@@ -119,7 +123,7 @@ def test_batch_bucket_padding_rows_are_inert(pair):
     for lens in ((5, 11, 7), (4, 9, 6, 3, 8)):
         rows = _rows(len(lens), lens)
         call = G.speculative_call(target, drafter, rows, max_new_tokens=NEW)
-        B = G.batch_bucket(len(rows))
+        B = buckets.batch_bucket(len(rows))
         assert call.args[2].shape[0] == B and (np.asarray(call.args[3])[len(rows):] == 0).all()
         sp = dj.generate(target, drafter, rows, max_new_tokens=NEW)
         ar = dj.generate_autoregressive(target, rows, max_new_tokens=NEW)
@@ -214,7 +218,7 @@ def test_return_prompt_and_decode(pair):
 def test_return_prompt_decodes_with_the_shipped_tokenizer():
     from dflash_jax.io.shipped import checkpoints_dir
     tok = dj.Tokenizer.from_file(checkpoints_dir() / "tokenizer.json")
-    res = G.GenerationResult(tokens=np.array([[5, 6, 7, -1]]), num_tokens=np.array([1]),
+    res = GenerationResult(tokens=np.array([[5, 6, 7, -1]]), num_tokens=np.array([1]),
                              acceptance_lengths=np.zeros((1, 0), np.int32), finish_reason=("eos",), num_steps=0,
                              draft_length=0, timings={}, prompt_lengths=np.array([2]), includes_prompt=True)
     assert res.decode(tok) == [tok.decode([5, 6, 7])]
@@ -249,7 +253,7 @@ def test_eos_defaults_to_the_config(pair):
     assert all(len(r) == NEW for r in free)
     eos = free[0][4]
     t2, d2 = target.replace(config=CFG.replace(eos_token_id=eos)), drafter
-    assert G.default_eos_ids(t2) == (eos,)
+    assert buckets.default_eos_ids(t2) == (eos,)
     for res in (dj.generate(t2, d2, rows, max_new_tokens=NEW), dj.generate_autoregressive(t2, rows, max_new_tokens=NEW)):
         want = free[0][:free[0].index(eos) + 1]
         assert res.token_lists()[0] == want and res.finish_reason[0] == "eos"

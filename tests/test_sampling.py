@@ -39,6 +39,7 @@ import pytest
 
 import stats
 from dflash_jax.decode import sampling
+from dflash_jax.decode.prepare import row_keys
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models.attention import attention_chunk
 from dflash_jax.models.drafter import Drafter
@@ -154,7 +155,7 @@ def accept_with_bug(d_logits, drafts, v_logits, keys, sp, bug):
 
 
 def row_keys(seed: int, n: int) -> jax.Array:
-    return gen._row_keys(seed, n)
+    return row_keys(seed, n)
 
 
 # XLA options of this module's large-batch programs: LLVM optimisation level 1, which the suite's XLA_FLAGS turn

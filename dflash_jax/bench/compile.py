@@ -37,7 +37,9 @@ import numpy as np
 
 from dflash_jax.bench import speculative as bench
 from dflash_jax.config import TargetConfig
+from dflash_jax.decode import buckets
 from dflash_jax.decode import programs as G
+from dflash_jax.decode.prefill import prefill
 from dflash_jax.decode.programs import generate
 from dflash_jax.io.compile_cache import enable_compilation_cache
 from dflash_jax.io.shipped import load_default
@@ -64,7 +66,7 @@ def prefill_temp_bytes(cfg: TargetConfig, tokens: int, batch: int = 1) -> int:
     target = Target(params=params, config=cfg)
     prompt = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
     lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    fn = jax.jit(lambda t, p, n: G.prefill(t, p, n, tokens)[:3])
+    fn = jax.jit(lambda t, p, n: prefill(t, p, n, tokens)[:3])
     return int(fn.lower(target, prompt, lens).compile().memory_analysis().temp_size_in_bytes)
 
 
@@ -115,11 +117,13 @@ def programs_section(target, drafter, *, n_prompts: int = 100, max_len: int = 10
         generate(target, drafter, [rng.integers(2, V, int(n)).tolist()], max_new_tokens=new_tokens, eos_ids=(),
                  prefill_timing="rerun")
     p1, l1 = counts()
-    buckets = sorted({G.prompt_bucket(int(n)) for n in lens})
+    prompt_buckets = sorted({buckets.prompt_bucket(int(n)) for n in lens})
     print(f"{n_prompts} prompts, lengths {lens.min()}..{lens.max()}: {l1 - l0} loop program(s), {p1 - p0} prefill "
-          f"programs ({len(buckets)} prompt buckets {buckets[0]}..{buckets[-1]}; cache bucket rule: powers of two >= "
-          f"{G.CACHE_BUCKET_MIN} up to {G.FINE_ABOVE} slots, then multiples of {G.FINE_STEP}; attention over the "
-          f"cache: {'live-length loop' if G.uses_live_length_loop() else 'static trip counts'}) "
+          f"programs ({len(prompt_buckets)} prompt buckets {prompt_buckets[0]}..{prompt_buckets[-1]}; cache bucket "
+          f"rule: powers of two >= "
+          f"{buckets.CACHE_BUCKET_MIN} up to {buckets.FINE_ABOVE} slots, then multiples of {buckets.FINE_STEP}; "
+          f"attention over the cache: "
+          f"{'live-length loop' if buckets.uses_live_length_loop() else 'static trip counts'}) "
           f"({time.perf_counter() - c0:.1f} s in all)", flush=True)
     prompt = [rng.integers(2, V, 20).tolist()]
     for temperature in (0.0, 0.5, 0.8, 1.0):
@@ -134,10 +138,10 @@ def programs_section(target, drafter, *, n_prompts: int = 100, max_len: int = 10
     for b in batches:
         generate(target, drafter, [prompt[0]] * b, max_new_tokens=8, eos_ids=(), prefill_timing="rerun")
     p3, l3 = counts()
-    rows = sorted({G.batch_bucket(b) for b in batches})
+    rows = sorted({buckets.batch_bucket(b) for b in batches})
     print(f"batches of {', '.join(map(str, batches))} rows: {l3 - l2} loop program(s), {p3 - p2} prefill program(s) "
           f"(batch buckets {rows}; inert padding rows)")
-    return {"length_programs": l1 - l0, "length_prefill_programs": p1 - p0, "prompt_buckets": len(buckets),
+    return {"length_programs": l1 - l0, "length_prefill_programs": p1 - p0, "prompt_buckets": len(prompt_buckets),
             "grid_programs": l2 - l1, "grid_prefill_programs": p2 - p1, "batch_programs": l3 - l2,
             "batch_prefill_programs": p3 - p2, "batch_buckets": len(rows)}
 

@@ -7,7 +7,7 @@ with a provably static trip count (the condition is `counter < constant` and the
 constant: `lax.scan`, `fori_loop` with static bounds) and the rest, and counts the conditionals.
 `speculative_module` exports the speculative loop program `generate` would build for a platform, with that
 platform's execution settings whatever host exports it (a CUDA export takes the accelerator rule: attention with
-static trip counts; a CPU export the live-length loop: `programs.uses_live_length_loop`).
+static trip counts; a CPU export the live-length loop: `buckets.uses_live_length_loop`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from jax._src.interpreters import mlir as jmlir  # the MLIR Python bindings JAX 
 from jax._src.lib.mlir import ir
 
 from dflash_jax.decode import programs as G
+from dflash_jax.decode.buckets import uses_live_length_loop
 from dflash_jax.models.attention import attention_chunk
 
 # The Pallas NVFP4 kernel lowers to this custom call for CUDA (an opaque kernel here).
@@ -87,7 +88,7 @@ def speculative_module(target, drafter, prompts, *, platform: str = "cuda", chun
     (`attention_chunk`), e.g. small to make every block loop appear."""
     call = G.speculative_call(target, drafter, prompts, prefill_timing="rerun", **generate_kw)
     target, drafter, prompt, lens, keys, sampling, budget = call.args
-    static = dict(call.loop_static, live_length=G.uses_live_length_loop(platform))
+    static = dict(call.loop_static, live_length=uses_live_length_loop(platform))
     with attention_chunk(chunk):
         # the loop program takes prefill's handoff: its shapes are enough to export it (nothing runs here)
         pre = jax.eval_shape(lambda *a: call.prefill_program(*a, **call.prefill_static), target, drafter, prompt, lens)

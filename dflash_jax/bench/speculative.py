@@ -26,7 +26,9 @@ from dflash_jax.io.gguf_drafter import load_drafter_gguf, patch_scales, save_ggu
 from dflash_jax.decode.draft_step import draft_step
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.models.drafter import Drafter, append_context, draft_tokens, empty_draft_cache
-from dflash_jax.decode.programs import generate, generate_autoregressive, prefill, uses_live_length_loop
+from dflash_jax.decode.buckets import uses_live_length_loop
+from dflash_jax.decode.prefill import prefill
+from dflash_jax.decode.programs import generate, generate_autoregressive
 from dflash_jax.models.attention import live_length_loop
 from dflash_jax.models.target import KVCache, Target, commit_states, forward_with_cache, target_forward
 from dflash_jax.quant.linear import backend_scope, program_backend

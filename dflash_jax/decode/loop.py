@@ -1,0 +1,171 @@
+"""The generation loops: speculative (draft -> verify -> accept) and autoregressive, each one `lax.while_loop`.
+
+Layout of one DFlash step for a row whose last committed token `last` sits at position `start`:
+  draft   block [last, M, ..., M] at positions start..start+bs-1 -> drafts d_1..d_D (slot k predicts start+k)
+  verify  target over [last, d_1..d_D] at positions start..start+D -> post[j] = target token for start+j+1
+  accept  a = number of leading j with d_{j+1} == post[j]  (cumprod)   ->  commit post[0..a] (a drafts + bonus)
+  roll    target cache length := start+a+1; drafter context += verify features of rows 0..a; start += a+1
+Everything of a step is on device inside one `lax.while_loop`; rows that finish are frozen by masks, not removed.
+A DFlash2 drafter proposes d_1..d_D with its candidate selector (a `lax.scan` inside the loop body, draft_step.py).
+Both loops start from prefill's handoff (prefill.py): the first token is sampled from its logits, then the loop runs
+until every row is done or the step budget is spent (`_run`, the one condition of both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.decode.buckets import PAD
+from dflash_jax.decode.draft_step import draft_step
+from dflash_jax.decode.prefill import Prefilled
+from dflash_jax.decode.sampling import SamplingParams, accept_block, sample_tokens
+from dflash_jax.frozen import Replaceable
+from dflash_jax.models.cache import KVCache
+from dflash_jax.models.drafter import Drafter, append_context
+from dflash_jax.models.target import Target, commit_states, forward_with_cache
+from dflash_jax.parallel import sharding as shd
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoopState(Replaceable):
+    step: jax.Array  # [] int32
+    out: jax.Array  # [B, N + W] int32 output buffer (N = budget bucket, W = tokens one step can commit), PAD-filled
+    n_out: jax.Array  # [B] int32 tokens emitted so far
+    done: jax.Array  # [B] bool
+    last: jax.Array  # [B] int32 last committed token, not yet run through the target
+    start: jax.Array  # [B] int32 position of `last` == target cache length
+    tcache: KVCache
+    dcache: KVCache | None  # the drafter's context cache
+    pending: jax.Array | None  # [B, W, K*H] target features not yet in the draft cache
+    n_pending: jax.Array | None  # [B] int32 valid rows of `pending`
+    acc: jax.Array  # [B, steps bucket] int32 committed tokens per step (incl. bonus)
+    key: jax.Array  # PRNG key data [B, 2] uint32 (one stream per row)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Budget(Replaceable):
+    """What ends a row or the loop: traced, so changing them never recompiles."""
+
+    max_new: jax.Array  # [] int32 tokens to emit per row (<= the output buffer's bucket)
+    max_steps: jax.Array  # [] int32 loop iterations allowed (0: prefill only)
+    eos: jax.Array  # [E] int32 EOS ids, padded with -1 (never a token)
+
+
+def _commit(state: LoopState, new_tokens: jax.Array, n_new: jax.Array, budget: Budget
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Append the first n_new[b] of new_tokens [B, W] to each active row, cut at EOS and at the budget.
+
+    Returns (out, n_out, done). Nothing after the first EOS is emitted; EOS itself is.
+    """
+    B, W = new_tokens.shape
+    j = jnp.arange(W, dtype=jnp.int32)[None, :]
+    n = jnp.where(state.done, 0, n_new)
+    n = jnp.minimum(n, budget.max_new - state.n_out)  # a block may overshoot the budget: cut inside it
+    is_eos = (new_tokens[:, :, None] == budget.eos[None, None, :]).any(axis=-1) & (j < n[:, None])
+    hit = is_eos.any(axis=1)
+    n = jnp.where(hit, jnp.argmax(is_eos, axis=1) + 1, n)
+    cols = jnp.where(j < n[:, None], state.n_out[:, None] + j, state.out.shape[1])  # out of range -> dropped
+    out = state.out.at[jnp.arange(B)[:, None], cols].set(new_tokens, mode="drop")
+    n_out = state.n_out + n
+    done = state.done | hit | (n_out >= budget.max_new)
+    return out, n_out, done
+
+
+def _init_state(pre: Prefilled, keys, sampling: SamplingParams, budget: Budget, out_len: int, width: int,
+                pending=None, n_pending=None) -> LoopState:
+    """The first token (sampled from prefill's logits) committed into a fresh loop state."""
+    first, keys = sample_tokens(pre.logits, keys, sampling)
+    B = first.shape[0]
+    # Rows of prompt length 0 are padding (batch bucket, mesh's data axis): done from the start, never emit a token.
+    state = LoopState(step=pre.step, out=jnp.full((B, out_len + width), PAD, jnp.int32),
+                      n_out=jnp.zeros((B,), jnp.int32), done=pre.lens == 0, last=first,
+                      start=pre.lens, tcache=pre.tcache, dcache=pre.dcache, pending=pending, n_pending=n_pending,
+                      acc=jnp.zeros((B, max(out_len - 1, 1)), jnp.int32), key=keys)
+    out, n_out, done = _commit(state, first[:, None], jnp.ones((B,), jnp.int32), budget)
+    return state.replace(out=out, n_out=n_out, done=done)
+
+
+def _run(body, state: LoopState, budget: Budget, mesh=None):
+    """The while loop of both generators, until every row is done or the step budget is spent.
+
+    Returns (out, n_out, acc, steps, caches): the caches come back only so that XLA can alias them to the donated
+    prefill handoff (the while loop then updates the prefill's cache in place instead of a copy); callers drop them."""
+    def cond(s: LoopState):
+        return (s.step < budget.max_steps) & ~jnp.all(s.done)
+
+    final = jax.lax.while_loop(cond, body, state)
+    res = final.out, final.n_out, final.acc, final.step
+    if mesh is not None:  # replicated, so that every process can read the whole result
+        res = jax.lax.with_sharding_constraint(res, shd.replicated(mesh))
+    return (*res, (final.tcache, final.dcache))
+
+
+def speculative_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sampling: SamplingParams,
+                     budget: Budget, *, draft_length: int, out_len: int, mesh=None):
+    """The speculative loop program over prefill's handoff `pre`: (out, n_out, acc, steps, caches) (see `_run`)."""
+    dcfg = drafter.config
+    layer_ids = dcfg.target_layer_ids
+    bs, D = dcfg.block_size, draft_length
+    B = pre.lens.shape[0]
+    feat_dim = len(layer_ids) * target.config.hidden_size
+    pending = jnp.zeros((B, D + 1, feat_dim), target.config.dtype)  # the dtype of the target's features
+    state = _init_state(pre, keys, sampling, budget, out_len, D + 1, pending=pending,
+                        n_pending=jnp.zeros((B,), jnp.int32))
+
+    def body(s: LoopState) -> LoopState:
+        active = ~s.done
+        dcache = append_context(drafter, s.pending, s.n_pending, s.dcache)
+        block = jnp.full((B, bs), dcfg.mask_token_id, jnp.int32).at[:, 0].set(s.last)
+        # drafts [B, D]; d_logits [B, D, V]; d_probs: the DFlash2 selector's q (None for DFlash)
+        drafts, d_logits, d_probs, keys = draft_step(drafter, target, block, dcache, D, s.key, sampling)
+        verify_in = jnp.concatenate([s.last[:, None], drafts], axis=1)  # [B, D+1]
+        # A hybrid target's DeltaNet states are deferred: they absorb each row's accepted prefix below
+        v_logits, v_feats, tcache = forward_with_cache(target, verify_in, s.tcache, layer_ids,
+                                                       defer_states=target.config.is_hybrid)
+        q_kw = {} if d_probs is None else {"draft_probs": d_probs}
+        n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, keys, sampling, **q_kw)  # [B], [B, D+1]
+        # rollback of recurrent states: `last` and the accepted drafts (a + 1 tokens) per active row, none otherwise
+        tcache = commit_states(tcache, jnp.where(active, n_acc + 1, 0), target.config)
+        chex.assert_shape(committed, (B, D + 1))
+        out, n_out, done = _commit(s, committed, n_acc + 1, budget)
+        new_start = jnp.where(active, s.start + n_acc + 1, s.start)
+        bonus = jnp.take_along_axis(committed, n_acc[:, None], axis=1)[:, 0]
+        return s.replace(
+            step=s.step + 1, out=out, n_out=n_out, done=done,
+            last=jnp.where(active, bonus, s.last), start=new_start,
+            # rollback: drop rejected slots by length
+            tcache=shd.constrain_cache(tcache.replace(lengths=new_start), target.config, mesh),
+            dcache=shd.constrain_cache(dcache, dcfg.model, mesh), pending=v_feats,
+            n_pending=jnp.where(active, n_acc + 1, 0),
+            acc=s.acc.at[:, s.step].set(jnp.where(active, n_acc + 1, 0)), key=keys)
+
+    return _run(body, state, budget, mesh)
+
+
+def autoregressive_loop(target: Target, drafter: None, pre: Prefilled, keys, sampling: SamplingParams,
+                        budget: Budget, *, out_len: int, mesh=None):
+    """The autoregressive loop program (one token per step; `drafter` is None): as `speculative_loop`."""
+    B = pre.lens.shape[0]
+    state = _init_state(pre, keys, sampling, budget, out_len, 1)
+
+    def body(s: LoopState) -> LoopState:
+        active = ~s.done
+        logits, _, tcache = forward_with_cache(target, s.last[:, None], s.tcache)
+        nxt, keys = sample_tokens(logits[:, 0], s.key, sampling)
+        out, n_out, done = _commit(s, nxt[:, None], jnp.ones((B,), jnp.int32), budget)
+        new_start = jnp.where(active, s.start + 1, s.start)
+        return s.replace(step=s.step + 1, out=out, n_out=n_out, done=done, last=jnp.where(active, nxt, s.last),
+                         start=new_start, tcache=shd.constrain_cache(tcache.replace(lengths=new_start),
+                                                                     target.config, mesh),
+                         acc=s.acc.at[:, s.step].set(active.astype(jnp.int32)), key=keys)
+
+    return _run(body, state, budget, mesh)
+
+
+__all__ = ["Budget", "LoopState", "autoregressive_loop", "speculative_loop"]

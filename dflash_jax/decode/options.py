@@ -1,0 +1,116 @@
+"""How one generation call runs, besides how its tokens are chosen: `GenerationOptions`, the frozen companion of
+`SamplingParams`, and the one reading of the public calls' keywords into the two.
+
+`generate`, `generate_autoregressive`, `speculative_call` and `autoregressive_call` take their settings as keywords
+(a public contract) and turn them into (SamplingParams, GenerationOptions) once, here; everything after that takes
+the pair. The keyword list is written out once: the fields of `GenerationOptions` and the parameters of
+`SamplingParams.make` (the public calls' signatures are built from them, `keyword_signature`). A new setting is one
+field here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+from dflash_jax.decode.sampling import SamplingParams
+from dflash_jax.frozen import Replaceable
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationOptions(Replaceable):
+    """Everything a generation call takes besides the models, the prompt and the sampling settings. Checked where it
+    is used (the prompt, the budget and the drafter's block decide what is valid)."""
+
+    max_new_tokens: int  # tokens to generate per row (the first comes from prefill)
+    # Drafted tokens per step, 1..block_size-1 (None: block_size - 1); speculative decoding only.
+    draft_length: int | None = None
+    eos_ids: Any = None  # None = the target config's `eos_token_id`; () = no EOS; or an id / ids
+    seed: int = 0  # one key stream per row, folded from this seed
+    max_cache_len: int | None = None  # a context limit below the target's max_position_embeddings
+    nvfp4_backend: str | None = None  # for NVFP4 weights (`dflash_jax.quant.linear`); None = resolved per call
+    # "stamp": one host callback marks the end of prefill; "rerun": prefill timed by a second run (no callback)
+    prefill_timing: str = "stamp"
+    attention_mask: Any = None  # [B, T] 0/1 for a padded int prompt (left- or right-padded rows)
+    prompt_lengths: Any = None  # [B] for a right-padded int prompt
+    return_prompt: bool = False  # `tokens` holds each row's prompt, then its new tokens
+
+
+SPECULATIVE_ONLY = ("draft_length", "p_min", "draft_sampling")  # keywords autoregressive decoding does not take
+_OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationOptions))
+_SAMPLING_DEFAULTS = {name: p.default for name, p in inspect.signature(SamplingParams.make).parameters.items()
+                      if name != "cls"}
+
+
+def _keywords(speculative: bool) -> tuple[str, ...]:
+    names = (*_OPTION_FIELDS, *_SAMPLING_DEFAULTS)
+    return names if speculative else tuple(n for n in names if n not in SPECULATIVE_ONLY)
+
+
+def _sampling(sampling: SamplingParams | None, given: dict) -> SamplingParams:
+    """The sampling keywords, or a `SamplingParams` given as `sampling=` (then no sampling keyword may differ from
+    its default)."""
+    if sampling is None:
+        return SamplingParams.make(**given)
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a dflash_jax.SamplingParams, got {type(sampling).__name__}")
+    changed = sorted(k for k, v in given.items() if v != _SAMPLING_DEFAULTS[k])
+    if changed:
+        raise ValueError(f"give sampling settings either as sampling= or as keywords, not both (got sampling= and "
+                         f"{changed})")
+    # greedy is derived from the temperature here (a SamplingParams built by hand may carry the default flag)
+    return SamplingParams.make(sampling.temperature, sampling.top_k, sampling.top_p, sampling.p_min,
+                               sampling.draft_sampling)
+
+
+def settings(call: str, keywords: dict, *, speculative: bool, sampling: SamplingParams | None = None,
+             options: GenerationOptions | None = None) -> tuple[SamplingParams, GenerationOptions]:
+    """A public call's keywords -> (SamplingParams, GenerationOptions). `options=` may stand for the generation
+    keywords (not together with them); keywords a call does not take raise TypeError, as Python would."""
+    allowed = _keywords(speculative)
+    unknown = [k for k in keywords if k not in allowed]
+    if unknown:
+        raise TypeError(f"{call}() got an unexpected keyword argument {unknown[0]!r}")
+    given_sampling = {k: keywords.get(k, d) for k, d in _SAMPLING_DEFAULTS.items() if k in allowed}
+    given_options = {k: v for k, v in keywords.items() if k in _OPTION_FIELDS}
+    if options is not None:
+        if not isinstance(options, GenerationOptions):
+            raise ValueError(f"options must be a dflash_jax.GenerationOptions, got {type(options).__name__}")
+        if given_options:
+            raise ValueError(f"give generation settings either as options= or as keywords, not both (got options= "
+                             f"and {sorted(given_options)})")
+        if not speculative and options.draft_length is not None:
+            raise ValueError("draft_length is a speculative setting: autoregressive decoding does not take it")
+    elif "max_new_tokens" not in given_options:
+        raise TypeError(f"{call}() missing 1 required keyword-only argument: 'max_new_tokens'")
+    else:
+        options = GenerationOptions(**given_options)
+    return _sampling(sampling, given_sampling), options
+
+
+def keyword_signature(*, speculative: bool) -> Callable[[Callable], Callable]:
+    """A decorator: `fn` (which takes `**keywords`) gets the signature of the keywords it accepts, for `help()` and
+    `inspect.signature`: its positional parameters, every setting with its default (max_new_tokens required), then
+    its own keyword-only parameters (`options=`, `sampling=`)."""
+    fields = {f.name: f for f in dataclasses.fields(GenerationOptions)}
+
+    def default(name):
+        if name not in fields:
+            return _SAMPLING_DEFAULTS[name]
+        f = fields[name]
+        return inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
+
+    def decorate(fn: Callable) -> Callable:
+        sig = inspect.signature(fn)
+        positional = [p for p in sig.parameters.values() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        own = [p for p in sig.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        keywords = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=default(n))
+                    for n in _keywords(speculative)]
+        fn.__signature__ = sig.replace(parameters=[*positional, *keywords, *own])
+        return fn
+
+    return decorate
+
+
+__all__ = ["GenerationOptions", "SPECULATIVE_ONLY", "keyword_signature", "settings"]
