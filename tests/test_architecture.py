@@ -16,6 +16,7 @@ LAYERS = {
     "dflash_jax": 9, "dflash_jax.cli": 9, "dflash_jax.device_report": 9,
     "dflash_jax.bench": 8, "dflash_jax.train": 7, "dflash_jax.io": 6, "dflash_jax.decode": 5,
     "dflash_jax.models": 4, "dflash_jax.parallel": 3, "dflash_jax.quant": 2, "dflash_jax.params": 1,
+    "dflash_jax.execution": 1,
     "dflash_jax.config": 0, "dflash_jax.quant.nvfp4": 0, "dflash_jax.frozen": 0,
 }
 LAZY_OK = {"dflash_jax.cli"}  # start-up time: `dflash-jax --help` imports no JAX

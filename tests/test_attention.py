@@ -243,7 +243,7 @@ def test_generation_live_length_loop_equals_static_form(monkeypatch):
     for live in (True, False):
         monkeypatch.setitem(buckets.LIVE_LENGTH_LOOP, "cpu", live)
         call = G.speculative_call(target, drafter, prompts, max_new_tokens=24)
-        assert call.loop_static["live_length"] is (live if jax.default_backend() == "cpu" else False)
+        assert call.context.live_length_loop is (live if jax.default_backend() == "cpu" else False)
         with attention_chunk(8):
             out[live] = (dj.generate(target, drafter, prompts, max_new_tokens=24, max_cache_len=96),
                          dj.generate_autoregressive(target, prompts, max_new_tokens=24, max_cache_len=96))

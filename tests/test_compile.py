@@ -95,8 +95,8 @@ def test_prompt_length_and_budget_buckets():
     prefill_keys, loop_keys = set(), set()
     for n in np.linspace(1, 1000, 100).astype(int):
         call = G.speculative_call(target, drafter, [[1] * int(n)], max_new_tokens=64)
-        prefill_keys.add((call.args[2].shape, tuple(sorted(call.prefill_static.items()))))
-        loop_keys.add((call.prefill_static["cache_len"], tuple(sorted(call.loop_static.items()))))
+        prefill_keys.add((call.args[2].shape, tuple(sorted(call.prefill_static.items())), call.prefill_context))
+        loop_keys.add((call.prefill_static["cache_len"], tuple(sorted(call.loop_static.items())), call.context))
     print(f"\n[compile] program keys for 100 prompt lengths in 1..1000: {len(prefill_keys)} prefill, "
           f"{len(loop_keys)} loop")
     assert len(prefill_keys) <= 10 and len(loop_keys) == 1

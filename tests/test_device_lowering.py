@@ -22,7 +22,7 @@ from dflash_jax.bench.lowering import loop_report, prefill_module, speculative_m
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.decode import programs as G
 from dflash_jax.models.attention import attention_chunk
-from dflash_jax.quant import pallas_nvfp4 as P
+from dflash_jax import execution
 from random_models import make_drafter, make_target, nontrivial_dflash2
 
 CFG = TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -70,10 +70,10 @@ def test_cpu_program_uses_the_live_length_loop_and_the_cuda_export_does_not(mode
     if jax.default_backend() != "cpu":
         pytest.skip("the CPU rule is checked on a CPU host")
     target, drafters = models
-    call = G.speculative_call(target, drafters["dflash"], PROMPTS, max_new_tokens=16)
-    assert call.loop_static["live_length"] is True
     with attention_chunk(CHUNK):
+        call = G.speculative_call(target, drafters["dflash"], PROMPTS, max_new_tokens=16)
         built = loop_report(call.lower()[1].as_text())  # the program generate compiles here
+    assert call.context.live_length_loop is True and call.context.attention_chunk == CHUNK
     cpu = loop_report(_export(target, drafters["dflash"], platform="cpu"))
     cuda = loop_report(_export(target, drafters["dflash"]))
     for rep in (built, cpu):
@@ -84,11 +84,11 @@ def test_cpu_program_uses_the_live_length_loop_and_the_cuda_export_does_not(mode
     assert cuda["static"] >= 2, cuda  # its attention block loops, with static trip counts
 
 
-def test_nvfp4_drafter_on_pallas_lowers_without_loops_or_conditionals(models, monkeypatch):
-    monkeypatch.setattr(P, "INTERPRET", False)
+def test_nvfp4_drafter_on_pallas_lowers_without_loops_or_conditionals(models):
     target, drafters = models
     quantized = dj.quantize_nvfp4(drafters["dflash"])
-    text = _export(target, quantized, nvfp4_backend="pallas", **SAMPLED)
+    with execution.changed(pallas_interpret=False):  # the Triton lowering, for CUDA, on this host
+        text = _export(target, quantized, nvfp4_backend="pallas", **SAMPLED)
     assert "triton" in text
     rep = loop_report(text)
     assert rep["conditionals"] == 0 and rep["dynamic"] == 1 and rep["dynamic_at_top"] == 1, rep

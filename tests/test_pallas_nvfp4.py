@@ -14,7 +14,6 @@ path (ragged N and K, M = 1, 3, 16, 33, the Qwen3-8B shapes) these tests
 
 from __future__ import annotations
 
-import contextlib
 import json
 import importlib
 import io
@@ -29,6 +28,7 @@ import pytest
 from jax import export
 
 import dflash_jax as dj
+from dflash_jax import execution
 from dflash_jax.quant import pallas_nvfp4 as P
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models.drafter import empty_draft_cache, append_context, block_logits
@@ -152,7 +152,7 @@ def qwen_weights():
 
 @pytest.mark.parametrize("shape", QWEN3_8B, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_qwen3_8b_shapes_f32(qwen_weights, shape):
-    """The issue's goal: pallas vs portable max relative error <= 1e-5 in f32 at the Qwen3-8B shapes."""
+    """The kernel's accuracy goal: pallas vs portable max relative error <= 1e-5 in f32 at the Qwen3-8B shapes."""
     q = qwen_weights[shape]
     t0 = time.perf_counter()
     for m in (1, 16):
@@ -237,7 +237,7 @@ def test_pallas_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(linear_mod, "_compute_capability", lambda: 9.0)
     assert resolve_backend() == "pallas"  # Hopper
     monkeypatch.setattr(linear_mod, "_compute_capability", lambda: 10.0)
-    assert resolve_backend() == "pallas"  # Blackwell too: auto is W4A16 everywhere (issue 26)
+    assert resolve_backend() == "pallas"  # Blackwell too: auto is W4A16 everywhere (a row never depends on the batch)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU choices")
@@ -255,8 +255,9 @@ def _export_cuda(f, *args):
 
 
 @pytest.fixture
-def triton_lowering(monkeypatch):
-    monkeypatch.setattr(P, "INTERPRET", False)
+def triton_lowering():
+    with execution.changed(pallas_interpret=False):
+        yield
 
 
 EXPORT_CASES = [(m, n, k, dt, sdt) for (n, k) in QWEN3_8B for m in (1, 4, 16, 64) for dt in ("bfloat16",)
@@ -287,13 +288,8 @@ def _triton_ir(capsys, m, n, k, tiles):
     return capsys.readouterr().out
 
 
-@contextlib.contextmanager
 def P_debug():
-    old, P.DEBUG = P.DEBUG, True
-    try:
-        yield
-    finally:
-        P.DEBUG = old
+    return execution.changed(pallas_debug=True)
 
 
 def _masking(ir: str) -> tuple[list[int], list[int]]:
@@ -344,11 +340,11 @@ def test_default_tiles_compile_for_sm90_within_limits(monkeypatch, m, n, k, dtyp
         return res
 
     monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", capture)
-    monkeypatch.setattr(P, "INTERPRET", False)
     w = jax.ShapeDtypeStruct
     q = NVFP4Array(packed=w((n, k // 2), jnp.uint8), block_scale=w((n, k // 16), jnp.float8_e4m3fn),
                    global_scale=w((), jnp.float32), shape=(n, k))
-    _export_cuda(lambda x, q: P.nvfp4_matmul(x, q), w((m, k), jnp.dtype(dtype)), q)
+    with execution.changed(pallas_interpret=False):
+        _export_cuda(lambda x, q: P.nvfp4_matmul(x, q), w((m, k), jnp.dtype(dtype)), q)
     plan = P.make_plan(m, n, k, jnp.dtype(dtype), jnp.float8_e4m3fn, None)
     res = _triton_compiler().compile("CUDA", modules[-1], "9.0", num_warps=plan.num_warps, num_ctas=1,
                                      num_stages=plan.num_stages)
@@ -467,7 +463,7 @@ def test_device_report_smoke(tmp_path):
     assert set(saved["step_costs"]["drafters"]) == {"dense", "nvfp4 pallas", "nvfp4 portable"}
     assert all(v["c"] > 0 for v in saved["step_costs"]["drafters"].values())
     assert saved["embedded"]["dflash"]["tau"] >= 1 and saved["embedded"]["nvfp4"]["tau"] >= 1
-    dc = saved["decode_core"]  # issue 26: the step lowered for CUDA, prefill memory, long caches, bf16 agreement
+    dc = saved["decode_core"]  # the step lowered for CUDA, prefill memory, long caches, bf16 agreement
     assert all(r["conditionals"] == 0 and r["dynamic"] == 1 for r in dc["lowering"].values()), dc["lowering"]
     assert dc["prefill_memory"]["ratio"] <= 4.5 and dc["nvfp4_bf16_agreement"]["max_rel_diff"] < 2 ** -7
     assert set(dc["long_cache_attention"]["ratios"]) == {"verify_ms", "decode_ms", "draft_ms"}

@@ -73,9 +73,10 @@ def test_prompt_lengths_compile_prefill_only(pair, monkeypatch):
     assert traces["speculative"] == counts["speculative"] == 1
     assert traces["prefill"] == counts["prefill"] == len(prompt_buckets)
     # the key of a loop program holds no prompt length: the cache bucket is one for this whole range
-    def loop_key(n):  # the loop's static arguments + the shapes it sees (cache slots, rows)
+    def loop_key(n):  # the loop's static arguments and context + the shapes it sees (cache slots, rows)
         call = G.speculative_call(target, drafter, [[1] * int(n)], max_new_tokens=2)
-        return tuple(sorted(call.loop_static.items())), call.prefill_static["cache_len"], call.args[2].shape[0]
+        return (tuple(sorted(call.loop_static.items())), call.context, call.prefill_static["cache_len"],
+                call.args[2].shape[0])
     assert len({loop_key(n) for n in lens}) == 1
     # the accelerators' rule keys the same range by one loop program too (static trip counts: only the flag differs)
     monkeypatch.setitem(buckets.LIVE_LENGTH_LOOP, "cpu", False)

@@ -17,9 +17,9 @@ from jax import export
 from jax._src.interpreters import mlir as jmlir  # the MLIR Python bindings JAX ships (to parse the module)
 from jax._src.lib.mlir import ir
 
+from dflash_jax import execution
 from dflash_jax.decode import programs as G
 from dflash_jax.decode.buckets import uses_live_length_loop
-from dflash_jax.models.attention import attention_chunk
 
 # The Pallas NVFP4 kernel lowers to this custom call for CUDA (an opaque kernel here).
 TRITON = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
@@ -85,15 +85,16 @@ def speculative_module(target, drafter, prompts, *, platform: str = "cuda", chun
     """The StableHLO text of the speculative loop program `generate` would run (the generation `while_loop` that holds
     every draft / verify / accept step; prefill is a program of its own), exported for `platform` (no device of
     that kind needed) with `platform`'s execution settings, not the host's. chunk: attention blocks
-    (`attention_chunk`), e.g. small to make every block loop appear."""
+    (`ExecutionContext.attention_chunk`), e.g. small to make every block loop appear."""
     call = G.speculative_call(target, drafter, prompts, prefill_timing="rerun", **generate_kw)
     target, drafter, prompt, lens, keys, sampling, budget = call.args
-    static = dict(call.loop_static, live_length=uses_live_length_loop(platform))
-    with attention_chunk(chunk):
+    with execution.using(call.prefill_context.replace(attention_chunk=chunk)):
         # the loop program takes prefill's handoff: its shapes are enough to export it (nothing runs here)
         pre = jax.eval_shape(lambda *a: call.prefill_program(*a, **call.prefill_static), target, drafter, prompt, lens)
+    with execution.using(call.context.replace(attention_chunk=chunk,
+                                              live_length_loop=uses_live_length_loop(platform))):
         exp = export.export(call.loop_program, platforms=[platform], disabled_checks=[TRITON])(
-            target, drafter, pre, keys, sampling, budget, **static)
+            target, drafter, pre, keys, sampling, budget, **call.loop_static)
     return exp.mlir_module()
 
 
@@ -102,7 +103,7 @@ def prefill_module(target, drafter, prompts, *, platform: str = "cuda", chunk: i
     """The StableHLO text of the prefill program `generate` runs before the loop, exported for `platform`."""
     call = G.speculative_call(target, drafter, prompts, prefill_timing="rerun", **generate_kw)
     target, drafter, prompt, lens = call.args[:4]
-    with attention_chunk(chunk):
+    with execution.using(call.prefill_context.replace(attention_chunk=chunk)):
         exp = export.export(call.prefill_program, platforms=[platform], disabled_checks=[TRITON])(
             target, drafter, prompt, lens, **call.prefill_static)
     return exp.mlir_module()

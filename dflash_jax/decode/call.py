@@ -19,11 +19,11 @@ from typing import Callable
 import jax
 import numpy as np
 
+from dflash_jax import execution
 from dflash_jax.decode.buckets import PAD
 from dflash_jax.decode.loop import autoregressive_loop, speculative_loop
 from dflash_jax.decode.prefill import STAMPS, prefill_program
 from dflash_jax.decode.result import GenerationResult
-from dflash_jax.models.attention import live_length_loop
 
 PROGRAM_PREFIX = "dflash_"  # the name of every traced program of ours starts with it (the compile clock looks)
 
@@ -34,8 +34,11 @@ class ProgramCall:
 
     name: str  # "speculative" | "autoregressive" (the loop program)
     args: tuple  # (target, drafter | None, prompt [B, Tp], lens [B], keys [B, 2], SamplingParams, Budget)
-    prefill_static: dict  # static keyword arguments of prefill: cache bucket, stamp, backend, mesh
-    loop_static: dict  # static keyword arguments of the loop: budget bucket, draft length, backend, mesh, live_length
+    prefill_static: dict  # static keyword arguments of prefill: cache bucket, stamp
+    loop_static: dict  # static keyword arguments of the loop: budget bucket, draft length
+    # The loop program runs under it (NVFP4 backend, mesh, attention rule, block size), prefill under
+    # `prefill_context`: part of each program's jit cache key, like the static arguments.
+    context: execution.ExecutionContext
     max_new: int
     draft_length: int
     eos: tuple[int, ...]
@@ -46,31 +49,40 @@ class ProgramCall:
     return_prompt: bool = False
 
     @property
+    def prefill_context(self) -> execution.ExecutionContext:
+        """The loop's context without the live-length loop: prefill attends no cache, so one prefill program serves
+        both attention rules."""
+        return self.context.replace(live_length_loop=False)
+
+    @property
     def static(self) -> dict:
-        """Every static argument of both programs (the keys `generate` compiles under, with the shapes)."""
-        return {**self.prefill_static, **self.loop_static}
+        """Everything both programs are keyed on besides their arguments' shapes: their static arguments and the
+        loop's execution context."""
+        return {**self.prefill_static, **self.loop_static, "context": self.context}
 
     @property
     def unjitted(self):
-        """Prefill then the loop as one plain function of `args`, static arguments bound (to inspect the jaxpr)."""
+        """Prefill then the loop as one plain function of `args`, static arguments bound and each part traced under
+        its context (to inspect the jaxpr)."""
         loop_fn = speculative_loop if self.name == "speculative" else autoregressive_loop
-        pst = {k: v for k, v in self.prefill_static.items() if k != "backend"}
-        lst = {k: v for k, v in self.loop_static.items() if k not in ("backend", "live_length")}
 
         def fn(target, drafter, prompt, lens, keys, sampling, budget):
-            pre = prefill_program(target, drafter, prompt, lens, **pst)
-            with live_length_loop(self.loop_static.get("live_length", False)):
-                return loop_fn(target, drafter, pre, keys, sampling, budget, **lst)
+            with execution.using(self.prefill_context):
+                pre = prefill_program(target, drafter, prompt, lens, **self.prefill_static)
+            with execution.using(self.context):
+                return loop_fn(target, drafter, pre, keys, sampling, budget, **self.loop_static)
         return fn
 
     def run_prefill(self, *args):
         target, drafter, prompt, lens = (args or self.args)[:4]
-        return self.prefill_program(target, drafter, prompt, lens, **self.prefill_static)
+        with execution.using(self.prefill_context):
+            return self.prefill_program(target, drafter, prompt, lens, **self.prefill_static)
 
     def run_loop(self, pre, *args):
         """The loop program on prefill's handoff `pre` (donated: `pre` is consumed)."""
         target, drafter, _, _, keys, sampling, budget = args or self.args
-        with warnings.catch_warnings():  # logits and lengths have no output to alias (only the caches do)
+        with warnings.catch_warnings(), execution.using(self.context):
+            # logits and lengths have no output to alias (only the caches do)
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             return self.loop_program(target, drafter, pre, keys, sampling, budget, **self.loop_static)
 
@@ -81,9 +93,11 @@ class ProgramCall:
     def lower(self) -> tuple:
         """(prefill, loop) lowered for these arguments (prefill runs once here to give the loop its input)."""
         target, drafter, prompt, lens, keys, sampling, budget = self.args
-        pre_low = self.prefill_program.lower(target, drafter, prompt, lens, **self.prefill_static)
+        with execution.using(self.prefill_context):
+            pre_low = self.prefill_program.lower(target, drafter, prompt, lens, **self.prefill_static)
         pre = self.run_prefill()
-        loop_low = self.loop_program.lower(target, drafter, pre, keys, sampling, budget, **self.loop_static)
+        with execution.using(self.context):
+            loop_low = self.loop_program.lower(target, drafter, pre, keys, sampling, budget, **self.loop_static)
         return pre_low, loop_low
 
     def compiled_text(self) -> str:

@@ -19,6 +19,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from dflash_jax import execution
 from dflash_jax.decode.buckets import PAD
 from dflash_jax.decode.draft_step import draft_step
 from dflash_jax.decode.prefill import Prefilled
@@ -91,7 +92,7 @@ def _init_state(pre: Prefilled, keys, sampling: SamplingParams, budget: Budget, 
     return state.replace(out=out, n_out=n_out, done=done)
 
 
-def _run(body, state: LoopState, budget: Budget, mesh=None):
+def _run(body, state: LoopState, budget: Budget):
     """The while loop of both generators, until every row is done or the step budget is spent.
 
     Returns (out, n_out, acc, steps, caches): the caches come back only so that XLA can alias them to the donated
@@ -101,13 +102,14 @@ def _run(body, state: LoopState, budget: Budget, mesh=None):
 
     final = jax.lax.while_loop(cond, body, state)
     res = final.out, final.n_out, final.acc, final.step
+    mesh = execution.current().mesh
     if mesh is not None:  # replicated, so that every process can read the whole result
         res = jax.lax.with_sharding_constraint(res, shd.replicated(mesh))
     return (*res, (final.tcache, final.dcache))
 
 
 def speculative_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sampling: SamplingParams,
-                     budget: Budget, *, draft_length: int, out_len: int, mesh=None):
+                     budget: Budget, *, draft_length: int, out_len: int):
     """The speculative loop program over prefill's handoff `pre`: (out, n_out, acc, steps, caches) (see `_run`)."""
     dcfg = drafter.config
     layer_ids = dcfg.target_layer_ids
@@ -140,16 +142,16 @@ def speculative_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sam
             step=s.step + 1, out=out, n_out=n_out, done=done,
             last=jnp.where(active, bonus, s.last), start=new_start,
             # rollback: drop rejected slots by length
-            tcache=shd.constrain_cache(tcache.replace(lengths=new_start), target.config, mesh),
-            dcache=shd.constrain_cache(dcache, dcfg.model, mesh), pending=v_feats,
+            tcache=shd.constrain_cache(tcache.replace(lengths=new_start), target.config),
+            dcache=shd.constrain_cache(dcache, dcfg.model), pending=v_feats,
             n_pending=jnp.where(active, n_acc + 1, 0),
             acc=s.acc.at[:, s.step].set(jnp.where(active, n_acc + 1, 0)), key=keys)
 
-    return _run(body, state, budget, mesh)
+    return _run(body, state, budget)
 
 
 def autoregressive_loop(target: Target, drafter: None, pre: Prefilled, keys, sampling: SamplingParams,
-                        budget: Budget, *, out_len: int, mesh=None):
+                        budget: Budget, *, out_len: int):
     """The autoregressive loop program (one token per step; `drafter` is None): as `speculative_loop`."""
     B = pre.lens.shape[0]
     state = _init_state(pre, keys, sampling, budget, out_len, 1)
@@ -161,11 +163,10 @@ def autoregressive_loop(target: Target, drafter: None, pre: Prefilled, keys, sam
         out, n_out, done = _commit(s, nxt[:, None], jnp.ones((B,), jnp.int32), budget)
         new_start = jnp.where(active, s.start + 1, s.start)
         return s.replace(step=s.step + 1, out=out, n_out=n_out, done=done, last=jnp.where(active, nxt, s.last),
-                         start=new_start, tcache=shd.constrain_cache(tcache.replace(lengths=new_start),
-                                                                     target.config, mesh),
+                         start=new_start, tcache=shd.constrain_cache(tcache.replace(lengths=new_start), target.config),
                          acc=s.acc.at[:, s.step].set(active.astype(jnp.int32)), key=keys)
 
-    return _run(body, state, budget, mesh)
+    return _run(body, state, budget)
 
 
 __all__ = ["Budget", "LoopState", "autoregressive_loop", "speculative_loop"]

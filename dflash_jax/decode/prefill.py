@@ -23,29 +23,29 @@ from dflash_jax.models.target import Target, forward_with_cache
 from dflash_jax.parallel import sharding as shd
 
 
-def prefill(target: Target, prompt: jax.Array, lens: jax.Array, cache_len: int, *, drafter: Drafter | None = None,
-            mesh=None) -> tuple[jax.Array, jax.Array, KVCache, KVCache | None]:
+def prefill(target: Target, prompt: jax.Array, lens: jax.Array, cache_len: int, *, drafter: Drafter | None = None
+            ) -> tuple[jax.Array, jax.Array, KVCache, KVCache | None]:
     """Run right-padded prompts [B, Tp] (row lengths [B]) into fresh caches of cache_len slots.
 
     Returns (logits at each row's last prompt token [B, V] f32, target features of the drafter's taps [B, Tp, K*H],
     the target cache with lengths = lens, and the drafter's context cache holding every prompt position, or None
     without a drafter). Padded slots stay in memory past each row's length, never visible. Only the kept row of
     each prompt goes through the LM head (not [B, Tp, V]). A row of length 0 is an inert padding row (a batch padded
-    to the mesh's data axis): it writes nothing to either cache. mesh: where the caches live
-    (`sharding.cache_sharding`); None on one device.
+    to the mesh's data axis): it writes nothing to either cache. On the execution context's mesh the caches are
+    pinned to `sharding.cache_sharding`.
     """
     B, _ = prompt.shape
     layer_ids = () if drafter is None else drafter.config.target_layer_ids
-    cache = shd.constrain_cache(KVCache.empty(target.config, B, cache_len), target.config, mesh)
+    cache = shd.constrain_cache(KVCache.empty(target.config, B, cache_len), target.config)
     # state_keep: a hybrid target's DeltaNet states absorb each row's real prompt only, not its right padding
     logits, feats, cache = forward_with_cache(target, prompt, cache, layer_ids,
                                               logits_at=jnp.maximum(lens - 1, 0)[:, None], empty_cache=True,
                                               state_keep=lens if target.config.is_hybrid else None)
-    cache = shd.constrain_cache(cache.replace(lengths=lens), target.config, mesh)
+    cache = shd.constrain_cache(cache.replace(lengths=lens), target.config)
     dcache = None
     if drafter is not None:
-        dcache = shd.constrain_cache(empty_draft_cache(drafter.config, B, cache_len), drafter.config.model, mesh)
-        dcache = shd.constrain_cache(append_context(drafter, feats, lens, dcache), drafter.config.model, mesh)
+        dcache = shd.constrain_cache(empty_draft_cache(drafter.config, B, cache_len), drafter.config.model)
+        dcache = shd.constrain_cache(append_context(drafter, feats, lens, dcache), drafter.config.model)
     return logits[:, 0], feats, cache, dcache
 
 
@@ -79,13 +79,13 @@ class Prefilled:
     step: jax.Array  # [] int32 0 (the prefill stamp's result when timed by callback)
 
 
-def prefill_program(target: Target, drafter: Drafter | None, prompt, lens, *, cache_len: int, stamp: bool,
-                    mesh=None) -> Prefilled:
+def prefill_program(target: Target, drafter: Drafter | None, prompt, lens, *, cache_len: int, stamp: bool
+                    ) -> Prefilled:
     """What the prefill program traces: prompt [B, Tp] int32 and lens [B] -> the handoff to the loop (stamped when
     prefill is timed by callback)."""
     B, _ = prompt.shape
     chex.assert_shape(lens, (B,))
-    logits, _, tcache, dcache = prefill(target, prompt, lens, cache_len, drafter=drafter, mesh=mesh)
+    logits, _, tcache, dcache = prefill(target, prompt, lens, cache_len, drafter=drafter)
     step = _mark_prefill_done(logits) if stamp else jnp.zeros((), jnp.int32)
     return Prefilled(logits=logits, lens=lens, tcache=tcache, dcache=dcache, step=step)
 

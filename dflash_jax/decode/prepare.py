@@ -129,6 +129,7 @@ def check_budget(target: Target, lens: np.ndarray, max_new_tokens: int, max_cach
 
 
 def check_draft_length(drafter: Drafter, draft_length) -> int:
+    """Drafted tokens per step: draft_length (None: block_size - 1), checked against the drafter's block."""
     bs = drafter.config.block_size
     D = bs - 1 if draft_length is None else draft_length
     if not isinstance(D, (int, np.integer)) or isinstance(D, bool) or not 1 <= D <= bs - 1:
@@ -137,6 +138,8 @@ def check_draft_length(drafter: Drafter, draft_length) -> int:
 
 
 def warn_short_drafter_context(drafter: Drafter, longest: int) -> None:
+    """Warns (pointing at the caller of `generate` / `speculative_call`) when a context of `longest` tokens runs past
+    the positions the drafter was built for."""
     limit = drafter.config.model.max_position_embeddings
     if longest > limit:
         warnings.warn(f"context of up to {longest} tokens exceeds the drafter's max_position_embeddings ({limit}): "
@@ -144,7 +147,8 @@ def warn_short_drafter_context(drafter: Drafter, longest: int) -> None:
 
 
 def row_keys(seed: int, batch: int) -> np.ndarray:
-    # One independent stream per row (fold_in of the row index): a row's samples do not depend on the batch.
+    """[batch, 2] uint32 raw key data: one independent stream per row (fold_in of the row index), so a row's samples
+    do not depend on the batch."""
     base = jax.random.key(seed)
     return np.asarray(jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(base, i)))(jnp.arange(batch)))
 

@@ -3,21 +3,22 @@
 Programs: `prefill` (prompt -> caches + the logits of each row's last prompt token, prefill.py) and the generation
 loop (first token, then the `lax.while_loop`, loop.py). The handoff is one device-side value (`Prefilled`: caches,
 lengths, logits), donated to the loop, so no host sync sits between them and the cache is not held twice. Prefill is
-keyed on the prompt bucket; the loop is keyed only on the cache bucket, the batch bucket, the budget bucket and
-static flags (draft length, greedy or sampled, the NVFP4 backend resolved on the host, the mesh), so a new prompt
-bucket recompiles prefill alone.
+keyed on the prompt bucket; the loop is keyed only on the cache bucket, the batch bucket, the budget bucket, static
+flags (draft length, greedy or sampled) and its execution context (the NVFP4 backend resolved on the host, the mesh,
+the attention rule), so a new prompt bucket recompiles prefill alone.
 
 Compilation: each program is a `jax.jit` function held here (the registry: `TRACE_COUNTS`, `compiled_counts`), so
 its cache is keyed on everything that changes the program: shapes, dtypes, shardings and tree structure of the
-arguments, plus the static arguments. Sampling numbers (temperature, top-k, top-p, p_min), the EOS ids (padded to a
-fixed width) and the budgets (tokens, steps) are traced, so one program serves all their values. Buckets
+arguments, the static arguments, and the execution context it is dispatched under (`dflash_jax.execution`, a JAX
+user context: part of every jit cache key). Sampling numbers (temperature, top-k, top-p, p_min), the EOS ids (padded
+to a fixed width) and the budgets (tokens, steps) are traced, so one program serves all their values. Buckets
 (buckets.py) size the output buffer, the caches and the batch.
 
-Attention over the caches inside the loop is chosen per platform when the program is built (`live_length`, a static
-flag of the loop programs, `buckets.uses_live_length_loop`): on accelerators every loop in a step has a static trip
-count (attention masks the whole cache bucket), so the device never waits on the host inside a step; on CPU
-attention visits only the blocks up to the longest live row (`dflash_jax.models.attention.live_length_loop`), whose
-data-dependent trip count costs nothing there, so one large cache bucket serves short and long prompts alike.
+Attention over the caches inside the loop is chosen per platform when the call is prepared (the context's
+`live_length_loop`, `buckets.uses_live_length_loop`): on accelerators every loop in a step has a static trip count
+(attention masks the whole cache bucket), so the device never waits on the host inside a step; on CPU attention
+visits only the blocks up to the longest live row, whose data-dependent trip count costs nothing there, so one large
+cache bucket serves short and long prompts alike.
 
 Calls: `generate` / `generate_autoregressive` run what `speculative_call` / `autoregressive_call` prepare (a
 `ProgramCall`, call.py); their keywords become (SamplingParams, GenerationOptions) once (options.py).
@@ -28,6 +29,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from dflash_jax import execution
 from dflash_jax.config import check_pair
 from dflash_jax.decode import buckets
 from dflash_jax.decode.call import PROGRAM_PREFIX, ProgramCall, to_host
@@ -38,12 +40,11 @@ from dflash_jax.decode.prepare import (check_budget, check_draft_length, prepare
                                        warn_short_drafter_context)
 from dflash_jax.decode.result import GenerationResult
 from dflash_jax.decode.sampling import SamplingParams
-from dflash_jax.models.attention import live_length_loop
 from dflash_jax.models.drafter import Drafter, as_compiled
 from dflash_jax.models.target import Target
 from dflash_jax.params import committed
 from dflash_jax.parallel import sharding as shd
-from dflash_jax.quant.linear import backend_scope, program_backend
+from dflash_jax.quant.linear import program_backend
 
 # -- the registry of compiled programs -----------------------------------------------------------------------------
 
@@ -53,25 +54,22 @@ TRACE_COUNTS: dict[str, int] = {"prefill": 0, "speculative": 0, "autoregressive"
 
 def _jit_program(name: str, program, static: tuple[str, ...], donate: tuple[int, ...] = (),
                  compiler_options: dict | None = None):
-    """`program` under jax.jit: static `static` arguments plus `backend`, the NVFP4 backend the program is traced
-    under, and `live_length`, the attention rule it is traced under (see `uses_live_length_loop`; prefill never
-    attends a cache and takes the default). Each trace (= each compile) bumps TRACE_COUNTS[name]. compiler_options:
-    XLA options for these programs only (jax.jit's; the test suite compiles its large-batch programs with more
-    optimisation than the rest)."""
-    def traced(*args, backend, live_length: bool = False, **kwargs):
+    """`program` under jax.jit with static `static` arguments; it reads the execution context it is dispatched
+    under (`ProgramCall` enters it), which keys its cache too. Each trace (= each compile) bumps
+    TRACE_COUNTS[name]. compiler_options: XLA options for these programs only (jax.jit's; the test suite compiles
+    its large-batch programs with more optimisation than the rest)."""
+    def traced(*args, **kwargs):
         TRACE_COUNTS[name] += 1
-        with backend_scope(backend), shd.mesh_scope(kwargs.get("mesh")), live_length_loop(live_length):
-            return program(*args, **kwargs)
+        return program(*args, **kwargs)
 
     traced.__name__ = traced.__qualname__ = f"{PROGRAM_PREFIX}{name}"
     # The loop takes the prefill handoff (argument 2) as donated: its caches are reused in place, not held twice.
-    return jax.jit(traced, static_argnames=("backend", "live_length", *static), donate_argnums=donate,
-                   compiler_options=compiler_options)
+    return jax.jit(traced, static_argnames=static, donate_argnums=donate, compiler_options=compiler_options)
 
 
-PREFILL_STATIC = ("cache_len", "stamp", "mesh")
-SPECULATIVE_STATIC = ("draft_length", "out_len", "mesh")
-AUTOREGRESSIVE_STATIC = ("out_len", "mesh")
+PREFILL_STATIC = ("cache_len", "stamp")
+SPECULATIVE_STATIC = ("draft_length", "out_len")
+AUTOREGRESSIVE_STATIC = ("out_len",)
 _DEFS = {"prefill": (prefill_program, PREFILL_STATIC, ()),
          "speculative": (speculative_loop, SPECULATIVE_STATIC, (2,)),
          "autoregressive": (autoregressive_loop, AUTOREGRESSIVE_STATIC, (2,))}
@@ -117,13 +115,15 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
     out_len = buckets.bucket(int(max_new), buckets.BUDGET_BUCKET_MIN)
     # A host callback in a program spanning several processes would run in each of them: time prefill by a rerun.
     stamp = options.prefill_timing == "stamp" and (mesh is None or jax.process_count() == 1)
-    backend = program_backend(*models, backend=options.nvfp4_backend)
+    # What the programs run under besides their arguments: the caller's context (its attention block size) with the
+    # NVFP4 backend resolved now, on the host, the models' mesh and the platform's attention rule.
+    context = execution.current().replace(
+        nvfp4_backend=program_backend(*models, backend=options.nvfp4_backend), mesh=mesh,
+        live_length_loop=buckets.uses_live_length_loop(buckets.mesh_platform(mesh)))
     D = 0 if drafter is None else options.draft_length
     extra = 1 if drafter is None else D + 1
-    prefill_static = dict(cache_len=buckets.cache_slots(int(lens.max()), out_len, extra, limit), stamp=stamp,
-                          backend=backend, mesh=mesh)
-    loop_static = dict(out_len=out_len, backend=backend, mesh=mesh,
-                       live_length=buckets.uses_live_length_loop(buckets.mesh_platform(mesh)))
+    prefill_static = dict(cache_len=buckets.cache_slots(int(lens.max()), out_len, extra, limit), stamp=stamp)
+    loop_static = dict(out_len=out_len)
     if drafter is not None:
         loop_static["draft_length"] = D
     budget = Budget(max_new=np.int32(max_new), max_steps=np.int32(int(max_new) - 1), eos=buckets.padded_eos(eos))
@@ -145,7 +145,7 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
         sampling, budget = shd.place_tree((sampling, budget), shd.replicated(mesh))
     args = (_as_compiled(target), _as_compiled(drafter), padded, lens, keys, sampling, budget)
     return ProgramCall(name=name, args=args, prefill_static=prefill_static, loop_static=loop_static,
-                       max_new=int(max_new), draft_length=D, eos=eos, prefill_program=_program("prefill"),
+                       context=context, max_new=int(max_new), draft_length=D, eos=eos, prefill_program=_program("prefill"),
                        loop_program=_program(name), batch=batch, prompts=prompts,
                        return_prompt=bool(options.return_prompt))
 

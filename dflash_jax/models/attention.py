@@ -19,15 +19,16 @@ O(T * block) scores, not T x T; the price is that a step reads the whole cache b
 Block sizes are an execution setting, not part of the architecture. By default queries go DEFAULT_CHUNK at a time
 and a key block holds as many keys as keep one block's scores under SCORE_BUDGET per head (at least DEFAULT_CHUNK):
 a decode or verify step at batch 1 reads a 16k-slot cache in one pass, not in 32 loop iterations (on a GPU each
-iteration is several kernel launches). `chunk` (an argument, or the `attention_chunk` context, a jit-cache key so
-that changing it retraces) sets both block sizes exactly.
+iteration is several kernel launches). `chunk` (an argument, or the execution context's `attention_chunk`, set by
+`with attention_chunk(n):`; part of every jit cache key, so changing it retraces) sets both block sizes exactly.
 
 The live-length loop (`live_length_loop`, an execution setting chosen per platform when a program is built, off by
 default): cached keys are visited LIVE_CHUNK slots at a time (or `chunk`) only up to the longest live row (and from
 the first block a sliding window can reach), in a loop whose trip count is data. On a CPU such a loop costs nothing
 extra, and a step then pays for its live context, not for the capacity of the cache bucket, so CPU programs can share
-one large bucket; the generation programs switch it on for CPU only (`dflash_jax.decode.programs`). It is never on
-for an accelerator, and never where a gradient is taken (a loop with a traced trip count has no reverse mode).
+one large bucket; the generation programs switch it on for CPU only (`dflash_jax.decode.buckets`). It is never on
+for an accelerator, and never where a gradient is taken (a loop with a traced trip count has no reverse mode). Like
+the block size it is a field of the execution context (`dflash_jax.execution`), set by `with live_length_loop(on):`.
 
 On top of validity, a key at position k is visible to a query at position q (z-lab's rule):
   causal: k <= q;   sliding window w (None = full): q - k < w, and when not causal also k - q < w.
@@ -41,23 +42,31 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from dflash_jax import execution
+
 DEFAULT_CHUNK = 512  # queries per block, and the fewest keys per block, by default
 SCORE_BUDGET = 1 << 20  # by default, a key block holds up to this many scores per head: rows x queries x keys
-# Keys and queries per block, exactly (None: the defaults above). A jit-cache-sensitive context:
-# `with attention_chunk(64): ...` retraces programs traced under another value. Results agree across values up to
-# float rounding of the online softmax.
-attention_chunk = jax.make_user_context(default_value=None)
-# The live-length loop over cached keys (module doc): False (default) = the whole bucket with masks, static trip
-# counts; True = only the blocks up to the longest live row, a data-dependent trip count (CPU programs only). A
-# jit-cache-sensitive context, like attention_chunk.
-live_length_loop = jax.make_user_context(default_value=False)
 LIVE_CHUNK = 256  # cached keys per iteration of the live-length loop (unless a chunk is given)
+
+
+def attention_chunk(chunk: int | None):
+    """Inside the block, attention goes `chunk` keys and queries per block, exactly (None: the defaults above).
+    Programs traced under another value retrace; results agree across values up to float rounding of the online
+    softmax."""
+    return execution.changed(attention_chunk=chunk)
+
+
+def live_length_loop(on: bool):
+    """Inside the block, attention over cached keys visits only the blocks up to the longest live row (True: a
+    data-dependent trip count, CPU programs only), or the whole cache with masks and static trip counts (False, the
+    default). Programs traced under the other value retrace."""
+    return execution.changed(live_length_loop=on)
 
 
 def block_sizes(B: int, T: int, chunk: int | None = None) -> tuple[int, int]:
     """(queries per block, keys per block) for B rows of T queries: `chunk` for both if given, else the
     `attention_chunk` context's value, else the defaults (see the module doc)."""
-    c = attention_chunk.value if chunk is None else chunk
+    c = execution.current().attention_chunk if chunk is None else chunk
     if c is None:
         rows = B * min(T, DEFAULT_CHUNK)
         return DEFAULT_CHUNK, max(DEFAULT_CHUNK, SCORE_BUDGET // rows // DEFAULT_CHUNK * DEFAULT_CHUNK)
@@ -174,16 +183,17 @@ def attention(q: jax.Array, q_pos: jax.Array, *, cache_k: jax.Array | None = Non
 
     cache_k/cache_v [B, S, nKV, hd] (slot = position) valid below cache_len [B] or [B, T]; k/v [B, Tk, nKV, hd] at
     k_pos [B, Tk], restricted by k_mask [B, T, Tk] when given. causal / window: the visibility rule (module doc);
-    chunk: keys and queries per block (None: the `attention_chunk` context, else the defaults; see `block_sizes`).
+    chunk: keys and queries per block (None: the execution context's, else the defaults; see `block_sizes`).
     Under `live_length_loop(True)` cached keys go `chunk` (default LIVE_CHUNK) at a time up to the longest live row.
     Returns [B, T, nH * hd] in q.dtype.
     """
     B, T, nH, hd = q.shape
-    explicit = chunk is not None or attention_chunk.value is not None
+    context = execution.current()
+    explicit = chunk is not None or context.attention_chunk is not None
     q_block, chunk = block_sizes(B, T, chunk)
     # The live-length loop's blocks: a given chunk, else LIVE_CHUNK (the default key block is sized to read a whole
     # cache in one pass, which is what the live-length loop is there to avoid).
-    live_chunk = (chunk if explicit else LIVE_CHUNK) if live_length_loop.value else None
+    live_chunk = (chunk if explicit else LIVE_CHUNK) if context.live_length_loop else None
     nKV = (cache_k if cache_k is not None else k).shape[2]
     qg = q.reshape(B, T, nKV, nH // nKV, hd)  # [B, T, nKV, G, hd]
     q_pos = q_pos.astype(jnp.int32)

@@ -21,10 +21,11 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.models import block_conv, selector
+from dflash_jax import execution
 from dflash_jax.config import DrafterConfig, check_pair
 from dflash_jax.frozen import Replaceable
 from dflash_jax.models.layers import decoder_layer, norm, project_kv, write_rows
-from dflash_jax.quant.linear import backend_scope, linear, program_backend
+from dflash_jax.quant.linear import linear, program_backend
 from dflash_jax.params import (DFlash2Params, DrafterParams, abstract_drafter, committed, init_from_abstract,
                                static_field)
 from dflash_jax.models.cache import AttentionCache, KVCache
@@ -253,8 +254,9 @@ def as_compiled(drafter: Drafter) -> Drafter:
 
 def _proposal(target: Target, drafter: Drafter, features, block, nvfp4_backend: str | None) -> Proposal:
     features, block = _check_inputs(drafter, target, features, block)
-    backend = program_backend(drafter, target, backend=nvfp4_backend)
-    return _draft_jit(as_compiled(drafter), committed(target), features, block, backend)
+    # the program runs (and is keyed) under the backend resolved now, on the host
+    with execution.changed(nvfp4_backend=program_backend(drafter, target, backend=nvfp4_backend)):
+        return _draft_jit(as_compiled(drafter), committed(target), features, block)
 
 
 def cached_context(drafter: Drafter, features: jax.Array) -> KVCache:
@@ -264,9 +266,8 @@ def cached_context(drafter: Drafter, features: jax.Array) -> KVCache:
     return append_context(drafter, features, jnp.full((B,), C, jnp.int32), cache)
 
 
-@jax.jit(static_argnums=(4,))
-def _draft_jit(drafter, target, features, block, backend):
-    with backend_scope(backend):
-        cache = cached_context(drafter, features)
-        h = block_hidden(drafter, target, block, cache)[:, 1:]
-        return propose_from_hidden(drafter, target, h, block[:, 0])
+@jax.jit
+def _draft_jit(drafter, target, features, block):
+    cache = cached_context(drafter, features)
+    h = block_hidden(drafter, target, block, cache)[:, 1:]
+    return propose_from_hidden(drafter, target, h, block[:, 0])

@@ -23,12 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import execution
 from dflash_jax.config import TargetConfig
 from dflash_jax.frozen import Replaceable
 from dflash_jax.models import deltanet as dn
 from dflash_jax.models.cache import AttentionCache, DeltaNetCache, KVCache
 from dflash_jax.models.layers import decoder_layer, linear_attn_layer, norm, write_rows
-from dflash_jax.quant.linear import backend_scope, linear, program_backend
+from dflash_jax.quant.linear import linear, program_backend
 from dflash_jax.params import (DecoderLayer, LinearAttnLayer, TargetParams, abstract_target, committed,
                                init_from_abstract, static_field)
 
@@ -188,12 +189,12 @@ def target_forward(target: Target, tokens, layer_ids: Sequence[int] = (), *,
             b, t = bad[0]
             raise ValueError(f"token id {int(tokens[b, t])} at row {b}, position {t} is outside the vocabulary "
                              f"[0, {target.config.vocab_size})")
-    backend = program_backend(target, backend=nvfp4_backend)
-    logits, features, _ = _target_forward_jit(committed(target), tokens, tuple(int(i) for i in layer_ids), backend)
+    # the program runs (and is keyed) under the backend resolved now, on the host
+    with execution.changed(nvfp4_backend=program_backend(target, backend=nvfp4_backend)):
+        logits, features, _ = _target_forward_jit(committed(target), tokens, tuple(int(i) for i in layer_ids))
     return logits, features
 
 
-@jax.jit(static_argnums=(2, 3))
-def _target_forward_jit(target, tokens, layer_ids, backend):
-    with backend_scope(backend):
-        return forward_with_cache(target, tokens, None, layer_ids)
+@jax.jit(static_argnums=(2,))
+def _target_forward_jit(target, tokens, layer_ids):
+    return forward_with_cache(target, tokens, None, layer_ids)

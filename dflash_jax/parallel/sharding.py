@@ -38,8 +38,6 @@ builds only the shards of its own devices), and a checkpoint loader can read eac
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 import re
@@ -49,6 +47,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from dflash_jax import execution
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.quant.nvfp4 import BLOCK_SIZE, NVFP4Array
 from dflash_jax.params import abstract_drafter, abstract_target, map_named, named_leaves
@@ -179,8 +178,10 @@ def cache_sharding(cfg: TargetConfig, mesh: Mesh) -> tuple[NamedSharding, NamedS
             NamedSharding(mesh, P("data")))
 
 
-def constrain_cache(cache, cfg: TargetConfig, mesh: Mesh | None):
-    """`cache` (a KVCache, inside a traced program) pinned to `cache_sharding`; identity without a mesh."""
+def constrain_cache(cache, cfg: TargetConfig):
+    """`cache` (a KVCache, inside a traced program) pinned to `cache_sharding` on the execution context's mesh;
+    identity without one."""
+    mesh = execution.current().mesh
     if mesh is None or cache is None:
         return cache
     kv, lens = cache_sharding(cfg, mesh)
@@ -193,26 +194,20 @@ def constrain_cache(cache, cfg: TargetConfig, mesh: Mesh | None):
     return cache.replace(layers=tuple(pin(e) for e in cache.layers), lengths=c(cache.lengths, lens))
 
 
-# The mesh a program is traced for (set by decoding's jitted programs, from their static `mesh` argument), so that
-# layer code can pin a few activations without a mesh argument threaded through every call.
-_scoped_mesh: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("dflash_jax_mesh", default=None)
-
-
-@contextlib.contextmanager
 def mesh_scope(mesh: Mesh | None):
-    token = _scoped_mesh.set(mesh)
-    try:
-        yield
-    finally:
-        _scoped_mesh.reset(token)
+    """Inside the block, the execution context's mesh is `mesh`: the mesh generation programs run on (set for them
+    when a call is prepared), so that layer code pins caches and a few activations without a mesh argument threaded
+    through every call."""
+    return execution.changed(mesh=mesh)
 
 
 def constrain_kv(k: jax.Array, v: jax.Array, cfg: TargetConfig) -> tuple[jax.Array, jax.Array]:
-    """New keys/values [B, T, nKV, hd] placed as the cache they are written into (identity outside `mesh_scope`).
+    """New keys/values [B, T, nKV, hd] placed as the cache they are written into (identity without a mesh in the
+    execution context).
 
     Without this, with KV heads replicated and query heads sharded, XLA partitions the cache write like the grouped
     queries (KV heads split 2 ways) and then all-gathers the whole cache back every step."""
-    mesh = _scoped_mesh.get()
+    mesh = execution.current().mesh
     if mesh is None:
         return k, v
     kv, _ = cache_sharding(cfg, mesh)

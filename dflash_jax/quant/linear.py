@@ -23,17 +23,15 @@ W4A4 weights (`input_scale` set) quantize x with that calibrated static scale fi
 backend, so all keep the same activation semantics.
 Selection: explicit `backend=` > `backend_scope(...)` > `set_default_backend(...)` > env DFLASH_JAX_NVFP4_BACKEND
 > auto: W4A16 everywhere, pallas on CUDA GPUs (any compute capability), portable elsewhere (CPU, TPU, ROCm).
-`resolve_backend` and `BACKENDS` are the one source of truth for names and availability.
-
-Compiled programs must not read the process-wide choice while tracing (a later `set_default_backend` would then be
-ignored by the cached executable): the package's jitted calls resolve the backend on the host (`program_backend`),
-pass the name as a static argument (so it is part of the compilation key) and trace under `backend_scope(name)`.
+`resolve_backend` and `BACKENDS` are the one source of truth for names and availability. `backend_scope` and
+`set_default_backend` set the `nvfp4_backend` of the execution context (`dflash_jax.execution`: the local one and the
+process default), which is part of every jit cache key, so a program traced under one backend is never reused under
+another. The package's jitted calls resolve the backend on the host (`program_backend`) and run under a context
+holding that name.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 import os
@@ -42,6 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dflash_jax import execution
 from dflash_jax.frozen import Replaceable
 from dflash_jax.quant import pallas_nvfp4
 from dflash_jax.quant.nvfp4 import BLOCK_SIZE, NVFP4Array, _quantize, dequantize, unpack_e2m1
@@ -49,20 +48,16 @@ from dflash_jax.quant.nvfp4 import BLOCK_SIZE, NVFP4Array, _quantize, dequantize
 BACKENDS = ("portable", "pallas", "native")
 ENV_VAR = "DFLASH_JAX_NVFP4_BACKEND"
 
-_default_backend: str | None = None
-# Set while a program is traced, from that program's static argument (see the module doc).
-_scoped_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("dflash_jax_nvfp4_backend",
-                                                                             default=None)
 # Indirection so tests can emulate the native kernel on CPU (jax <= 0.10.2 has no CPU lowering).
 _scaled_matmul = jax.nn.scaled_matmul
 
 
 def set_default_backend(backend: str | None) -> None:
-    """Process-wide NVFP4 backend; None restores env/auto selection."""
-    global _default_backend
+    """Process-wide NVFP4 backend (the process default's `ExecutionContext.nvfp4_backend`); None restores env/auto
+    selection."""
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown NVFP4 backend {backend!r}; expected one of {BACKENDS} or None")
-    _default_backend = backend
+    execution.set_process_default(execution.process_default().replace(nvfp4_backend=backend))
 
 
 def _compute_capability() -> float | None:
@@ -103,18 +98,14 @@ def pallas_supported() -> bool:
     return _platform() in ("cuda", "cpu")
 
 
-@contextlib.contextmanager
 def backend_scope(backend: str | None):
     """Inside the block, `linear(x, w)` without `backend=` uses `backend` (None: the usual selection)."""
-    token = _scoped_backend.set(backend)
-    try:
-        yield
-    finally:
-        _scoped_backend.reset(token)
+    return execution.changed(nvfp4_backend=backend)
 
 
 def resolve_backend(backend: str | None = None) -> str:
-    choice = backend or _scoped_backend.get() or _default_backend or os.environ.get(ENV_VAR) or None
+    choice = (backend or execution.current().nvfp4_backend or execution.process_default().nvfp4_backend
+              or os.environ.get(ENV_VAR) or None)
     if choice is None:  # W4A16 everywhere: a row's result never depends on the batch, backends agree
         return "pallas" if _platform() == "cuda" else "portable"
     if choice not in BACKENDS:
@@ -136,7 +127,7 @@ def resolve_backend(backend: str | None = None) -> str:
 def program_backend(*models, backend: str | None = None) -> str | None:
     """The NVFP4 backend a program over `models` (pytrees) is compiled for, resolved now, on the host: a concrete
     name when any leaf is an NVFP4Array (or `backend` is given, which is validated), else None (dense models do not
-    depend on it). Pass it as a static argument and trace under `backend_scope`."""
+    depend on it). Run the program under an execution context holding it."""
     has_nvfp4 = any(isinstance(leaf, NVFP4Array) for leaf in
                     jax.tree.leaves(models, is_leaf=lambda x: isinstance(x, NVFP4Array)))
     return resolve_backend(backend) if has_nvfp4 or backend is not None else None
@@ -277,10 +268,6 @@ def _leading_rows(w: Any, n: int) -> Any:
     return w[:n]
 
 
-# Calibration hook: when set (by quantize.collect_linear_inputs, in eager mode), called with (x, w) for every linear.
-_input_recorder = None
-
-
 def linear(x: jax.Array, w: Any, *, backend: str | None = None, out_rows: int | None = None) -> jax.Array:
     """y = x @ w.T for w [out, in] (dense array or NVFP4Array); returns [..., out] in x.dtype.
 
@@ -290,8 +277,9 @@ def linear(x: jax.Array, w: Any, *, backend: str | None = None, out_rows: int | 
     """
     if out_rows is not None and out_rows != w.shape[0]:
         w = _leading_rows(w, out_rows)
-    if _input_recorder is not None:
-        _input_recorder(x, w)
+    recorder = execution.current().input_recorder  # calibration (quantize.collect_linear_inputs), eager only
+    if recorder is not None:
+        recorder(x, w)
     w_shape = tuple(w.shape)
     if len(w_shape) != 2 or x.ndim < 1 or x.shape[-1] != w_shape[1]:
         raise ValueError(

@@ -59,12 +59,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from dflash_jax import execution
 from dflash_jax.quant.nvfp4 import BLOCK_SIZE, NVFP4Array, dequantize, dequantize_unscaled
 
-# None: the Triton kernel on a GPU, interpreted elsewhere. False forces the Triton lowering, e.g. to export a CUDA
-# program from a CPU-only host (jax.export with platforms=["cuda"]); True forces the interpreter.
-INTERPRET: bool | None = None
-DEBUG = False  # pallas_call(debug=...): prints the kernel jaxpr and the Triton IR when lowering (tests read it)
 DEFAULT_CORES = 132  # H200 / H100 SXM multiprocessors; sizes the grid when no GPU is visible (CPU tests, export)
 MAX_BLOCK_M = 64  # rows of x per program; decode shapes (M <= 64) are one M block
 GEMM_MIN_ROWS = 256  # from this many rows of x on, dequantize once and call the library GEMM (module doc)
@@ -281,7 +278,7 @@ def _launch(x2: jax.Array, packed: jax.Array, block_scale: jax.Array, global_sca
         out_specs=whole,
         compiler_params=plgpu.CompilerParams(num_warps=p.num_warps, num_stages=p.num_stages),
         interpret=interpret,
-        debug=DEBUG,
+        debug=execution.current().pallas_debug,  # prints the kernel jaxpr and the Triton IR (tests read it)
         name="nvfp4_matmul",
     )(x2, packed, block_scale, global_scale.astype(jnp.float32).reshape(1))
 
@@ -326,8 +323,8 @@ def nvfp4_matmul(x: jax.Array, w: NVFP4Array, *, tiles: Tiles | None = None, int
                  gemm_min_rows: int | None = GEMM_MIN_ROWS) -> jax.Array:
     """x [..., K] @ dequant(w).T -> [..., N] in x.dtype, w an NVFP4Array [N, K] (W4A16: x is not quantized).
 
-    interpret: None = the module's INTERPRET, by default the Triton kernel on a GPU and the Pallas interpreter
-    elsewhere. tiles: None = choose_tiles(M, N, K, x_dtype=x.dtype). gemm_min_rows: from this many rows of x on,
+    interpret: None = the execution context's `pallas_interpret`, by default the Triton kernel on a GPU and the Pallas
+    interpreter elsewhere. tiles: None = choose_tiles(M, N, K, x_dtype=x.dtype). gemm_min_rows: from this many rows of x on,
     `dequant_matmul` instead of the kernel (None: always the kernel).
     """
     if not isinstance(w, NVFP4Array) or len(w.shape) != 2:
@@ -342,7 +339,8 @@ def nvfp4_matmul(x: jax.Array, w: NVFP4Array, *, tiles: Tiles | None = None, int
         raise ValueError(f"NVFP4 weight {w.shape}: packed {tuple(w.packed.shape)} / block_scale "
                          f"{tuple(w.block_scale.shape)} should be {(n, k // 2)} / {(n, k // BLOCK_SIZE)}")
     if interpret is None:
-        interpret = INTERPRET if INTERPRET is not None else jax.default_backend() != "gpu"
+        interpret = execution.current().pallas_interpret
+        interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), k)  # [M, K]: a free reshape
     if x2.shape[0] == 0:

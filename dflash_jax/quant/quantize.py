@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import dflash_jax.quant.linear as linear_mod
+from dflash_jax import execution
 from dflash_jax.quant.nvfp4 import BLOCK_SIZE, E2M1_GRID, E2M1_MAX, E4M3_MAX, NVFP4Array, _round_to_e2m1_codes, quantize
 from dflash_jax.params import committed, is_linear_name, map_named, named_leaves
 
@@ -140,12 +140,8 @@ def collect_linear_inputs(forward, model, *args, max_rows: int = 4096, seed: int
         if name is not None:
             seen.setdefault(name, []).append(np.asarray(x, np.float32).reshape(-1, x.shape[-1]))
 
-    linear_mod._input_recorder = record
-    try:
-        with jax.disable_jit():
-            forward(model, *args)
-    finally:
-        linear_mod._input_recorder = None
+    with execution.changed(input_recorder=record), jax.disable_jit():
+        forward(model, *args)
     rng = np.random.default_rng(seed)
     out = {}
     for name, xs in seen.items():

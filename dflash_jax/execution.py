@@ -1,0 +1,85 @@
+"""The execution context: the one piece of process state a forward pass reads besides its arguments.
+
+What a traced forward depends on without being handed it (the NVFP4 backend of `quant.linear.linear` and how its
+Pallas kernel lowers, the mesh the sharding constraints pin activations to, attention's block size and live-length
+loop, and during calibration the recorder of every linear's input) is one frozen value, `ExecutionContext`, held in a JAX user context: its value is
+part of every `jax.jit` cache key, so a program traced under one context is never reused under another (a later
+change of backend or attention setting retraces instead of running a stale executable).
+
+The package's compiled programs (generate's prefill and loop, `target_forward`, `draft_logits` / `draft_proposal`)
+each run under one context, built on the host when the call is prepared and entered around the dispatch (`using`).
+The settings' entry points change one field of the current context: `quant.linear.set_default_backend` (the process
+default) and `backend_scope`, `models.attention.attention_chunk` and `live_length_loop`, `parallel.sharding.mesh_scope`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import jax
+
+from dflash_jax.frozen import Replaceable
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionContext(Replaceable):
+    """How forwards run, as opposed to what they compute from (arguments) or what the model is (configs)."""
+
+    # NVFP4 backend name for `linear` ("portable" | "pallas" | "native"); None = the process default, then the
+    # environment, then automatic (`quant.linear.resolve_backend`). Programs hold a concrete name, resolved on the
+    # host, or None when no weight is NVFP4.
+    nvfp4_backend: str | None = None
+    mesh: Any = None  # the ("data", "model") jax.sharding.Mesh caches and K/V are pinned to; None = one device
+    # Attention over cached keys visits only the blocks up to the longest live row (a data-dependent trip count:
+    # CPU programs only, never where a gradient is taken); False = static trip counts over the whole cache.
+    live_length_loop: bool = False
+    attention_chunk: int | None = None  # keys and queries per attention block, exactly (None: attention's defaults)
+    # The Pallas NVFP4 kernel (`quant.pallas_nvfp4`): None = the Triton kernel on a GPU, interpreted elsewhere;
+    # False forces the Triton lowering (e.g. to export a CUDA program from a CPU-only host), True the interpreter.
+    pallas_interpret: bool | None = None
+    pallas_debug: bool = False  # pallas_call(debug=...): print the kernel jaxpr and the Triton IR when lowering
+    # Calibration (`quant.quantize.collect_linear_inputs`, eager): called with (x, w) for every linear. Left out of
+    # equality and hashing, so of jit cache keys: it observes a forward and never changes what a program computes.
+    input_recorder: Callable[[Any, Any], None] | None = dataclasses.field(default=None, compare=False)
+
+
+# Thread-local values over a process-wide default (`set_process_default`), both part of jit cache keys.
+_CONTEXT = jax.make_user_context(default_value=ExecutionContext())
+
+
+def current() -> ExecutionContext:
+    """The context forwards traced (or run eagerly) now read."""
+    return _CONTEXT.value
+
+
+def process_default() -> ExecutionContext:
+    """The context outside every `using` block."""
+    return _CONTEXT.get_global()
+
+
+def set_process_default(context: ExecutionContext) -> None:
+    _CONTEXT.set_global(_checked(context))
+
+
+def using(context: ExecutionContext):
+    """Inside the block, forwards read `context` (and jitted programs are keyed on it)."""
+    return _CONTEXT(_checked(context))
+
+
+@contextlib.contextmanager
+def changed(**fields) -> Iterator[ExecutionContext]:
+    """Inside the block, the current context with `fields` changed (read when the block is entered)."""
+    context = current().replace(**fields)
+    with using(context):
+        yield context
+
+
+def _checked(context) -> ExecutionContext:
+    if not isinstance(context, ExecutionContext):
+        raise TypeError(f"expected an ExecutionContext, got {type(context).__name__}")
+    return context
+
+
+__all__ = ["ExecutionContext", "changed", "current", "process_default", "set_process_default", "using"]
