@@ -2,9 +2,10 @@
 
 What a traced forward depends on without being handed it (the NVFP4 backend of `quant.linear.linear` and how its
 Pallas kernel lowers, the mesh the sharding constraints pin activations to, attention's block size and live-length
-loop, and during calibration the recorder of every linear's input) is one frozen value, `ExecutionContext`, held in a JAX user context: its value is
-part of every `jax.jit` cache key, so a program traced under one context is never reused under another (a later
-change of backend or attention setting retraces instead of running a stale executable).
+loop, and during calibration the recorder of every linear's input) is one frozen value, `ExecutionContext`, held in
+a JAX user context: its value is part of every `jax.jit` cache key, so a program traced under one context is never
+reused under another (a later change of backend or attention setting retraces instead of running a stale
+executable).
 
 The package's compiled programs (generate's prefill and loop, `target_forward`, `draft_logits` / `draft_proposal`)
 each run under one context, built on the host when the call is prepared and entered around the dispatch (`using`).

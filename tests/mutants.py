@@ -76,7 +76,8 @@ SAMPLING = "tests/test_sampling.py"
 PROOF = "speculative_output_has_target_distribution or sampled_eos"
 
 MUTANTS = [
-    Mutant("q-temperature", "draft probabilities q computed at temperature 1 whatever is requested", "decode/sampling.py",
+    Mutant("q-temperature", "draft probabilities q computed at temperature 1 whatever is requested",
+           "decode/sampling.py",
            "q = processed_probs(d_logits, sp)  # [B, D, V]",
            "q = processed_probs(d_logits, dataclasses.replace(sp, temperature=1.0))  # [B, D, V]",
            (SAMPLING, "-k", PROOF), issue=True),
@@ -91,7 +92,8 @@ MUTANTS = [
            "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, keys, sampling, **q_kw)",
            "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, s.key, sampling, **q_kw)",
            (SAMPLING, "-k", PROOF), issue=True,
-           alt=(("decode/programs.py", "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, keys, sampling)",
+           alt=(("decode/programs.py",
+                 "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, keys, sampling)",
                  "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, s.key, sampling)"),
                 ("decode/loop.py",
                  "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, keys, sampling, **q_kw)",
@@ -131,7 +133,8 @@ MUTANTS = [
     Mutant("accept-ratio-inverted", "accept while u * p(x) < q(x)", "decode/sampling.py",
            "ok = (u * q_x < p_x) & proposed", "ok = (u * p_x < q_x) & proposed", (SAMPLING, "-k", PROOF)),
     Mutant("pmin-cut-residual", "at a p_min cut, the token drawn from the residual as if the slot were rejected",
-           "decode/sampling.py", "residual_probs(p_at, jnp.where(was_proposed, q_at, 0.0))", "residual_probs(p_at, q_at)",
+           "decode/sampling.py", "residual_probs(p_at, jnp.where(was_proposed, q_at, 0.0))",
+           "residual_probs(p_at, q_at)",
            (SAMPLING, "-k", PROOF)),
     Mutant("eos-not-emitted", "the EOS token itself dropped from the output", "decode/programs.py",
            "n = jnp.where(hit, first_eos + 1, n)", "n = jnp.where(hit, first_eos, n)",

@@ -50,7 +50,8 @@ def imports_of(path: Path, known: set[str]) -> list[tuple[str, int, bool]]:
                 sub = f"{node.module}.{alias.name}"
                 out.append((sub if sub in known else node.module, node.lineno, id(node) in local))
         elif isinstance(node, ast.Import):
-            out += [(a.name, node.lineno, id(node) in local) for a in node.names if a.name.split(".")[0] == "dflash_jax"]
+            out += [(a.name, node.lineno, id(node) in local) for a in node.names
+                    if a.name.split(".")[0] == "dflash_jax"]
     return out
 
 

@@ -190,8 +190,8 @@ SHARDING_SCRIPT = textwrap.dedent('''
 
 def test_sharding_change_between_calls_takes_effect(tmp_path):
     """The same inputs on 1 device, replicated over 4, and with the embedding sharded over 4: three compiled
-    programs, the same tokens; back to 1 device reuses the first program. (The old private AOT cache failed here with "compiled for
-    input shardings that disagree".)"""
+    programs, the same tokens; back to 1 device reuses the first program. (The old private AOT cache failed here
+    with "compiled for input shardings that disagree".)"""
     env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(4), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT))
     script = SHARDING_SCRIPT.format(tests=str(ROOT / "tests"))

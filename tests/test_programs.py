@@ -99,8 +99,8 @@ def test_loop_program_has_no_host_op_and_takes_a_device_handoff(pair):
         t, d, pre, keys, sampling, budget)
     names = [e.primitive.name for e in loop.jaxpr.eqns]
     assert names.count("while") == 1 and not [n for n in names if "callback" in n]
-    pf = jax.make_jaxpr(lambda *a: prefill_mod.prefill_program(*a, cache_len=call.prefill_static["cache_len"], stamp=True))(
-        t, d, call.args[2], call.args[3])
+    pf = jax.make_jaxpr(lambda *a: prefill_mod.prefill_program(*a, cache_len=call.prefill_static["cache_len"],
+                                                               stamp=True))(t, d, call.args[2], call.args[3])
     assert [e.primitive.name for e in pf.jaxpr.eqns].count("io_callback") == 1
 
 
@@ -255,7 +255,8 @@ def test_eos_defaults_to_the_config(pair):
     eos = free[0][4]
     t2, d2 = target.replace(config=CFG.replace(eos_token_id=eos)), drafter
     assert buckets.default_eos_ids(t2) == (eos,)
-    for res in (dj.generate(t2, d2, rows, max_new_tokens=NEW), dj.generate_autoregressive(t2, rows, max_new_tokens=NEW)):
+    for res in (dj.generate(t2, d2, rows, max_new_tokens=NEW),
+                dj.generate_autoregressive(t2, rows, max_new_tokens=NEW)):
         want = free[0][:free[0].index(eos) + 1]
         assert res.token_lists()[0] == want and res.finish_reason[0] == "eos"
     # eos_ids=() explicitly: no EOS at all

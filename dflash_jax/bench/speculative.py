@@ -496,7 +496,7 @@ def format_proposal_agreement(d: dict) -> str:
             f"intact {100 * d['intact_hits']:.1f}%, broken {100 * d['broken_hits']:.1f}%")
 
 
-REPLAY_GOAL = 0.3  # issue 24: the broken file's figure at most 0.3x of the intact file's
+REPLAY_GOAL = 0.3  # dropped attention scales must cut the intact file's figure to at most 0.3x (a visible failure)
 
 
 def format_replay(fig: dict) -> str:
@@ -512,7 +512,7 @@ def format_replay(fig: dict) -> str:
 
 
 def format_gguf_goals(results: list[dict], same_tokens: dict) -> str:
-    """Issue 24's bench goals: the GGUF round trip keeps tau and output; the attention scales set to 1 collapse the
+    """The GGUF bench's goals: the round trip keeps tau and output; the attention scales set to 1 collapse the
     acceptance rate (and tau, down to its floor of 1 token per step)."""
     lines = ["GGUF goals (this run):"]
     for r in results:

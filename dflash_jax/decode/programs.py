@@ -145,8 +145,8 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
         sampling, budget = shd.place_tree((sampling, budget), shd.replicated(mesh))
     args = (_as_compiled(target), _as_compiled(drafter), padded, lens, keys, sampling, budget)
     return ProgramCall(name=name, args=args, prefill_static=prefill_static, loop_static=loop_static,
-                       context=context, max_new=int(max_new), draft_length=D, eos=eos, prefill_program=_program("prefill"),
-                       loop_program=_program(name), batch=batch, prompts=prompts,
+                       context=context, max_new=int(max_new), draft_length=D, eos=eos,
+                       prefill_program=_program("prefill"), loop_program=_program(name), batch=batch, prompts=prompts,
                        return_prompt=bool(options.return_prompt))
 
 

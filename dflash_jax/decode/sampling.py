@@ -2,9 +2,10 @@
 
 At temperature 0 a draft is accepted while it equals the target's argmax. At temperature > 0 this is rejection
 sampling (z-lab dflash/model.py `_rejection_sample` at 07ebd93db9f4): p = target probs, q = draft probs, both after
-the same temperature / top-k / top-p; draft x_i ~ q_i; accept position i while u_i * q_i(x_i) < p_i(x_i); at the first rejection sample from
-normalize(max(p - q, 0)) (p if that is empty); when every draft is accepted the bonus comes from p of the last
-verify row. Greedy drafts are the point mass q = onehot(argmax), for which the same rule is exact.
+the same temperature / top-k / top-p; draft x_i ~ q_i; accept position i while u_i * q_i(x_i) < p_i(x_i); at the
+first rejection sample from normalize(max(p - q, 0)) (p if that is empty); when every draft is accepted the bonus
+comes from p of the last verify row. Greedy drafts are the point mass q = onehot(argmax), for which the same rule is
+exact.
 
 `p_min` ends the draft at the first slot whose top draft probability is below p_min: slots from there on are not
 proposed at all, so the token at the cut is sampled from p itself (not from a residual).

@@ -7,7 +7,9 @@ never written, so the cache only ever holds committed positions (< block start).
 
 DFlash2 drafters (config.kind == "dflash2") run the same pass with a grouped dynamic convolution around every
 attention and MLP sublayer (block_conv.py), and propose tokens with the candidate selector (selector.py) instead of
-the argmax of the draft logits. Layers may be causal and/or sliding-window (the rule is applied by attention.py), for both kinds.
+the argmax of the draft logits. Layers may be causal and/or sliding-window (the rule is applied by attention.py), for
+both kinds. A drafter layer is the decoder layer of layers.py (DFlash2's convolution goes in through its sublayer
+hook).
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def project_kv(attn: Attention, h: jax.Array, positions: jax.Array, cfg: TargetC
     k = _project(h, attn.k_proj, getattr(attn, "k_bias", None), cfg.num_key_value_heads, cfg)
     k = rope(_qk_norm(k, attn.k_norm, cfg), positions, cfg)
     v = _project(h, attn.v_proj, getattr(attn, "v_bias", None), cfg.num_key_value_heads, cfg)
-    return constrain_kv(k, v, cfg)  # placed as the KV cache on a mesh (dflash_jax.parallel.sharding); identity otherwise
+    return constrain_kv(k, v, cfg)  # placed as the KV cache on a mesh (parallel.sharding); identity otherwise
 
 
 def project_q(attn: Attention, h: jax.Array, positions: jax.Array, cfg: TargetConfig) -> jax.Array:

@@ -379,5 +379,5 @@ def shard_fraction(leaf: jax.Array) -> float:
 
 
 __all__ = ["make_mesh", "shard", "mesh_of", "models_mesh", "param_shardings", "cache_sharding", "constrain_cache",
-           "mesh_scope", "constrain_kv", "rules_for", "Rules", "ShardingError", "place", "place_tree", "batch_sharding", "replicated",
-           "shard_fraction", "hlo_collectives", "weight_shapes", "AXES"]
+           "mesh_scope", "constrain_kv", "rules_for", "Rules", "ShardingError", "place", "place_tree", "batch_sharding",
+           "replicated", "shard_fraction", "hlo_collectives", "weight_shapes", "AXES"]

@@ -1,8 +1,8 @@
 """NVFP4 (E2M1 codes, E4M3 block scales, FP32 tensor scale) as a pytree value.
 
 Layout and numerics follow NVIDIA ModelOpt's NVFP4 weight recipe bit for bit (NVIDIA
-Model-Optimizer `modelopt/torch/quantization/qtensor/nvfp4_tensor.py`): blocks of 16 along the last axis, two codes per byte with
-element 2i in the LOW nibble, value = e2m1(code) * f32(block_scale) * global_scale.
+Model-Optimizer `modelopt/torch/quantization/qtensor/nvfp4_tensor.py`): blocks of 16 along the last axis, two codes
+per byte with element 2i in the LOW nibble, value = e2m1(code) * f32(block_scale) * global_scale.
 """
 
 from __future__ import annotations

@@ -324,8 +324,8 @@ def nvfp4_matmul(x: jax.Array, w: NVFP4Array, *, tiles: Tiles | None = None, int
     """x [..., K] @ dequant(w).T -> [..., N] in x.dtype, w an NVFP4Array [N, K] (W4A16: x is not quantized).
 
     interpret: None = the execution context's `pallas_interpret`, by default the Triton kernel on a GPU and the Pallas
-    interpreter elsewhere. tiles: None = choose_tiles(M, N, K, x_dtype=x.dtype). gemm_min_rows: from this many rows of x on,
-    `dequant_matmul` instead of the kernel (None: always the kernel).
+    interpreter elsewhere. tiles: None = choose_tiles(M, N, K, x_dtype=x.dtype). gemm_min_rows: from this many rows
+    of x on, `dequant_matmul` instead of the kernel (None: always the kernel).
     """
     if not isinstance(w, NVFP4Array) or len(w.shape) != 2:
         raise TypeError(f"nvfp4_matmul needs a 2-D NVFP4Array weight, got {type(w).__name__} "
