@@ -24,7 +24,8 @@ class GenerationOptions(Replaceable):
     is used (the prompt, the budget and the drafter's block decide what is valid)."""
 
     max_new_tokens: int  # tokens to generate per row (the first comes from prefill)
-    # Drafted tokens per step, 1..block_size-1 (None: block_size - 1); speculative decoding only.
+    # Drafted tokens per step, 1..block_size-1 (None: block_size - 1); speculative decoding only (how the drafts are
+    # laid out, e.g. a draft tree, would be a field beside it).
     draft_length: int | None = None
     eos_ids: Any = None  # None = the target config's `eos_token_id`; () = no EOS; or an id / ids
     seed: int = 0  # one key stream per row, folded from this seed
