@@ -27,6 +27,7 @@ from dflash_jax.models.target import Target, target_forward
 import itertools
 
 gen = importlib.import_module("dflash_jax.decode.programs")
+from dflash_jax.decode import loop as decode_loop
 ds = importlib.import_module("dflash_jax.decode.draft_step")
 
 DCFG2 = dataclasses.replace(DCFG, kind="dflash2", conv_group_size=8, selector_rank=4, selector_top_k=4)
@@ -113,7 +114,7 @@ def test_dflash2_negative_control_q_from_logits_fails(models, enumeration, monke
     # A fresh jitted program (its own, empty compile cache) traced with the wrong q; monkeypatch puts the real
     # program, and its compiled executables, back afterwards.
     monkeypatch.setattr(gen, "_COMPILED", large_batch_programs())
-    monkeypatch.setattr(gen, "draft_step", q_from_logits)  # the name the compiled program calls
+    monkeypatch.setattr(decode_loop, "draft_step", q_from_logits)  # the name the compiled program calls
     target, drafter = models["rejecting"]
     res = gen.generate(target, drafter, [PROMPT] * N, max_new_tokens=NEW, draft_length=3, temperature=1.0, seed=0)
     assert_fails("DFlash2 q = softmax(logits)", compare(res.tokens, exact_law(enumeration["rejecting"])))

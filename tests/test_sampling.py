@@ -39,7 +39,8 @@ import pytest
 
 import stats
 from dflash_jax.decode import sampling
-from dflash_jax.decode.prepare import row_keys
+from dflash_jax.decode import loop as decode_loop
+from dflash_jax.decode import prepare
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models.attention import attention_chunk
 from dflash_jax.models.drafter import Drafter
@@ -155,7 +156,7 @@ def accept_with_bug(d_logits, drafts, v_logits, keys, sp, bug):
 
 
 def row_keys(seed: int, n: int) -> jax.Array:
-    return row_keys(seed, n)
+    return prepare.row_keys(seed, n)
 
 
 # XLA options of this module's large-batch programs: LLVM optimisation level 1, which the suite's XLA_FLAGS turn
@@ -663,7 +664,7 @@ def _control(monkeypatch, models, enumeration, pair, kw, **patches):
     fresh_programs(monkeypatch)
     from dflash_jax.decode import draft_step
     for name, fn in patches.items():
-        monkeypatch.setattr(gen, name, fn)
+        monkeypatch.setattr(decode_loop, name, fn)  # the names the loop program calls
         if hasattr(draft_step, name):  # drafts are drawn in draft_step (one draft step for DFlash and DFlash2)
             monkeypatch.setattr(draft_step, name, fn)
     target, drafter = models[pair]
