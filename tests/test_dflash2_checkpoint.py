@@ -264,7 +264,7 @@ def test_layer_rules_match_hf_qwen3config(changes):
             d[k] = v
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hf = transformers.TargetConfig(**{k: v for k, v in d.items() if k != "dflash_config"})
+        hf = transformers.Qwen3Config(**{k: v for k, v in d.items() if k != "dflash_config"})
         ours = DrafterConfig.from_hf_dict(d)
     is_causal = d.get("is_causal")  # z-lab: getattr(config, "is_causal", None)
     for i in range(LAYERS):
