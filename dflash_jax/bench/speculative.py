@@ -29,7 +29,7 @@ from dflash_jax.models.drafter import Drafter, append_context, draft_tokens, emp
 from dflash_jax.decode.programs import generate, generate_autoregressive, prefill, uses_live_length_loop
 from dflash_jax.models.attention import live_length_loop
 from dflash_jax.models.target import KVCache, Target, commit_states, forward_with_cache, target_forward
-from dflash_jax.quant.linear import backend_scope, program_backend
+from dflash_jax.quant.linear import backend_scope, dense_kernel_scope, program_backend
 
 # Benchmarks run with the persistent compilation cache on (cli.py), which never stores a program with a host
 # callback: prefill is timed by a prefill-only rerun of the same compiled program instead of a callback stamp.
@@ -109,7 +109,8 @@ def greedy_draft(drafter: Drafter, target: Target, dcache: KVCache, pending: jax
 def _as_in_the_loop(backend):
     """What generate's loop program is traced under on this platform: the NVFP4 backend, and the attention rule
     (the live-length loop on CPU, static trip counts on accelerators), so a step costs here what it costs there."""
-    with backend_scope(backend), live_length_loop(uses_live_length_loop()):
+    cpu = uses_live_length_loop()
+    with backend_scope(backend), live_length_loop(cpu), dense_kernel_scope(cpu):
         yield
 
 

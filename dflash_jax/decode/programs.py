@@ -50,7 +50,7 @@ from dflash_jax.config import check_pair
 from dflash_jax.decode.draft_step import draft_step
 from dflash_jax.models.attention import live_length_loop
 from dflash_jax.models.drafter import Drafter, append_context, as_compiled, empty_draft_cache
-from dflash_jax.quant.linear import backend_scope, program_backend
+from dflash_jax.quant.linear import backend_scope, dense_kernel_scope, program_backend
 from dflash_jax.decode.sampling import SamplingParams, accept_block, sample_tokens
 from dflash_jax.models.target import KVCache, Target, commit_states, forward_with_cache
 from dflash_jax.params import committed
@@ -359,7 +359,9 @@ def _jit_program(name: str, program, static: tuple[str, ...], donate: tuple[int,
     optimisation than the rest)."""
     def traced(*args, backend, live_length: bool = False, **kwargs):
         TRACE_COUNTS[name] += 1
-        with backend_scope(backend), shd.mesh_scope(kwargs.get("mesh")), live_length_loop(live_length):
+        # CPU loop programs (live_length: see `uses_live_length_loop`) also run dense weights through the CPU kernel
+        with backend_scope(backend), shd.mesh_scope(kwargs.get("mesh")), live_length_loop(live_length), \
+                dense_kernel_scope(live_length):
             return program(*args, **kwargs)
 
     traced.__name__ = traced.__qualname__ = f"dflash_{name}"
@@ -669,7 +671,8 @@ class ProgramCall:
 
         def fn(target, drafter, prompt, lens, keys, sampling, budget):
             pre = _prefill_program(target, drafter, prompt, lens, **pst)
-            with live_length_loop(self.loop_static.get("live_length", False)):
+            cpu_loop = self.loop_static.get("live_length", False)
+            with live_length_loop(cpu_loop), dense_kernel_scope(cpu_loop):
                 return loop_fn(target, drafter, pre, keys, sampling, budget, **lst)
         return fn
 

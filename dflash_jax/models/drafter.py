@@ -23,7 +23,7 @@ from dflash_jax.models import block_conv, selector
 from dflash_jax.models.attention import attention
 from dflash_jax.config import DrafterConfig, check_pair
 from dflash_jax.models.layers import mlp, project_kv, project_q, rms_norm, write_rows
-from dflash_jax.quant.linear import backend_scope, linear, program_backend
+from dflash_jax.quant.linear import backend_scope, embedding_rows, linear, program_backend
 from dflash_jax.params import (DFlash2Params, DrafterParams, abstract_drafter, committed, init_from_abstract,
                                static_field)
 from dflash_jax.models.target import KVCache, Target
@@ -118,7 +118,7 @@ def block_pass(drafter: Drafter, x: jax.Array, positions: jax.Array, ctx_k, ctx_
 
 def embed_block(drafter: Drafter, target: Target, block: jax.Array) -> jax.Array:
     """Block tokens are embedded with the target's (frozen) embedding table, times input_embedding_scale."""
-    x = jnp.take(target.params.embed_tokens, block, axis=0).astype(drafter.config.model.dtype)
+    x = embedding_rows(target.params.embed_tokens, block, drafter.config.model.dtype)
     scale = drafter.config.input_embedding_scale
     return x if scale == 1.0 else x * jnp.asarray(scale, x.dtype)
 

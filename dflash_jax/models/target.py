@@ -25,7 +25,7 @@ import numpy as np
 from dflash_jax.config import TargetConfig
 from dflash_jax.models import deltanet as dn
 from dflash_jax.models.layers import decoder_layer, linear_attn_layer, norm, write_rows
-from dflash_jax.quant.linear import backend_scope, linear, program_backend
+from dflash_jax.quant.linear import backend_scope, embedding_rows, linear, program_backend
 from dflash_jax.params import TargetParams, abstract_target, committed, init_from_abstract, static_field
 
 
@@ -117,7 +117,7 @@ def forward_hidden(target: Target, tokens: jax.Array, cache: KVCache | None, lay
         start = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
 
-    x = jnp.take(p.embed_tokens, tokens, axis=0).astype(cfg.dtype)  # [B, T, H]
+    x = embedding_rows(p.embed_tokens, tokens, cfg.dtype)  # [B, T, H]
     new_k, new_v, feats = [], [], {}
     new_conv, new_state, deferred = [], [], []
     for i, layer in enumerate(p.layers):

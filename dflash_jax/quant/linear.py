@@ -42,7 +42,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.quant import pallas_nvfp4
+from dflash_jax.quant import cpu_kernel, ggml, pallas_nvfp4
+from dflash_jax.quant.ggml import GGMLArray
 from dflash_jax.quant.nvfp4 import BLOCK_SIZE, NVFP4Array, _quantize, dequantize, unpack_e2m1
 
 BACKENDS = ("portable", "pallas", "native")
@@ -283,13 +284,90 @@ def _leading_rows(w: Any, n: int) -> Any:
 _input_recorder = None
 
 
+# Dense weights through the CPU kernel too (True inside the CPU generation loops, where products have few rows and
+# XLA:CPU's GEMM path costs ~2x its GEMV): set per compiled program like the NVFP4 backend, never read elsewhere.
+_dense_kernel: contextvars.ContextVar[bool] = contextvars.ContextVar("dflash_jax_dense_kernel", default=False)
+
+
+@contextlib.contextmanager
+def dense_kernel_scope(on: bool):
+    """Inside the block, `linear` runs dense float32 / bfloat16 weights through the CPU kernel when it can (a CPU
+    device, the kernel built): every row's result is then the same whatever the number of rows (decode = verify)."""
+    token = _dense_kernel.set(bool(on))
+    try:
+        yield
+    finally:
+        _dense_kernel.reset(token)
+
+
+def _kernel_form(x: jax.Array, w: Any, backend: str | None):
+    """(format, (codes, scale, mins, tensor scale), dequantize) of a weight the CPU kernel takes in a CPU generation
+    loop, or None: dense float32 / bfloat16, and W4A16 NVFP4 with E4M3 block scales where the portable backend
+    would run it (same values: exact dequantization, float32 sums, the tensor scale on the result)."""
+    if not cpu_kernel_runs() or x.ndim < 1 or len(w.shape) != 2 or x.shape[-1] != w.shape[1]:
+        return None
+    if isinstance(w, NVFP4Array):
+        if (w.input_scale is not None or w.block_scale.dtype != jnp.float8_e4m3fn or w.shape[1] % BLOCK_SIZE
+                or resolve_backend(backend) != "portable"):
+            return None
+        return ("nvfp4", (w.packed, w.block_scale, None, w.global_scale),
+                lambda p, b, _, g: dequantize(w.replace(packed=p, block_scale=b, global_scale=g), jnp.float32))
+    if isinstance(w, (DequantizedNVFP4, GGMLArray)) or not hasattr(w, "dtype"):
+        return None
+    kinds = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.bfloat16): "bfloat16"}
+    if jnp.dtype(w.dtype) not in kinds:
+        return None
+    return kinds[jnp.dtype(w.dtype)], (w, None, None, None), lambda c, *_: jnp.asarray(c, jnp.float32)
+
+
+def cpu_kernel_runs() -> bool:
+    """Whether `linear` runs block-quantized weights through the CPU kernel here (a CPU device, the kernel built)."""
+    return _platform() == "cpu" and cpu_kernel.available()
+
+
+def _ggml_linear(x: jax.Array, w: GGMLArray, out_rows: int | None) -> jax.Array:
+    n = w.shape[0] if out_rows is None else out_rows
+    if not 1 <= n <= w.shape[0]:
+        raise ValueError(f"linear: out_rows {n} outside 1..{w.shape[0]} (the weight has {w.shape[0]} output rows)")
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"linear: x shape {tuple(x.shape)} does not match weight shape {tuple(w.shape)} "
+                         f"(expected x [..., {w.shape[1]}] and weight [out, in])")
+    if cpu_kernel_runs():  # the kernel reads only the first n rows: no copy of a prefix
+        def dense(codes, scale, mins, _):
+            return ggml.dequantize(ggml.leading_rows(w.replace(codes=codes, scale=scale, mins=mins), n))
+        return cpu_kernel.matmul(x, w.kind, w.codes, w.scale, w.mins, None, n, dense).astype(x.dtype)
+    return _dot(x, ggml.dequantize(ggml.leading_rows(w, n) if n != w.shape[0] else w, x.dtype)).astype(x.dtype)
+
+
+def embedding_rows(table: Any, ids: jax.Array, dtype) -> jax.Array:
+    """Rows `ids` [...] of an embedding table [V, H] (dense or GGML blocks) -> [..., H] in `dtype`."""
+    if isinstance(table, GGMLArray):
+        return ggml.take_rows(table, ids, dtype)
+    if isinstance(table, NVFP4Array):
+        raise TypeError("embedding tables are never NVFP4 (only linear layers are quantized)")
+    return jnp.take(table, ids, axis=0).astype(dtype)
+
+
 def linear(x: jax.Array, w: Any, *, backend: str | None = None, out_rows: int | None = None) -> jax.Array:
-    """y = x @ w.T for w [out, in] (dense array or NVFP4Array); returns [..., out] in x.dtype.
+    """y = x @ w.T for w [out, in] (dense array, NVFP4Array or GGMLArray); returns [..., out] in x.dtype.
 
     Accumulates in float32. `backend` only matters for NVFP4 weights (see module doc). out_rows: compute only the
     first out_rows outputs (a static prefix of w's rows, with their scales; the rest of w is never read), e.g. a
-    drafter's LM head over its draft vocabulary.
+    drafter's LM head over its draft vocabulary. GGML weights run through the CPU kernel on a CPU (`cpu_kernel`),
+    else as the XLA product with their dequantized values.
     """
+    if isinstance(w, GGMLArray):
+        if _input_recorder is not None:
+            _input_recorder(x, w)
+        return _ggml_linear(x, w, out_rows)
+    if _dense_kernel.get() and (kernel := _kernel_form(x, w, backend)) is not None:
+        if _input_recorder is not None:
+            _input_recorder(x, w)
+        n = w.shape[0] if out_rows is None else out_rows
+        if not 1 <= n <= w.shape[0]:
+            raise ValueError(f"linear: out_rows {n} outside 1..{w.shape[0]} (the weight has {w.shape[0]} output rows)")
+        fmt, arrays, dense = kernel
+        return cpu_kernel.matmul(x, fmt, *arrays, n, lambda *a: dense(*a)[:n]).astype(x.dtype)
     if out_rows is not None and out_rows != w.shape[0]:
         w = _leading_rows(w, out_rows)
     if _input_recorder is not None:
