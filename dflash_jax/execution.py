@@ -37,6 +37,10 @@ class ExecutionContext(Replaceable):
     # CPU programs only, never where a gradient is taken); False = static trip counts over the whole cache.
     live_length_loop: bool = False
     attention_chunk: int | None = None  # keys and queries per attention block, exactly (None: attention's defaults)
+    # Dense and NVFP4 weights through the CPU matmul kernel (`quant.cpu_kernel`), as GGML blocks always are: on in
+    # the CPU generation loops, where products have few rows (XLA:CPU's GEMM costs ~2x its GEMV there) and a row's
+    # result must not depend on how many rows share the product (a verify then equals a decode bit for bit).
+    cpu_kernel: bool = False
     # The Pallas NVFP4 kernel (`quant.pallas_nvfp4`): None = the Triton kernel on a GPU, interpreted elsewhere;
     # False forces the Triton lowering (e.g. to export a CUDA program from a CPU-only host), True the interpreter.
     pallas_interpret: bool | None = None

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.quant.ggml import GGMLArray
 from dflash_jax.quant.nvfp4 import NVFP4Array
 
 
@@ -325,8 +326,11 @@ def path_name(path) -> str:
     return ".".join(parts)
 
 
+QUANTIZED_LEAVES = (NVFP4Array, GGMLArray)  # value types that stand for one weight (several arrays inside)
+
+
 def _is_param_leaf(x) -> bool:
-    return is_spec(x) or isinstance(x, NVFP4Array)
+    return is_spec(x) or isinstance(x, QUANTIZED_LEAVES)
 
 
 def named_leaves(tree) -> dict[str, Any]:
@@ -356,7 +360,7 @@ def is_linear_name(name: str) -> bool:
 def param_bytes(tree) -> int:
     total = 0
     for leaf in named_leaves(tree).values():
-        total += leaf.nbytes if isinstance(leaf, NVFP4Array) else int(np.prod(leaf.shape)) * leaf.dtype.itemsize
+        total += leaf.nbytes if isinstance(leaf, QUANTIZED_LEAVES) else int(np.prod(leaf.shape)) * leaf.dtype.itemsize
     return total
 
 

@@ -17,7 +17,7 @@ LAYERS = {
     "dflash_jax.bench": 8, "dflash_jax.train": 7, "dflash_jax.io": 6, "dflash_jax.decode": 5,
     "dflash_jax.models": 4, "dflash_jax.parallel": 3, "dflash_jax.quant": 2, "dflash_jax.params": 1,
     "dflash_jax.execution": 1,
-    "dflash_jax.config": 0, "dflash_jax.quant.nvfp4": 0, "dflash_jax.frozen": 0,
+    "dflash_jax.config": 0, "dflash_jax.quant.nvfp4": 0, "dflash_jax.quant.ggml": 0, "dflash_jax.frozen": 0,
 }
 LAZY_OK = {"dflash_jax.cli"}  # start-up time: `dflash-jax --help` imports no JAX
 
@@ -108,8 +108,9 @@ def test_no_function_local_imports_outside_the_entry_points():
 
 def test_only_linear_opens_nvfp4_weights_in_forward_passes():
     """The bug this project exists to prevent: a forward pass that multiplies codes or block scales itself can
-    forget the tensor scale. Models and decode programs never touch the fields of an NVFP4Array."""
-    fields = ("packed", "block_scale", "global_scale", "input_scale")
+    forget the tensor scale. Models and decode programs never touch the fields of an NVFP4Array (nor a GGMLArray's:
+    its codes, block scales and minimums are applied together in quant/ too)."""
+    fields = ("packed", "block_scale", "global_scale", "input_scale", "codes", "mins")
     bad = []
     for m, path in modules().items():
         if not (m.startswith("dflash_jax.models") or m.startswith("dflash_jax.decode")):

@@ -12,6 +12,7 @@ Timings are never asserted anywhere: these machines are noisy, so read the media
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import statistics
 import time
@@ -31,7 +32,7 @@ from dflash_jax.decode.prefill import prefill
 from dflash_jax.decode.programs import generate, generate_autoregressive
 from dflash_jax.models.attention import live_length_loop
 from dflash_jax.models.target import KVCache, Target, commit_states, forward_with_cache, target_forward
-from dflash_jax.quant.linear import backend_scope, program_backend
+from dflash_jax.quant.linear import backend_scope, cpu_kernel_scope, program_backend
 
 # Benchmarks run with the persistent compilation cache on (cli.py), which never stores a program with a host
 # callback: prefill is timed by a prefill-only rerun of the same compiled program instead of a callback stamp.
@@ -49,6 +50,22 @@ def interleaved_ms(steps: dict, reps: int) -> dict:
             states[k] = jax.block_until_ready(step(states[k]))
             times[k].append(time.perf_counter() - t0)
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One step program on its state: `step(state)` -> the next state (the state, a cache, is donated);
+    `compiled_text(state)` -> its optimized HLO (what `bench.profile` reads)."""
+
+    program: object  # a jitted function: program(*before, state, *after) -> (result, next state)
+    before: tuple
+    after: tuple
+
+    def __call__(self, state):
+        return self.program(*self.before, state, *self.after)[1]
+
+    def compiled_text(self, state) -> str:
+        return self.program.lower(*self.before, state, *self.after).compile().as_text()
 
 
 def step_functions(target: Target, drafter: Drafter, *, context_len: int = 64, draft_length: int | None = None,
@@ -75,9 +92,9 @@ def step_functions(target: Target, drafter: Drafter, *, context_len: int = 64, d
     block = jnp.full((batch, dcfg.block_size), dcfg.mask_token_id, jnp.int32).at[:, 0].set(prompt[:, -1])
     _, _, tcache2, _ = fill(target, prompt, lens, cache_len, drafter=drafter)  # decode and verify donate theirs
     tb, db = program_backend(target), program_backend(drafter, target)
-    return {"decode_ms": (lambda c: _decode_rolled_back(target, c, tok, tb)[1], tcache),
-            "verify_ms": (lambda c: _verify_rolled_back(target, c, toks, layer_ids, tb)[1], tcache2),
-            "draft_ms": (lambda c: _draft_rolled_back(drafter, target, c, pending, block, D, db)[1], dcache),
+    return {"decode_ms": (Step(_decode_rolled_back, (target,), (tok, tb)), tcache),
+            "verify_ms": (Step(_verify_rolled_back, (target,), (toks, layer_ids, tb)), tcache2),
+            "draft_ms": (Step(_draft_rolled_back, (drafter, target), (pending, block, D, db)), dcache),
             "_meta": dict(context_len=context_len, draft_length=D, batch=batch, cache_len=cache_len,
                           state_bytes_per_row=tcache.state_bytes_per_row())}  # a hybrid target's DeltaNet states
 
@@ -111,7 +128,8 @@ def greedy_draft(drafter: Drafter, target: Target, dcache: KVCache, pending: jax
 def _as_in_the_loop(backend):
     """What generate's loop program is traced under on this platform: the NVFP4 backend, and the attention rule
     (the live-length loop on CPU, static trip counts on accelerators), so a step costs here what it costs there."""
-    with backend_scope(backend), live_length_loop(uses_live_length_loop()):
+    cpu = uses_live_length_loop()
+    with backend_scope(backend), live_length_loop(cpu), cpu_kernel_scope(cpu):
         yield
 
 

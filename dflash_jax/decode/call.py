@@ -50,9 +50,9 @@ class ProgramCall:
 
     @property
     def prefill_context(self) -> execution.ExecutionContext:
-        """The loop's context without the live-length loop: prefill attends no cache, so one prefill program serves
-        both attention rules."""
-        return self.context.replace(live_length_loop=False)
+        """The loop's context without the live-length loop and the CPU kernel for dense weights: prefill attends no
+        cache and its products have many rows (XLA's GEMM), so one prefill program serves both rules."""
+        return self.context.replace(live_length_loop=False, cpu_kernel=False)
 
     @property
     def static(self) -> dict:

@@ -117,9 +117,10 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
     stamp = options.prefill_timing == "stamp" and (mesh is None or jax.process_count() == 1)
     # What the programs run under besides their arguments: the caller's context (its attention block size) with the
     # NVFP4 backend resolved now, on the host, the models' mesh and the platform's attention rule.
+    cpu_loop = buckets.uses_live_length_loop(buckets.mesh_platform(mesh))
     context = execution.current().replace(
         nvfp4_backend=program_backend(*models, backend=options.nvfp4_backend), mesh=mesh,
-        live_length_loop=buckets.uses_live_length_loop(buckets.mesh_platform(mesh)))
+        live_length_loop=cpu_loop, cpu_kernel=cpu_loop)
     D = 0 if drafter is None else options.draft_length
     extra = 1 if drafter is None else D + 1
     prefill_static = dict(cache_len=buckets.cache_slots(int(lens.max()), out_len, extra, limit), stamp=stamp)

@@ -36,6 +36,7 @@ from dflash_jax.io.safetensors_io import SafetensorsError, lazy_safetensors, rea
 
 SAVED_MARKER = "dflash_jax.json"
 NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+GGUF_BLOCKS = "gguf"  # load_target's param_dtype that keeps a GGUF file's quantized blocks as they are
 
 
 class CheckpointError(ValueError):
@@ -392,9 +393,18 @@ def load_target(path: str | Path, *, param_dtype: str | None = None, compute_dty
     placed parameters); a `save` folder is restored, then sharded."""
 
     path = Path(path)
-    param_dtype, compute_dtype = _dtypes(param_dtype, compute_dtype)
     if is_gguf(path):
-        return _load_gguf_target(path, param_dtype, compute_dtype, mesh)
+        keep_blocks = param_dtype == GGUF_BLOCKS or (param_dtype is None and mesh is None
+                                                     and jax.default_backend() == "cpu")
+        if keep_blocks and mesh is not None:
+            raise CheckpointError(f"{path}: param_dtype='gguf' (the file's own blocks) cannot be sharded over a mesh; "
+                                  "load with param_dtype='float32' or 'bfloat16' to shard")
+        param_dtype, compute_dtype = _dtypes(None if param_dtype == GGUF_BLOCKS else param_dtype, compute_dtype)
+        return _load_gguf_target(path, param_dtype, compute_dtype, mesh, keep_blocks=keep_blocks)
+    if param_dtype == GGUF_BLOCKS:
+        raise CheckpointError(f"{path}: param_dtype='gguf' keeps a GGUF file's own quantized blocks, and this is "
+                              "not a GGUF file")
+    param_dtype, compute_dtype = _dtypes(param_dtype, compute_dtype)
     if (path / SAVED_MARKER).exists():
         cfg, params = _load_saved(path, "target")
         cfg = cfg.replace(param_dtype=param_dtype, compute_dtype=compute_dtype)
@@ -437,9 +447,11 @@ def _qwen3_5_text_tensors(path: Path, tensors: dict) -> dict:
     return out
 
 
-def _load_gguf_target(path: Path, param_dtype: str, compute_dtype: str, mesh):
+def _load_gguf_target(path: Path, param_dtype: str, compute_dtype: str, mesh, *, keep_blocks: bool = False):
     """A Target from a llama.cpp GGUF file: config from the metadata, tensors decoded one at a time from the
-    memory-mapped file into the storage dtype (see `dflash_jax.io.gguf_model`)."""
+    memory-mapped file into the storage dtype (see `dflash_jax.io.gguf_model`). keep_blocks: the linear weights
+    and the embedding stored as Q4_0 / Q4_1 / Q8_0 stay those blocks (`GGMLArray` leaves; every tensor is still
+    decoded once on the way, which is what checks it for NaN / Inf)."""
     try:
         g = GGUFFile(path)
         d = gguf_model.hf_config(g)
@@ -453,6 +465,11 @@ def _load_gguf_target(path: Path, param_dtype: str, compute_dtype: str, mesh):
                                               for n, s in named_leaves(abstract).items()})
         params = _params_from_hf("target", path, abstract, cfg.storage_dtype, None, mesh=mesh, cfg=cfg,
                                  tensors=tensors)
+        if keep_blocks:
+            keys = {_dense_keys("target", n)[0]: n for n in named_leaves(abstract)
+                    if is_linear_name(n) or n == "embed_tokens"}
+            blocks = gguf_model.block_leaves(g, d, wanted=lambda hf: hf in keys)
+            params = map_named(lambda n, x: blocks.get(_dense_keys("target", n)[0], x), params)
     except GGUFError as e:
         raise CheckpointError(str(e)) from None
     return Target(params=params, config=cfg)

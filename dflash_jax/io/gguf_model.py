@@ -40,6 +40,8 @@ import numpy as np
 
 from dflash_jax.io.gguf import GGUFError, GGUFFile
 from dflash_jax.io.lazy_array import LazyArray
+from dflash_jax.quant import ggml
+from dflash_jax.quant.ggml import GGMLArray
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen35": "Qwen3_5ForCausalLM"}
@@ -337,3 +339,30 @@ def hf_tensors(g: GGUFFile, cfg: dict) -> dict[str, LazyArray]:
 
 __all__ = ["hf_config", "hf_tensors", "hf_name", "gguf_name", "check_against", "GGUFTensor", "Converted",
            "ARCHITECTURES"]
+
+
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # kept as the file's own blocks (`quant.ggml.GGMLArray`) by `block_leaves`
+
+
+def block_leaves(g: GGUFFile, cfg: dict, wanted) -> dict[str, GGMLArray]:
+    """{HF name: GGMLArray} for the file's 2-D Q4_0 / Q4_1 / Q8_0 tensors whose HF name `wanted(name)` accepts (the
+    linear weights and the embedding): their blocks as stored, rows permuted back for llama's attn_q / attn_k as
+    `GGUFTensor` does (a row carries its own blocks, so the permutation moves whole rows)."""
+    out = {}
+    permute = cfg["model_type"] == "llama"
+    for name in g.tensors:
+        t = g.info(name)
+        hf = hf_name(name, g.architecture)
+        if hf is None or len(t.shape) != 2 or t.type_name not in BLOCK_TYPES or not wanted(hf):
+            continue
+        raw = np.asarray(g.raw(name))  # [rows, row bytes]
+        heads = None
+        if permute and name.endswith("attn_q.weight"):
+            heads = cfg["num_attention_heads"]
+        elif permute and name.endswith("attn_k.weight"):
+            heads = cfg["num_key_value_heads"]
+        if heads is not None:
+            rows = raw.shape[0]
+            raw = raw.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(rows, -1)
+        out[hf] = ggml.from_blocks(raw, t.type_name, tuple(t.shape))
+    return out

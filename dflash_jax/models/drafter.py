@@ -27,7 +27,7 @@ from dflash_jax import execution
 from dflash_jax.config import DrafterConfig, check_pair
 from dflash_jax.frozen import Replaceable
 from dflash_jax.models.layers import decoder_layer, norm, project_kv, write_rows
-from dflash_jax.quant.linear import linear, program_backend
+from dflash_jax.quant.linear import embedding_rows, linear, program_backend
 from dflash_jax.params import (DFlash2Params, DrafterParams, abstract_drafter, committed, init_from_abstract,
                                static_field)
 from dflash_jax.models.cache import AttentionCache, KVCache
@@ -111,7 +111,7 @@ def block_pass(drafter: Drafter, x: jax.Array, positions: jax.Array, context: Se
 
 def embed_block(drafter: Drafter, target: Target, block: jax.Array) -> jax.Array:
     """Block tokens are embedded with the target's (frozen) embedding table, times input_embedding_scale."""
-    x = jnp.take(target.params.embed_tokens, block, axis=0).astype(drafter.config.model.dtype)
+    x = embedding_rows(target.params.embed_tokens, block, drafter.config.model.dtype)
     scale = drafter.config.input_embedding_scale
     return x if scale == 1.0 else x * jnp.asarray(scale, x.dtype)
 

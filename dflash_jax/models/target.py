@@ -29,7 +29,7 @@ from dflash_jax.frozen import Replaceable
 from dflash_jax.models import deltanet as dn
 from dflash_jax.models.cache import AttentionCache, DeltaNetCache, KVCache
 from dflash_jax.models.layers import decoder_layer, linear_attn_layer, norm, write_rows
-from dflash_jax.quant.linear import linear, program_backend
+from dflash_jax.quant.linear import embedding_rows, linear, program_backend
 from dflash_jax.params import (DecoderLayer, LinearAttnLayer, TargetParams, abstract_target, committed,
                                init_from_abstract, static_field)
 
@@ -107,7 +107,7 @@ def forward_hidden(target: Target, tokens: jax.Array, cache: KVCache | None, lay
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
     cache_len = None if cache is None else cache.lengths + T
 
-    x = jnp.take(p.embed_tokens, tokens, axis=0).astype(cfg.dtype)  # [B, T, H]
+    x = embedding_rows(p.embed_tokens, tokens, cfg.dtype)  # [B, T, H]
     entries, feats = [], {}
     for i, layer in enumerate(p.layers):
         entry = None if cache is None else cache.layers[i]

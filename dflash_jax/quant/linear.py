@@ -42,7 +42,8 @@ import jax.numpy as jnp
 
 from dflash_jax import execution
 from dflash_jax.frozen import Replaceable
-from dflash_jax.quant import pallas_nvfp4
+from dflash_jax.quant import cpu_kernel, ggml, pallas_nvfp4
+from dflash_jax.quant.ggml import GGMLArray
 from dflash_jax.quant.nvfp4 import BLOCK_SIZE, NVFP4Array, _quantize, dequantize, unpack_e2m1
 
 BACKENDS = ("portable", "pallas", "native")
@@ -268,16 +269,84 @@ def _leading_rows(w: Any, n: int) -> Any:
     return w[:n]
 
 
+def cpu_kernel_scope(on: bool):
+    """Inside the block, `linear` runs dense and NVFP4 weights through the CPU kernel when it can (the execution
+    context's `cpu_kernel`; the CPU generation loops run under it)."""
+    return execution.changed(cpu_kernel=bool(on))
+
+
+def cpu_kernel_runs() -> bool:
+    """Whether `linear` can run weights through the CPU kernel here (a CPU device, the kernel built)."""
+    return _platform() == "cpu" and cpu_kernel.available()
+
+
+def _kernel_form(x: jax.Array, w: Any, backend: str | None):
+    """(format, (codes, scale, mins, tensor scale), dequantize) of a weight the CPU kernel takes, or None: GGML
+    blocks always (on a CPU); inside the CPU generation loops (the context's `cpu_kernel`) also dense float32 /
+    bfloat16 weights and W4A16 NVFP4 ones with E4M3 block scales where the portable backend would run them (the same
+    values: exact dequantization, float32 sums, the tensor scale on the result)."""
+    if not cpu_kernel_runs() or x.ndim < 1 or len(w.shape) != 2 or x.shape[-1] != w.shape[1]:
+        return None
+    if isinstance(w, GGMLArray):
+        def dense(codes, scale, mins, _):
+            return ggml.dequantize(w.replace(codes=codes, scale=scale, mins=mins))
+        return w.kind, (w.codes, w.scale, w.mins, None), dense
+    if not execution.current().cpu_kernel:
+        return None
+    if isinstance(w, NVFP4Array):
+        if (w.input_scale is not None or w.block_scale.dtype != jnp.float8_e4m3fn or w.shape[1] % BLOCK_SIZE
+                or resolve_backend(backend) != "portable"):
+            return None
+        return ("nvfp4", (w.packed, w.block_scale, None, w.global_scale),
+                lambda p, b, _, g: dequantize(w.replace(packed=p, block_scale=b, global_scale=g), jnp.float32))
+    if isinstance(w, DequantizedNVFP4) or not hasattr(w, "dtype"):
+        return None
+    kinds = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.bfloat16): "bfloat16"}
+    if jnp.dtype(w.dtype) not in kinds:
+        return None
+    return kinds[jnp.dtype(w.dtype)], (w, None, None, None), lambda c, *_: jnp.asarray(c, jnp.float32)
+
+
+def embedding_rows(table: Any, ids: jax.Array, dtype) -> jax.Array:
+    """Rows `ids` [...] of an embedding table [V, H] (dense or GGML blocks) -> [..., H] in `dtype`."""
+    if isinstance(table, GGMLArray):
+        return ggml.take_rows(table, ids, dtype)
+    if isinstance(table, NVFP4Array):
+        raise TypeError("embedding tables are never NVFP4 (only linear layers are quantized)")
+    return jnp.take(table, ids, axis=0).astype(dtype)
+
+
 def linear(x: jax.Array, w: Any, *, backend: str | None = None, out_rows: int | None = None) -> jax.Array:
-    """y = x @ w.T for w [out, in] (dense array or NVFP4Array); returns [..., out] in x.dtype.
+    """y = x @ w.T for w [out, in] (dense array, NVFP4Array or GGMLArray); returns [..., out] in x.dtype.
 
     Accumulates in float32. `backend` only matters for NVFP4 weights (see module doc). out_rows: compute only the
     first out_rows outputs (a static prefix of w's rows, with their scales; the rest of w is never read), e.g. a
-    drafter's LM head over its draft vocabulary.
+    drafter's LM head over its draft vocabulary. GGML weights run through the CPU kernel on a CPU (`cpu_kernel`),
+    else as the XLA product with their dequantized values; inside the CPU generation loops dense and NVFP4 weights
+    do too (`_kernel_form`), so a row's result there never depends on how many rows share the product.
     """
+    recorder = execution.current().input_recorder  # calibration (quantize.collect_linear_inputs), eager only
+    kernel = _kernel_form(x, w, backend)
+    if kernel is not None:
+        if recorder is not None:
+            recorder(x, w)
+        n = w.shape[0] if out_rows is None else out_rows
+        if not 1 <= n <= w.shape[0]:
+            raise ValueError(f"linear: out_rows {n} outside 1..{w.shape[0]} (the weight has {w.shape[0]} output rows)")
+        fmt, arrays, dense = kernel
+        return cpu_kernel.matmul(x, fmt, *arrays, n, lambda *a: dense(*a)[:n]).astype(x.dtype)
+    if isinstance(w, GGMLArray):  # no kernel here: the XLA product with the dequantized values
+        if recorder is not None:
+            recorder(x, w)
+        if x.shape[-1] != w.shape[1]:
+            raise ValueError(f"linear: x shape {tuple(x.shape)} does not match weight shape {tuple(w.shape)} "
+                             f"(expected x [..., {w.shape[1]}] and weight [out, in])")
+        n = w.shape[0] if out_rows is None else out_rows
+        if not 1 <= n <= w.shape[0]:
+            raise ValueError(f"linear: out_rows {n} outside 1..{w.shape[0]} (the weight has {w.shape[0]} output rows)")
+        return _dot(x, ggml.dequantize(ggml.leading_rows(w, n) if n != w.shape[0] else w, x.dtype)).astype(x.dtype)
     if out_rows is not None and out_rows != w.shape[0]:
         w = _leading_rows(w, out_rows)
-    recorder = execution.current().input_recorder  # calibration (quantize.collect_linear_inputs), eager only
     if recorder is not None:
         recorder(x, w)
     w_shape = tuple(w.shape)

@@ -1,0 +1,161 @@
+"""The CPU matmul kernel (`cpu_matmul.cc`, an XLA FFI custom call): built from this package's own source on first
+use, cached, registered with XLA once per process.
+
+Build: the C++ compiler (`$CXX`, else g++ / c++) with `-O3 -march=native` against the XLA FFI headers that jaxlib
+ships (`jax.ffi.include_dir()`), into `$DFLASH_JAX_KERNEL_CACHE` (default `~/.cache/dflash_jax/kernels`), named by a
+hash of the source, the flags, the compiler, jaxlib's version and this CPU's feature flags, so a changed source or
+machine builds anew and concurrent processes never read a half-written library (write, then rename). Where no
+compiler is found or the build fails, `available()` is False with the reason in `unavailable_reason()`, and callers
+fall back to XLA's own dot (slower, same values up to summation order). `DFLASH_JAX_CPU_KERNEL=0` switches it off.
+
+`matmul` is the only entry point, and `quant/linear.py` its only caller: x [..., K] (any float dtype; computed in
+float32) times a weight given as its raw arrays and a format code, -> float32 [..., n_rows]. Its derivative is the
+plain XLA product with the dequantized weight (`dequantized`), so gradients and transposes work like a dense dot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+ENV_SWITCH = "DFLASH_JAX_CPU_KERNEL"
+ENV_CACHE = "DFLASH_JAX_KERNEL_CACHE"
+TARGET_NAME = "dflash_block_matmul"
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+FORMATS = {"float32": 0, "bfloat16": 1, "q4_1": 2, "q8_0": 3, "nvfp4": 4}
+
+_state: dict = {}
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _library_path(cxx: str) -> Path:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), str(version).encode(), jax.__version__.encode(),
+                 jax.lib.__version__.encode() if hasattr(jax.lib, "__version__") else b"",
+                 _cpu_flags().encode(), platform.machine().encode()):
+        key.update(part)
+    cache = Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "dflash_jax" / "kernels")
+    return cache / f"cpu_matmul-{key.hexdigest()[:16]}.so"
+
+
+def _build(cxx: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode:
+        os.unlink(tmp)
+        raise RuntimeError(f"building the CPU kernel failed ({' '.join(cmd)}):\n{res.stderr[-2000:]}")
+    os.replace(tmp, out)  # atomic: a concurrent process sees no library or a whole one
+
+
+def _load() -> None:
+    """Build (if needed), load and register the kernel; records why not in _state["why"]."""
+    if "ok" in _state:
+        return
+    _state["ok"], _state["why"] = False, None
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        _state["why"] = f"switched off by {ENV_SWITCH}=0"
+        return
+    cxx = _compiler()
+    if cxx is None:
+        _state["why"] = "no C++ compiler found ($CXX, g++, c++, clang++)"
+        return
+    try:
+        path = _library_path(cxx)
+        if not path.exists():
+            _build(cxx, path)
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.DflashBlockMatmul), platform="cpu")
+    except Exception as e:  # a broken toolchain must not break the package: XLA's dot still works
+        _state["why"] = f"{type(e).__name__}: {e}"
+        return
+    _state["ok"], _state["path"] = True, path
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered (building it now if needed)."""
+    _load()
+    return _state["ok"]
+
+
+def unavailable_reason() -> str | None:
+    _load()
+    return _state["why"]
+
+
+def library_path() -> Path | None:
+    _load()
+    return _state.get("path")
+
+
+_NONE = np.zeros((1,), np.uint8)  # stands for an absent scale / mins operand
+_ONE = np.ones((1,), np.float32)
+
+
+def _call(x2: jax.Array, codes, scale, mins, tensor_scale, fmt: int, n_rows: int) -> jax.Array:
+    out = jax.ShapeDtypeStruct((x2.shape[0], n_rows), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_NAME, out, vmap_method="sequential")(
+        x2, codes, _NONE if scale is None else scale, _NONE if mins is None else mins,
+        _ONE if tensor_scale is None else jnp.reshape(tensor_scale, (1,)).astype(jnp.float32),
+        format=np.int64(fmt), n_rows=np.int64(n_rows))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _matmul(fmt: int, n_rows: int, dequantized: Callable, x, codes, scale, mins, tensor_scale):
+    K = x.shape[-1]
+    y = _call(x.reshape(-1, K).astype(jnp.float32), codes, scale, mins, tensor_scale, fmt, n_rows)
+    return y.reshape(*x.shape[:-1], n_rows)
+
+
+@_matmul.defjvp
+def _matmul_jvp(fmt, n_rows, dequantized, primals, tangents):
+    # The product is linear in x and in the weight's values: the tangent is the XLA product with the dequantized
+    # weight, plus (dense formats) x times the weight's own tangent; quantized codes and scales carry none.
+    x, codes = primals[0], primals[1]
+    tx, tcodes = tangents[0], tangents[1]
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
+    t = jax.lax.dot_general(jnp.asarray(tx, jnp.float32), dequantized(*primals[1:]), dims,
+                            preferred_element_type=jnp.float32)
+    if fmt in (FORMATS["float32"], FORMATS["bfloat16"]) and not isinstance(tcodes, jax.custom_derivatives.SymbolicZero):
+        tw = jnp.asarray(tcodes, jnp.float32)[:n_rows]
+        t = t + jax.lax.dot_general(x.astype(jnp.float32), tw, dims, preferred_element_type=jnp.float32)
+    return _matmul(fmt, n_rows, dequantized, *primals), t
+
+
+def matmul(x: jax.Array, fmt: str, codes, scale, mins, tensor_scale, n_rows: int,
+           dequantized: Callable) -> jax.Array:
+    """x [..., K] @ W[:n_rows].T -> float32 [..., n_rows]; W given by its arrays in format `fmt` (FORMATS);
+    `dequantized(codes, scale, mins, tensor_scale)` -> float32 [n_rows, K] (for derivatives only)."""
+    if not available():
+        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
+    return _matmul(FORMATS[fmt], int(n_rows), dequantized, x, codes, scale, mins, tensor_scale)

@@ -1,0 +1,321 @@
+// dflash-jax CPU matmul kernel: y[M, N] = x[M, K] . W[N, K]^T for small M (decode, verify, draft), as an XLA FFI
+// custom call. W is dense (float32, bfloat16) or block-quantized (GGML Q4_1 / Q8_0, NVFP4); x and y are float32.
+//
+// Why: XLA:CPU runs a 1-row product as a GEMV at memory speed but every product of 2+ rows through a GEMM path that
+// costs ~2.2x that, and it has no fast path for 4- or 8-bit weights at all. Here each weight block is read once per
+// tile of up to 8 rows and decoded in registers, so a verify of D + 1 tokens reads the weights once, and compact
+// weights stream as compact bytes.
+//
+// Exactness: every y[m, n] is one chain over K in 32-wide blocks, in block order, accumulated in 16 lanes and summed
+// by one fixed horizontal reduction. Nothing about it depends on M, on the other rows, or on which thread ran it, so
+// a row's result is bit-identical in a decode (M = 1) and in a verify (M = D + 1): greedy speculative decoding stays
+// equal to autoregressive decoding by construction. The decoded weights are exactly the dequantized values
+// (GGML: d * q + m rounded once, as the float32 dequantization; NVFP4: e2m1(code) * e4m3(block scale), exact),
+// with NVFP4's tensor scale applied to the float32 result as the portable backend does.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+enum Format : int64_t { kF32 = 0, kBF16 = 1, kQ4_1 = 2, kQ8_0 = 3, kNVFP4 = 4 };
+
+struct Weight {
+  Format format;
+  const uint8_t* codes;  // F32 / BF16: the values [N, K]; Q4_1: [N, K/2]; Q8_0: int8 [N, K]; NVFP4: [N, K/2]
+  const void* scale;     // Q4_1 / Q8_0: float16 [N, K/32]; NVFP4: e4m3 bytes [N, K/16]
+  const void* mins;      // Q4_1: float16 [N, K/32]
+  int64_t N, K;
+  float tensor_scale;    // NVFP4's per-tensor scale (1 for the others)
+};
+
+float E4M3[256];
+const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+struct Tables {
+  Tables() {
+    for (int i = 0; i < 256; ++i) {
+      const int e = (i >> 3) & 15, m = i & 7;
+      float v = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.f + m / 8.f, e - 7);
+      if (e == 15 && m == 7) v = NAN;
+      E4M3[i] = (i & 128) ? -v : v;
+    }
+  }
+} tables;
+
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 31, man = h & 1023;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) { bits = sign; } else {  // subnormal: renormalise
+      int e = -1;
+      do { ++e; man <<= 1; } while (!(man & 1024));
+      bits = sign | uint32_t(127 - 15 - e) << 23 | (man & 1023) << 13;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | man << 13;
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+constexpr int kTile = 8;   // rows of x per pass over a weight row (accumulators held in registers)
+constexpr int kBlock = 32;
+
+#if defined(__AVX512F__)
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+// x elements [k, k + 16) of one row, zero past `valid` (a dense weight's ragged last block)
+inline Vec vload(const float* p, int valid) {
+  return valid >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(__mmask16((1u << std::max(valid, 0)) - 1), p);
+}
+
+// The 32 weights of block b of row n, as two vectors (elements 0..15 and 16..31); zero past K.
+template <Format F>
+inline void decode(const Weight& w, int64_t n, int64_t b, Vec& w0, Vec& w1) {
+  const int64_t K = w.K, nb = K / kBlock;
+  if constexpr (F == kF32) {
+    const float* p = reinterpret_cast<const float*>(w.codes) + n * K + b * kBlock;
+    const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
+    w0 = vload(p, valid);
+    w1 = vload(p + 16, valid - 16);
+  } else if constexpr (F == kBF16) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(w.codes) + n * K + b * kBlock;
+    const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
+    auto half = [](const uint16_t* q, int v) {
+      __m256i h = v >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))
+                          : _mm256_maskz_loadu_epi16(__mmask16((1u << std::max(v, 0)) - 1), q);
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bf16 -> f32, exact
+    };
+    w0 = half(p, valid);
+    w1 = half(p + 16, valid - 16);
+  } else if constexpr (F == kQ4_1) {
+    // byte j of a block holds code j (low nibble) and code j + 16 (high nibble), as GGML stores it
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codes + n * (K / 2) + b * 16)));
+    const float d = _cvtsh_ss(reinterpret_cast<const uint16_t*>(w.scale)[n * nb + b]);
+    const float m = _cvtsh_ss(reinterpret_cast<const uint16_t*>(w.mins)[n * nb + b]);
+    const Vec iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const Vec table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(m));  // d * q + m for q = 0..15
+    w0 = _mm512_permutexvar_ps(q, table);  // uses the low 4 bits of each index: the low nibble
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+  } else if constexpr (F == kQ8_0) {
+    const int8_t* p = reinterpret_cast<const int8_t*>(w.codes) + n * K + b * kBlock;
+    const Vec d = _mm512_set1_ps(_cvtsh_ss(reinterpret_cast<const uint16_t*>(w.scale)[n * nb + b]));
+    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))));
+  } else {  // NVFP4: element 2i in the low nibble; one e4m3 scale per 16
+    const uint8_t* s = reinterpret_cast<const uint8_t*>(w.scale) + n * (K / 16) + b * 2;
+    const uint8_t* c = w.codes + n * (K / 2) + b * 16;
+    const Vec grid = _mm512_loadu_ps(E2M1);
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
+    w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, lo)), shifts),
+                               _mm512_mul_ps(grid, _mm512_set1_ps(E4M3[s[0]])));
+    if (b * kBlock + 16 < K) {
+      const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8));
+      w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(hi, hi)), shifts),
+                                 _mm512_mul_ps(grid, _mm512_set1_ps(E4M3[s[1]])));
+    } else {
+      w1 = vzero();
+    }
+  }
+}
+
+template <Format F, int T>
+void tile(const Weight& w, const float* x, float* y, int64_t m0, int64_t n0, int64_t n1) {
+  const int64_t K = w.K, nb = (K + kBlock - 1) / kBlock;
+  const float* xt = x + m0 * K;
+  for (int64_t n = n0; n < n1; ++n) {
+    Vec acc[T];
+    for (int i = 0; i < T; ++i) acc[i] = vzero();
+    for (int64_t b = 0; b < nb; ++b) {
+      Vec w0, w1;
+      decode<F>(w, n, b, w0, w1);
+      const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
+      for (int i = 0; i < T; ++i) {
+        const float* xm = xt + i * K + b * kBlock;
+        acc[i] = vfma(w0, vload(xm, valid), acc[i]);
+        acc[i] = vfma(w1, vload(xm + 16, valid - 16), acc[i]);
+      }
+    }
+    for (int i = 0; i < T; ++i) y[(m0 + i) * w.N + n] = vsum(acc[i]) * w.tensor_scale;
+  }
+}
+
+#else  // portable C++: the same chains (16 lanes, block order, one fixed reduction), left to the compiler
+
+struct Vec { float v[16]; };
+inline Vec vzero() { Vec r; for (float& f : r.v) f = 0.f; return r; }
+inline Vec vfma(const Vec& a, const Vec& b, Vec c) { for (int l = 0; l < 16; ++l) c.v[l] = std::fma(a.v[l], b.v[l], c.v[l]); return c; }
+inline float vsum(const Vec& a) {
+  float t[16];
+  std::memcpy(t, a.v, sizeof t);
+  for (int w = 8; w >= 1; w /= 2) for (int l = 0; l < w; ++l) t[l] += t[l + w];
+  return t[0];
+}
+inline Vec vload(const float* p, int valid) { Vec r; for (int l = 0; l < 16; ++l) r.v[l] = l < valid ? p[l] : 0.f; return r; }
+
+inline float weight_at(const Weight& w, int64_t n, int64_t k) {
+  const int64_t K = w.K, b = k / kBlock, j = k % kBlock;
+  switch (w.format) {
+    case kF32: return reinterpret_cast<const float*>(w.codes)[n * K + k];
+    case kBF16: {
+      uint32_t bits = uint32_t(reinterpret_cast<const uint16_t*>(w.codes)[n * K + k]) << 16;
+      float f; std::memcpy(&f, &bits, 4); return f;
+    }
+    case kQ4_1: {
+      const uint8_t byte = w.codes[n * (K / 2) + b * 16 + (j % 16)];
+      const int q = j < 16 ? (byte & 15) : (byte >> 4);
+      return std::fma(float(q), half_to_float(reinterpret_cast<const uint16_t*>(w.scale)[n * (K / 32) + b]),
+                      half_to_float(reinterpret_cast<const uint16_t*>(w.mins)[n * (K / 32) + b]));
+    }
+    case kQ8_0:
+      return half_to_float(reinterpret_cast<const uint16_t*>(w.scale)[n * (K / 32) + b]) *
+             float(reinterpret_cast<const int8_t*>(w.codes)[n * K + k]);
+    default: {
+      const uint8_t byte = w.codes[n * (K / 2) + k / 2];
+      return E2M1[(k % 2) ? (byte >> 4) : (byte & 15)] * E4M3[reinterpret_cast<const uint8_t*>(w.scale)[n * (K / 16) + k / 16]];
+    }
+  }
+}
+
+template <Format F, int T>
+void tile(const Weight& w, const float* x, float* y, int64_t m0, int64_t n0, int64_t n1) {
+  const int64_t K = w.K, nb = (K + kBlock - 1) / kBlock;
+  const float* xt = x + m0 * K;
+  for (int64_t n = n0; n < n1; ++n) {
+    Vec acc[T];
+    for (int i = 0; i < T; ++i) acc[i] = vzero();
+    for (int64_t b = 0; b < nb; ++b) {
+      Vec w0 = vzero(), w1 = vzero();
+      const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
+      for (int l = 0; l < 16; ++l) {
+        if (l < valid) w0.v[l] = weight_at(w, n, b * kBlock + l);
+        if (l + 16 < valid) w1.v[l] = weight_at(w, n, b * kBlock + 16 + l);
+      }
+      for (int i = 0; i < T; ++i) {
+        const float* xm = xt + i * K + b * kBlock;
+        acc[i] = vfma(w0, vload(xm, valid), acc[i]);
+        acc[i] = vfma(w1, vload(xm + 16, valid - 16), acc[i]);
+      }
+    }
+    for (int i = 0; i < T; ++i) y[(m0 + i) * w.N + n] = vsum(acc[i]) * w.tensor_scale;
+  }
+}
+#endif
+
+template <Format F>
+void rows_of(const Weight& w, const float* x, float* y, int64_t M, int64_t n0, int64_t n1) {
+  for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+    switch (std::min<int64_t>(kTile, M - m0)) {
+      case 1: tile<F, 1>(w, x, y, m0, n0, n1); break;
+      case 2: tile<F, 2>(w, x, y, m0, n0, n1); break;
+      case 3: tile<F, 3>(w, x, y, m0, n0, n1); break;
+      case 4: tile<F, 4>(w, x, y, m0, n0, n1); break;
+      case 5: tile<F, 5>(w, x, y, m0, n0, n1); break;
+      case 6: tile<F, 6>(w, x, y, m0, n0, n1); break;
+      case 7: tile<F, 7>(w, x, y, m0, n0, n1); break;
+      default: tile<F, 8>(w, x, y, m0, n0, n1); break;
+    }
+  }
+}
+
+void rows(const Weight& w, const float* x, float* y, int64_t M, int64_t n0, int64_t n1) {
+  switch (w.format) {
+    case kF32: return rows_of<kF32>(w, x, y, M, n0, n1);
+    case kBF16: return rows_of<kBF16>(w, x, y, M, n0, n1);
+    case kQ4_1: return rows_of<kQ4_1>(w, x, y, M, n0, n1);
+    case kQ8_0: return rows_of<kQ8_0>(w, x, y, M, n0, n1);
+    case kNVFP4: return rows_of<kNVFP4>(w, x, y, M, n0, n1);
+  }
+}
+
+// Output rows [0, N) in chunks, claimed by the calling thread and by tasks on XLA's intra-op pool. The caller never
+// waits on a chunk nobody has claimed (a pool that runs tasks late, or never, cannot stall it); a late task finds
+// no chunk left and touches only the shared counters it co-owns.
+template <typename Body>
+void parallel_rows(ffi::ThreadPool& pool, int64_t N, int64_t chunk, const Body& body) {
+  struct Counters { std::atomic<int64_t> next{0}, done{0}; };
+  const int64_t chunks = (N + chunk - 1) / chunk;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks - 1);
+  auto counters = std::make_shared<Counters>();
+  const Body* f = &body;
+  auto work = [counters, chunks, chunk, N, f]() {
+    for (int64_t i; (i = counters->next.fetch_add(1)) < chunks;) {
+      (*f)(i * chunk, std::min(N, (i + 1) * chunk));
+      counters->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t h = 0; h < helpers; ++h) {
+    auto task = work;
+    pool.Schedule(std::move(task));
+  }
+  work();
+  // Only chunks another thread is running remain: spin briefly, then yield (on a loaded machine that thread may be
+  // descheduled, and spinning would take the core it needs).
+  for (int spins = 0; counters->done.load(std::memory_order_acquire) < chunks; ++spins) {
+    if (spins < 2000) {
+#if defined(__AVX512F__)
+      _mm_pause();
+#endif
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
+ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                           ffi::AnyBuffer scale, ffi::AnyBuffer mins, ffi::Buffer<ffi::F32> tensor_scale,
+                           ffi::ResultBuffer<ffi::F32> y, int64_t format, int64_t n_rows) {
+  if (format < kF32 || format > kNVFP4) return ffi::Error::InvalidArgument("unknown weight format");
+  Weight w;
+  w.format = Format(format);
+  w.K = x.dimensions().back();
+  w.N = n_rows;
+  w.codes = reinterpret_cast<const uint8_t*>(codes.untyped_data());
+  w.scale = scale.untyped_data();
+  w.mins = mins.untyped_data();
+  w.tensor_scale = tensor_scale.typed_data()[0];
+  if ((w.format == kQ4_1 || w.format == kQ8_0) && w.K % 32) return ffi::Error::InvalidArgument("K % 32 != 0");
+  if (w.format == kNVFP4 && w.K % 16) return ffi::Error::InvalidArgument("K % 16 != 0");
+  const int64_t M = w.K ? x.element_count() / w.K : 0;
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  // ~64 chunks per call: enough to balance two to a few threads, few enough that claiming one costs nothing
+  const int64_t chunk = std::max<int64_t>(16, (n_rows + 63) / 64);
+  parallel_rows(pool, n_rows, chunk, [&](int64_t n0, int64_t n1) { rows(w, xp, yp, M, n0, n1); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashBlockMatmul, BlockMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [..., K]
+                                  .Arg<ffi::AnyBuffer>()         // codes
+                                  .Arg<ffi::AnyBuffer>()         // scale
+                                  .Arg<ffi::AnyBuffer>()         // mins
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // tensor scale [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [..., n_rows]
+                                  .Attr<int64_t>("format")
+                                  .Attr<int64_t>("n_rows"));
+
+extern "C" int dflash_kernel_abi_version() { return 1; }

@@ -1,0 +1,178 @@
+"""The CPU matmul kernel (`quant/cpu_matmul.cc`) and GGML block weights (`quant/ggml.py`): values against a float64
+reference of the dequantized weight, every row's result independent of how many rows share the call (what makes a
+verify equal a decode bit for bit), the draft-vocabulary prefix, derivatives, the fallback without the kernel, and
+GGUF targets that keep their blocks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from dflash_jax.io.gguf import GGUFFile
+from dflash_jax.params import named_leaves
+from dflash_jax.quant import cpu_kernel, ggml
+from dflash_jax.quant.ggml import GGMLArray
+from dflash_jax.quant.linear import cpu_kernel_scope, embedding_rows, linear
+from dflash_jax.quant.nvfp4 import quantize
+from gguf_files import write_target_gguf
+from helpers import tiny_qwen3
+
+Q = gguf.GGMLQuantizationType
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason=f"CPU kernel: {cpu_kernel.unavailable_reason()}")
+
+
+def _blocks(w: np.ndarray, qtype) -> GGMLArray:
+    raw = gguf.quants.quantize(np.asarray(w, np.float32), qtype)
+    return ggml.from_blocks(raw, Q(qtype).name, w.shape)
+
+
+def _weights(N: int, K: int, seed: int = 0):
+    w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32)
+    out = {"float32": jnp.asarray(w), "bfloat16": jnp.asarray(w, jnp.bfloat16), "nvfp4": quantize(jnp.asarray(w))}
+    if K % 32 == 0:
+        out.update(q4_0=_blocks(w, Q.Q4_0), q4_1=_blocks(w, Q.Q4_1), q8_0=_blocks(w, Q.Q8_0))
+    return out
+
+
+def _dense(w) -> np.ndarray:
+    if isinstance(w, GGMLArray):
+        return np.asarray(ggml.dequantize(w), np.float64)
+    if hasattr(w, "packed"):
+        from dflash_jax.quant.nvfp4 import dequantize
+        return np.asarray(dequantize(w, jnp.float32), np.float64)
+    return np.asarray(jnp.asarray(w, jnp.float32), np.float64)
+
+
+def _kernel_linear(x, w, **kw):
+    with cpu_kernel_scope(True):
+        return jax.jit(lambda x, w: linear(x, w, **kw))(x, w)
+
+
+@pytest.mark.parametrize("K", [64, 80, 48])  # whole blocks, a half block (NVFP4 / dense), a ragged block
+def test_every_format_matches_its_dequantized_weight(K):
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((11, K)), jnp.float32)
+    for name, w in _weights(40, K).items():
+        y = np.asarray(_kernel_linear(x, w), np.float64)
+        ref = np.asarray(x, np.float64) @ _dense(w).T
+        assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max(), name
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    """Row r of an M-row call equals the 1-row call of row r bit for bit, for every M up to two tiles and past: a
+    decode (1 row) and a verify (D + 1 rows) compute the same function."""
+    K = 96
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((19, K)), jnp.float32)
+    for name, w in _weights(70, K, seed=3).items():
+        alone = np.stack([np.asarray(_kernel_linear(x[r:r + 1], w))[0] for r in range(19)])
+        for M in (2, 7, 8, 9, 16, 19):
+            np.testing.assert_array_equal(np.asarray(_kernel_linear(x[:M], w)), alone[:M], err_msg=f"{name} M={M}")
+
+
+def test_out_rows_is_the_prefix_of_the_full_product():
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 64)), jnp.float32)
+    for name, w in _weights(50, 64).items():
+        full = np.asarray(_kernel_linear(x, w))
+        np.testing.assert_array_equal(np.asarray(_kernel_linear(x, w, out_rows=17)), full[:, :17], err_msg=name)
+    with pytest.raises(ValueError, match="out_rows 60 outside 1..50"):
+        _kernel_linear(x, _weights(50, 64)["q8_0"], out_rows=60)
+
+
+def test_derivative_is_the_dense_products():
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((4, 64)), jnp.float32)
+    for name, w in _weights(24, 64).items():
+        def loss(x, w, on):
+            with cpu_kernel_scope(on):
+                return jnp.sum(jnp.tanh(linear(x, w)))
+        g_kernel = jax.grad(loss)(x, w, True)
+        g_xla = jax.grad(loss)(x, w, False)
+        np.testing.assert_allclose(np.asarray(g_kernel), np.asarray(g_xla), rtol=1e-4, atol=1e-5, err_msg=name)
+    w = _weights(24, 64)["float32"]
+    gw = jax.grad(lambda w: jnp.sum(jnp.tanh(_kernel_linear(x, w))))(w)
+    gw_ref = jax.grad(lambda w: jnp.sum(jnp.tanh(linear(x, w))))(w)
+    np.testing.assert_allclose(np.asarray(gw), np.asarray(gw_ref), rtol=1e-4, atol=1e-5)
+
+
+def test_ggml_blocks_dequantize_as_gguf_py_and_embed_rows():
+    w = np.random.default_rng(6).standard_normal((33, 64)).astype(np.float32)
+    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        raw = gguf.quants.quantize(w, qtype)
+        leaf = ggml.from_blocks(raw, qtype.name, w.shape)
+        ref = gguf.quants.dequantize(raw, qtype).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(ggml.dequantize(leaf)), ref, err_msg=qtype.name)
+        ids = jnp.asarray([[3, 0, 32], [5, 5, 1]])
+        np.testing.assert_array_equal(np.asarray(embedding_rows(leaf, ids, jnp.float32)), ref[np.asarray(ids)])
+    with pytest.raises(ValueError, match="Q5_0 is not kept as blocks"):
+        ggml.from_blocks(gguf.quants.quantize(w, Q.Q5_0), "Q5_0", w.shape)
+
+
+def test_without_the_kernel_the_same_values_come_from_xla():
+    """DFLASH_JAX_CPU_KERNEL=0 (or no compiler): the GGML weight is dequantized and multiplied by XLA's dot."""
+    code = ("import jax, jax.numpy as jnp, numpy as np, gguf\n"
+            "from dflash_jax.quant import cpu_kernel, ggml\n"
+            "from dflash_jax.quant.linear import linear\n"
+            "w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)\n"
+            "q = ggml.from_blocks(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1), 'Q4_1', w.shape)\n"
+            "x = jnp.ones((2, 64))\n"
+            "y = linear(x, q)\n"
+            "ref = np.asarray(x) @ np.asarray(ggml.dequantize(q)).T\n"
+            "assert not cpu_kernel.available() and 'DFLASH_JAX_CPU_KERNEL=0' in cpu_kernel.unavailable_reason()\n"
+            "assert np.abs(np.asarray(y) - ref).max() < 1e-4\n"
+            "print('fallback ok')\n")
+    env = dict(os.environ, DFLASH_JAX_CPU_KERNEL="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and "fallback ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_gguf_target_keeps_its_blocks_and_decodes_exactly(tmp_path):
+    """A quantized GGUF target on CPU keeps its Q4_0 / Q4_1 / Q8_0 tensors as GGMLArray leaves (param_dtype='gguf',
+    the CPU default; 'float32' decodes them); both forwards agree, and greedy speculative decoding with blocks equals
+    autoregressive decoding with blocks token for token."""
+    cfg = tiny_qwen3(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, vocab_size=96, tie_word_embeddings=True, max_position_embeddings=256,
+                     num_hidden_layers=2)
+    target = dj.init_target(cfg, jax.random.key(7))
+    types = {"attn_q.weight": int(Q.Q4_0), "attn_k.weight": int(Q.Q4_1), "ffn_up.weight": int(Q.Q4_1),
+             "ffn_down.weight": int(Q.Q4_1), "token_embd.weight": int(Q.Q8_0)}
+    path = write_target_gguf(tmp_path / "t.gguf", target, types=types)
+    blocks, dense = dj.load_target(path), dj.load_target(path, param_dtype="float32")
+    kinds = {n: type(v).__name__ for n, v in named_leaves(blocks.params).items()}
+    assert kinds["layers.0.self_attn.q_proj"] == kinds["embed_tokens"] == "GGMLArray"
+    assert kinds["layers.0.self_attn.v_proj"] == "ArrayImpl" and not any(
+        isinstance(v, GGMLArray) for v in named_leaves(dense.params).values())
+    assert dj.load_target(path, param_dtype="gguf").config == blocks.config
+    tokens = np.arange(40, dtype=np.int32).reshape(2, 20) % 96
+    a, b = dj.target_forward(blocks, tokens)[0], dj.target_forward(dense, tokens)[0]
+    assert float(jnp.max(jnp.abs(a - b))) <= 1e-4 * float(jnp.max(jnp.abs(b)))
+    drafter = dj.init_drafter(dj.DrafterConfig(model=cfg.drafter_stack(1), block_size=4, mask_token_id=0,
+                                               target_layer_ids=(0, 1), num_target_layers=2), jax.random.key(8))
+    prompts = [list(range(3, 20)), list(range(40, 45))]
+    ar = dj.generate_autoregressive(blocks, prompts, max_new_tokens=24, eos_ids=())
+    sp = dj.generate(blocks, drafter, prompts, max_new_tokens=24, eos_ids=())
+    assert ar.token_lists() == sp.token_lists()
+    with pytest.raises(dj.CheckpointError if hasattr(dj, "CheckpointError") else Exception, match="not a GGUF"):
+        dj.load_target(Path(__file__).parents[1] / "checkpoints" / "target", param_dtype="gguf")
+
+
+def test_smollm2_blocks_are_its_dequantized_weights():
+    """The default model's blocks (Q4_1 matrices with llama's q / k rows un-permuted, a Q8_0 embedding and tied
+    head) read as GGMLArray leaves equal its float32 decoding row for row; the forwards agree to float rounding."""
+    from dflash_jax.io import shipped
+    path = shipped.smollm2_path()
+    blocks = dj.load_target(path)
+    dense = dj.load_target(path, param_dtype="float32")
+    nb, nd = named_leaves(blocks.params), named_leaves(dense.params)
+    for name in ("layers.0.self_attn.q_proj", "layers.17.self_attn.k_proj", "layers.29.mlp.down_proj", "embed_tokens"):
+        assert isinstance(nb[name], GGMLArray), name
+        np.testing.assert_array_equal(np.asarray(ggml.dequantize(nb[name])), np.asarray(nd[name]), err_msg=name)
+    tokens = np.asarray([[1, 504, 3458, 30, 2209, 1380, 14]], np.int32)
+    a, b = dj.target_forward(blocks, tokens)[0], dj.target_forward(dense, tokens)[0]
+    assert float(jnp.max(jnp.abs(a - b))) <= 2e-5 * float(jnp.max(jnp.abs(b)))
