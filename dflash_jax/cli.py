@@ -227,7 +227,7 @@ def _dflash2_drafter(args):
     """The DFlash2 drafter for the bench: --dflash2 PATH, else the one shipped for the bench's model (code-5m:
     checkpoints/drafter2, smollm2: checkpoints/smollm2/drafter2), else None (with a note). Never another model's:
     a drafter reads its own target's hidden states."""
-    from dflash_jax.io.gguf_drafter import load_drafter  # folders and GGUF drafters
+    from dflash_jax.io.checkpoint import load_drafter  # folders and GGUF drafters
     from dflash_jax.io.shipped import checkpoints_dir, default_model
 
     model = getattr(args, "model", None) or default_model()

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.io.checkpoint import load_drafter, load_target, save
+from dflash_jax.io.checkpoint import load_drafter, load_target
+from dflash_jax.io.orbax_folder import save
 from dflash_jax.config import DrafterConfig, TargetConfig, default_target_layer_ids
 from dflash_jax.models.drafter import Drafter, block_pass, context_kv, embed_block, head_logits, init_drafter
 from dflash_jax.decode.programs import generate, generate_autoregressive
