@@ -117,7 +117,7 @@ def _plain(value):
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
-    """The parsed file; container errors (truncation, overlap, unknown types) re-raised as this module's GGUFDrafterError."""
+    """The parsed file; container errors (truncation, overlap, unknown types) re-raised as GGUFDrafterError."""
     try:
         return GGUFFile(path)
     except gguf_io.GGUFError as e:
@@ -131,8 +131,8 @@ def type_name(type_id: int) -> str:
 def _scalar_f32(g: GGUFFile, key: str, owner: str) -> np.ndarray:
     info = g.tensors[key]
     if info.type_id != F32 or int(np.prod(info.shape)) != 1:
-        raise GGUFDrafterError(f"{g.path}: {key!r} (the per-tensor scale of {owner!r}) must be F32 of shape {{1}}, got "
-                        f"{info.type_name} {list(info.shape)}")
+        raise GGUFDrafterError(f"{g.path}: {key!r} (the per-tensor scale of {owner!r}) must be F32 of shape {{1}}, "
+                               f"got {info.type_name} {list(info.shape)}")
     return g.dequantize(key).reshape(()).astype(np.float32)
 
 
@@ -147,18 +147,18 @@ def hf_tensors(g: GGUFFile) -> dict[str, np.ndarray]:
         if name.endswith((".scale", ".input_scale")):
             owner = name[: -len(".input_scale")] if name.endswith(".input_scale") else name[: -len(".scale")]
             if owner + ".weight" not in quantized:
-                raise GGUFDrafterError(f"{path}: tensor {name!r} is a per-tensor scale but {owner + '.weight'!r} is not an "
-                                "NVFP4 tensor")
+                raise GGUFDrafterError(f"{path}: tensor {name!r} is a per-tensor scale but {owner + '.weight'!r} is "
+                                       "not an NVFP4 tensor")
             continue
         param = param_name(name)
         if param is None:
-            raise GGUFDrafterError(f"{path}: unexpected tensor {name!r} (not a DFlash / DFlash2 drafter tensor; token "
-                            "embedding and output head belong to the target)")
+            raise GGUFDrafterError(f"{path}: unexpected tensor {name!r} (not a DFlash / DFlash2 drafter tensor; "
+                                   "token embedding and output head belong to the target)")
         if info.type_id == NVFP4:
             base = _base(name)
             if not is_linear_name(param):
-                raise GGUFDrafterError(f"{path}: {name!r} is NVFP4 but only linear weights may be (norms, codebooks and "
-                                "conv base kernels stay dense)")
+                raise GGUFDrafterError(f"{path}: {name!r} is NVFP4 but only linear weights may be (norms, codebooks "
+                                       "and conv base kernels stay dense)")
             if len(info.shape) != 2:
                 raise GGUFDrafterError(f"{path}: NVFP4 tensor {name!r} must be 2-D, got {list(info.shape)}")
             if base + ".scale" not in tensors:
@@ -241,7 +241,8 @@ def gguf_tensors(drafter: Drafter, dtype: str = "float32") -> list[tuple[str, tu
         tname = gguf_name(name)
         if isinstance(leaf, NVFP4Array):
             if len(leaf.shape) != 2:
-                raise GGUFDrafterError(f"save_gguf: {name} is an NVFP4 tensor of rank {len(leaf.shape)} (GGUF: 2-D only)")
+                raise GGUFDrafterError(f"save_gguf: {name} is an NVFP4 tensor of rank {len(leaf.shape)} (GGUF: 2-D "
+                                       "only)")
             rows, k = leaf.shape
             blocks = g4.to_gguf_blocks(np.asarray(leaf.packed), np.asarray(leaf.block_scale), name=tname)
             out.append((tname, (rows, k), NVFP4, blocks))
@@ -276,8 +277,8 @@ def save_gguf(path: str | Path, drafter: Drafter, *, dtype: str = "float32") -> 
     for name, shape, ggml_type, data in tensors:
         nbytes = data.nbytes
         if nbytes != _nbytes(shape, ggml_type):
-            raise GGUFDrafterError(f"save_gguf: {name} holds {nbytes} bytes, {TYPE_NAMES[ggml_type]} {list(shape)} needs "
-                            f"{_nbytes(shape, ggml_type)}")
+            raise GGUFDrafterError(f"save_gguf: {name} holds {nbytes} bytes, {TYPE_NAMES[ggml_type]} {list(shape)} "
+                                   f"needs {_nbytes(shape, ggml_type)}")
         header.append(_pack_string(name) + struct.pack("<I", len(shape))
                       + b"".join(struct.pack("<Q", d) for d in reversed(shape)) + struct.pack("<IQ", ggml_type, offset))
         layout.append((offset, data))
