@@ -119,7 +119,7 @@ def test_gguf_goals_quote_the_acceptance_rate_beside_tau():
     """`bench --gguf-roundtrip`'s replay line on made-up results: tau counts the bonus token, so a broken drafter
     that never gets a draft accepted still scores tau 1 (0.81x of an intact tau 1.24, above the 0.3x goal); the
     acceptance rate (accepted drafts / drafted tokens) is the figure that collapses, and its counts are shown."""
-    from dflash_jax.bench import speculative as bench
+    from dflash_jax.bench import gguf_replay as bench
 
     def cell(accepted, steps, D=7):  # a compare() cell from its counts: tau = tokens per step incl. the bonus
         return {"tau": 1 + accepted / steps, "acceptance_rate": accepted / (steps * D), "accepted": accepted,

@@ -5,6 +5,7 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax import cli
+from dflash_jax.bench import command
 from dflash_jax.io.shipped import checkpoints_dir
 from dflash_jax.train.drafter2 import shipped_drafter2_config
 
@@ -70,8 +71,8 @@ def test_bench_dflash2_path_loads_that_folder_and_refuses_a_dflash_one(tmp_path)
     d2 = dj.init_drafter(shipped_drafter2_config(target.config, tok.mask_id), jax.random.key(0))
     dj.save(tmp_path / "d2", d2)
     dj.save(tmp_path / "d1", drafter)
-    got = cli._dflash2_drafter(argparse.Namespace(dflash2=str(tmp_path / "d2"), model=None))
+    got = command.dflash2_drafter(argparse.Namespace(dflash2=str(tmp_path / "d2"), model=None))
     assert got.config == d2.config
     assert all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(d2.params)))
     with pytest.raises(SystemExit, match="holds a dflash drafter, not a DFlash2 one"):
-        cli._dflash2_drafter(argparse.Namespace(dflash2=str(tmp_path / "d1"), model=None))
+        command.dflash2_drafter(argparse.Namespace(dflash2=str(tmp_path / "d1"), model=None))

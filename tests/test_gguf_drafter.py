@@ -529,7 +529,7 @@ def test_metadata_read_as_llama_cpp_reads_it(tmp_path):
 def test_bench_proposal_agreement(tmp_path, target):
     """`bench --gguf-roundtrip`'s proposal comparison: a drafter agrees with itself on every slot; the file with its
     attention `.scale` set to 1 proposes differently (on random weights nothing else holds its proposals in place)."""
-    from dflash_jax.bench import speculative as bench
+    from dflash_jax.bench import gguf_replay as bench
 
     intact, broken = bench.gguf_roundtrip(_quantized("dflash"), tmp_path, name="d")
     prompts = [[5, 9, 17, 33], [7, 8]]
