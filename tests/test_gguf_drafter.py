@@ -1,4 +1,4 @@
-"""DFlash / DFlash2 drafters as llama.cpp `dflash` GGUF files (issue 24), checked against gguf-py as the oracle.
+"""DFlash / DFlash2 drafters as llama.cpp `dflash` GGUF files, checked against gguf-py as the oracle.
 
 gguf-py (0.19.0) is independent of our code: its `GGUFReader` reads what `save_gguf` writes, its `GGUFWriter` writes
 the engine-layout files our loader must read, and `gguf.quants.dequantize` is the reference NVFP4 (type 40) decoder.

@@ -1,4 +1,4 @@
-"""Prefill and the generation loop as two programs, buckets, and the calling conventions (issue 26, items 4 and 6).
+"""Prefill and the generation loop as two programs, buckets, and the calling conventions.
 
 - a new prompt-length bucket compiles a new prefill program only: 100 prompt lengths over 1..1000 -> 1 loop program;
 - batches run in a batch bucket whose padding rows are inert (never in the result, never changing a real row);

@@ -109,8 +109,9 @@ def _hybrid_pair(smoke: bool, dtype: str | None = None):
 
 
 def hybrid_section(report: Report, smoke: bool) -> dict:
-    """Issue 25 on the device: a hybrid target's verify (with the exact recurrent-state rollback) vs autoregressive
-    step cost at D = 7 and 15, the DeltaNet state bytes per row, and greedy speculative == autoregressive."""
+    """A hybrid target on the device (its DeltaNet states must roll back exactly after a partial acceptance): the
+    verify (with that rollback) vs autoregressive step cost at D = 7 and 15, the DeltaNet state bytes per row, and
+    greedy speculative == autoregressive."""
     t0 = time.perf_counter()
     target, drafter = _hybrid_pair(smoke)
     jax.block_until_ready((target, drafter))
@@ -163,7 +164,7 @@ def set_backend(backend: str | None):
     set_default_backend(backend)
 
 
-# -- 4b. the decode core (issue 26, part 1) ---------------------------------------------------------------------
+# -- 4b. the decode core: what a step costs the device beyond its matmuls --------------------------------------
 
 def _lowering_counts(smoke: bool) -> dict:
     cfg = TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -191,8 +192,9 @@ def _bf16_backend_agreement(smoke: bool) -> dict:
 
 
 def decode_core_section(report: Report, smoke: bool) -> dict:
-    """Issue 26, part 1: no host round trip inside a step, bounded prefill memory, long-cache attention, NVFP4 bf16
-    agreement. Each part records its own failure instead of losing the others."""
+    """What a step costs the device beyond its matmuls: no host round trip inside a step (loops lowered for CUDA),
+    bounded prefill memory, long-cache attention, NVFP4 backends agreeing in bf16. Each part records its own failure
+    instead of losing the others."""
     out: dict[str, Any] = {}
 
     def part(name, fn):
@@ -254,7 +256,7 @@ def embedded_section(report: Report, smoke: bool) -> dict:
     return out
 
 
-# -- 4c. programs and bf16 exactness (issue 26, items 4 and 6) ------------------------------------------------------
+# -- 4c. programs compiled per prompt length, and bf16 exactness ------------------------------------------------
 
 def programs_section(report: Report, smoke: bool) -> dict:
     """The embedded pair in bfloat16 compute: greedy speculative vs autoregressive over 32 prompts x 256 tokens

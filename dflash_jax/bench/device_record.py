@@ -138,7 +138,7 @@ def markdown(d: dict) -> str:
         lines.append("")
     dc = d.get("decode_core")
     if dc:
-        lines += ["## Decode core (issue 26, part 1)", ""]
+        lines += ["## Decode core (no host round trip inside a step, bounded prefill memory, long caches)", ""]
         for name, v in dc.items():
             lines.append(f"- {name}: " + json.dumps(v, default=_json_default))
         lines.append("")
