@@ -33,6 +33,9 @@ def _generate(args):
     if args.draft_vocab is not None:
         from dflash_jax.bench.command import with_draft_vocab
         drafter = with_draft_vocab(drafter, args.draft_vocab)
+    if args.draft_length is not None:
+        from dflash_jax.bench.command import check_draft_length
+        check_draft_length(args.draft_length, [drafter])
     if args.nvfp4:
         from dflash_jax.quant.quantize import quantize_nvfp4
         drafter = quantize_nvfp4(drafter)
@@ -154,17 +157,20 @@ def main(argv=None):
     b.add_argument("--prompts", type=int, default=None,
                    help="held-out stdlib prompts, run one at a time (default 8; --bf16-exactness: 32, batched)")
     b.add_argument("--draft-length", type=int, default=None,
-                   help="tokens drafted per step (default: block_size-1; 7 with --nvfp4; with --tau-table: only this length "
-                        "instead of 3, 7 and 15)")
+                   help="tokens drafted per step, 1..block_size-1 of the loaded drafter (default: block_size-1, at "
+                        "most 7 with --nvfp4; --tau-table / --pair-table / --step-table: only this length instead of "
+                        "those of 3/7/15, 7/15 and 1/3/7 the drafter's block holds)")
     b.add_argument("--seed", type=int, default=0, help="seed of the prompt sample and of sampling")
     b.add_argument("--nvfp4", action="store_true", help="add NVFP4 drafters with and without tensor scales")
     b.add_argument("--random-tiny", action="store_true", help="random tiny models: per-step cost split")
     b.add_argument("--model", choices=("smollm2", "code-5m"), default=None,
                    help="which shipped model (default: $DFLASH_JAX_DEFAULT_MODEL, else smollm2)")
-    b.add_argument("--tau-table", action="store_true", help="tau at draft lengths 3/7/15 (+ NVFP4 with --nvfp4)")
+    b.add_argument("--tau-table", action="store_true",
+                   help="tau at the draft lengths of 3/7/15 the drafter's block holds (+ NVFP4 with --nvfp4)")
     b.add_argument("--step-table", action="store_true",
-                   help="per draft length (1/3/7, or --draft-length) and draft vocabulary (whole, first 8192, "
-                        "first 4096 ids): verify and draft cost (r, c), tau, predicted and measured speedup")
+                   help="per draft length (those of 1/3/7 the block holds, or --draft-length) and draft vocabulary "
+                        "(whole, first 8192, first 4096 ids): verify and draft cost (r, c), tau, predicted and "
+                        "measured speedup")
     b.add_argument("--reps", type=int, default=30, help="with --step-table: timed rounds per step cost (default 30)")
     b.add_argument("--draft-vocab", type=int, default=None,
                    help="draft over the first N token ids only (0: the whole vocabulary; default: the drafter's "
@@ -174,7 +180,8 @@ def main(argv=None):
                         "one eager draft pass of its own context length (its own op compiles): the tests' shrunk "
                         "run takes 2")
     b.add_argument("--pair-table", action="store_true",
-                   help="dense and NVFP4 drafter: tau and speedup at draft lengths 7 and 15 (or --draft-length), "
+                   help="dense and NVFP4 drafter: tau and speedup at draft lengths 7 and 15 (those the block "
+                        "holds, or --draft-length), "
                         "greedy and T 0.7 (or --temperature), at each --new-tokens")
     b.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy (default); > 0 = rejection sampling (then 'exact' is not expected to hold); "
@@ -183,8 +190,8 @@ def main(argv=None):
                    help="greedy speculative vs autoregressive with the shipped pair in bfloat16 compute: mismatch rate "
                         "(rows differing) and first-divergence position (default 32 prompts x 256 tokens, batched)")
     b.add_argument("--device-report", action="store_true",
-                   help="the prepared GPU run (dflash_jax/bench/device_report.py): linear timings per backend, step costs, "
-                        "embedded pair; writes device_report.json/.md into --out")
+                   help="the prepared GPU run (dflash_jax/bench/device_report.py): linear timings per backend, step "
+                        "costs, embedded pair; writes device_report.json/.md into --out")
     b.add_argument("--smoke", action="store_true", help="with --device-report: tiny shapes, runs on CPU")
     b.add_argument("--out", default=None, help="with --device-report: output folder")
     b.add_argument("--gguf-roundtrip", action="store_true",
@@ -244,8 +251,6 @@ def main(argv=None):
             ap.error(f"--calibration-anchors must be >= 1, got {args.calibration_anchors}")
         if args.temperature is None and not args.pair_table:
             args.temperature = 0.0
-        if args.nvfp4 and args.draft_length is None and not args.tau_table:
-            args.draft_length = 7  # the original report's setting
         _bench(args)
 
 

@@ -10,6 +10,11 @@
     --bf16-exactness   greedy speculative vs autoregressive in bfloat16 compute
     --random-tiny      per-step cost split on random tiny models
     --device-report    the prepared GPU run (`device_report`)
+
+Every default follows the drafters loaded: a draft length D must fit a drafter's block (D <= block_size - 1), so the
+tables' draft lengths are those of their preferred lengths (3/7/15, 7/15, 1/3/7) every drafter's block holds, and a
+single-length mode defaults to the blocks' longest draft (at most 7 with --nvfp4, the original report's setting). An
+explicit --draft-length that a block cannot hold is refused before anything runs.
 """
 
 from __future__ import annotations
@@ -37,6 +42,22 @@ from dflash_jax.train import corpus
 from dflash_jax.train.drafter_data import chat_prompt_ids
 
 
+def draft_lengths(drafters, preferred: tuple[int, ...]) -> tuple[int, ...]:
+    """The `preferred` draft lengths every drafter's block holds, or, when none fits, the longest all of them hold."""
+    longest = min(d.config.block_size for d in drafters) - 1
+    return tuple(D for D in preferred if 1 <= D <= longest) or (longest,)
+
+
+def check_draft_length(draft_length: int | None, drafters) -> None:
+    """An explicit --draft-length must fit every drafter's block: refused naming the block size otherwise."""
+    if draft_length is None:
+        return
+    block = min(d.config.block_size for d in drafters)
+    if not 1 <= draft_length <= block - 1:
+        raise SystemExit(f"error: --draft-length {draft_length}: the drafter's block holds {block} tokens (the anchor "
+                         f"and {block - 1} drafts), so 1..{block - 1}")
+
+
 def run(args):
     """The bench the parsed `args` ask for (see the module docstring)."""
     if args.bf16_exactness:
@@ -51,8 +72,9 @@ def run(args):
     prompts = heldout_prompts(tok, args.prompts, args.seed)
     if args.draft_vocab is not None:
         drafter = with_draft_vocab(drafter, args.draft_vocab)
+    check_draft_length(args.draft_length, [drafter])
     if args.step_table:
-        lengths = (args.draft_length,) if args.draft_length else (1, 3, 7)
+        lengths = (args.draft_length,) if args.draft_length else draft_lengths([drafter], (1, 3, 7))
         rows = bench.step_table(target, drafter, prompts, draft_lengths=lengths, max_new_tokens=args.new_tokens[0],
                                 reps=args.reps)
         print(f"{len(prompts)} held-out prompts, {args.new_tokens[0]} new tokens, greedy, batch 1, one run")
@@ -76,6 +98,7 @@ def random_tiny(args):
     target, drafter = init_target(cfg, jax.random.key(0)), init_drafter(dcfg, jax.random.key(1))
     print(f"random tiny models: target {cfg.num_hidden_layers} layers H={cfg.hidden_size} V={cfg.vocab_size}; "
           f"drafter {dcfg.model.num_hidden_layers} layers, block {dcfg.block_size}")
+    check_draft_length(args.draft_length, [drafter])
     prompt = [list(np.random.default_rng(0).integers(0, 511, 64))]
     for D in (args.draft_length or 7, 15):
         kw = dict(max_new_tokens=256, draft_length=D, prefill_timing="rerun")
@@ -106,22 +129,24 @@ def speculative_vs_autoregressive(args, target, drafter, prompts):
                      "dflash2 nvfp4 no conv/sel scale": drop_global_scales(q2, DFLASH2_PROJECTIONS)}
             extra.update(rows2)
             names2 = list(rows2)
-    print(f"embedded models, {len(prompts)} held-out stdlib prompts, batch 1, greedy, draft length "
-          f"{args.draft_length or drafter.config.block_size - 1} (block {drafter.config.block_size}); "
-          f"decode tokens/s exclude prefill and compile; medians over prompts; one run")
+    every = [drafter] + ([dflash2] if dflash2 is not None else [])
+    check_draft_length(args.draft_length, every)
+    D = args.draft_length or draft_lengths(every, (7,) if args.nvfp4 else (drafter.config.block_size - 1,))[0]
+    print(f"embedded models, {len(prompts)} held-out stdlib prompts, batch 1, greedy, draft length {D} (block "
+          f"{drafter.config.block_size}); decode tokens/s exclude prefill and compile; medians over prompts; one run")
     if args.temperature:
         print(f"temperature {args.temperature}: rejection sampling; 'exact' compares with one AR sample (not expected "
               "to match)")
     results = []
     for n in args.new_tokens:
-        results.append(bench.compare(target, drafter, prompts, max_new_tokens=n, draft_length=args.draft_length,
-                                     drafters=extra, temperature=args.temperature, seed=args.seed))
+        results.append(bench.compare(target, drafter, prompts, max_new_tokens=n, draft_length=D, drafters=extra,
+                                     temperature=args.temperature, seed=args.seed))
     print(bench.format_compare_table(results, names))
     if names2:
         print()
         print("DFlash2 drafter (same prompts, same run):")
         print(bench.format_compare_table(results, names2))
-    costs = step_costs(target, drafter, context_len=256, draft_length=args.draft_length)
+    costs = step_costs(target, drafter, context_len=256, draft_length=D)
     print()
     print(format_step_costs(costs, tau=results[0]["dflash"]["tau"]))
     print("acceptance rate per block position (first table row): "
@@ -129,7 +154,6 @@ def speculative_vs_autoregressive(args, target, drafter, prompts):
     if names2:
         print("DFlash2 acceptance rate per block position (first table row): "
               + " ".join(f"{x:.2f}" for x in results[0]["dflash2"]["position_acceptance"]))
-        D = args.draft_length or drafter.config.block_size - 1
         dc = draft_costs(target, {"dflash": drafter, "dflash2": dflash2}, context_len=256, draft_length=D,
                          clock="cpu")
         print(format_draft_costs(dc))
@@ -155,7 +179,7 @@ def bf16_exactness(args):
 
 
 def pair_table(args, target, drafter, prompts):
-    lengths = (args.draft_length,) if args.draft_length else (7, 15)
+    lengths = (args.draft_length,) if args.draft_length else draft_lengths([drafter], (7, 15))
     temps = (args.temperature,) if args.temperature is not None else (0.0, 0.7)
     print(f"embedded pair, {len(prompts)} held-out prompts, batch 1, dense and NVFP4 (RTN) DFlash drafter; decode "
           f"tokens/s exclude prefill and compile; speedup = median drafter tok/s / median AR tok/s, same run; at T > 0 "
@@ -213,7 +237,8 @@ def tau_table(args, target, drafter, tok, prompts):
     if dflash2 is not None:  # the same prompts and draft lengths, dense and NVFP4 (RTN, every projection)
         drafters.update({"dflash2": dflash2, "dflash2 nvfp4": quantize_nvfp4(dflash2)} if args.nvfp4
                         else {"dflash2": dflash2})
-    lengths = (args.draft_length,) if args.draft_length else (3, 7, 15)
+    check_draft_length(args.draft_length, drafters.values())
+    lengths = (args.draft_length,) if args.draft_length else draft_lengths(drafters.values(), (3, 7, 15))
     rows = bench.tau_table(target, drafters, prompts, draft_lengths=lengths,
                            max_new_tokens=args.new_tokens[0], temperature=args.temperature)
     print(f"{len(prompts)} held-out prompts, {args.new_tokens[0]} new tokens, temperature {args.temperature}")
@@ -236,7 +261,9 @@ def gguf_roundtrip(args, target, drafter, prompts):
                 report = audit_file(path, graph=False)
                 audits.append(f"  {name} nvfp4 GGUF, {label}: {len(report.rows)} per-tensor scales, flagged "
                               f"{len(report.flagged)}: {', '.join(report.flagged_names) or '-'}")
-    D = args.draft_length or drafter.config.block_size - 1
+    models = [d for name, d in drafters.items() if name.endswith("nvfp4")]
+    check_draft_length(args.draft_length, models)
+    D = args.draft_length or draft_lengths(models, (drafter.config.block_size - 1,))[0]
     print(f"embedded pair {args.model or default_model()}, {len(prompts)} held-out prompts (seed {args.seed}), batch "
           f"1, greedy, draft length {D}: NVFP4 drafters (RTN, the ModelOpt recipe) in memory, written with save_gguf "
           "and read back, and the same file with every attention .scale set to 1.0 (what the engine's graph did)")
@@ -264,4 +291,4 @@ def gguf_roundtrip(args, target, drafter, prompts):
     print("\n".join(audits))
 
 
-__all__ = ["run", "heldout_prompts", "dflash2_drafter", "with_draft_vocab"]
+__all__ = ["run", "heldout_prompts", "dflash2_drafter", "with_draft_vocab", "draft_lengths", "check_draft_length"]
