@@ -773,7 +773,8 @@ ZL_LAYER_IDS = [1, 3, 5]
 
 
 def _zlab_config() -> dict:
-    """Written by hand after the Qwen3-8B-DFlash-b16 config.json on the Hugging Face hub, not by our own drafter_config_to_hf."""
+    """Written by hand after the Qwen3-8B-DFlash-b16 config.json on the Hugging Face hub, not by our own
+    drafter_config_to_hf."""
     return {
         "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "model_type": "qwen3", "block_size": 16, "num_target_layers": 8,
