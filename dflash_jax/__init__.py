@@ -10,8 +10,11 @@ call takes either.
 
 from dflash_jax.quant import nvfp4
 from dflash_jax.quant.audit import ScaleAudit, audit_scales
-from dflash_jax.io.checkpoint import CheckpointError, load_target, save, save_hf
-from dflash_jax.io.gguf_drafter import load_drafter, save_gguf
+from dflash_jax.io.checkpoint import load_drafter, load_target
+from dflash_jax.io.errors import CheckpointError
+from dflash_jax.io.gguf_drafter import save_gguf
+from dflash_jax.io.hf_folder import save_hf
+from dflash_jax.io.orbax_folder import save
 from dflash_jax.io.audit_file import FileAudit, audit_file
 from dflash_jax.io.compile_cache import enable_compilation_cache
 from dflash_jax.config import DrafterConfig, Qwen3Config, TargetConfig, default_target_layer_ids

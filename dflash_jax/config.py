@@ -1,4 +1,5 @@
-"""Frozen, hashable model configs, read from HF `config.json` files.
+"""Frozen, hashable model configs and their validation (reading them from files is `dflash_jax.io`'s job:
+`io/hf_config.py`, `io/zlab_config.py`, `io/gguf_config.py`).
 
 Configs are static under `jax.jit`: they are registered as static pytree metadata of the model dataclasses, so
 every field must be hashable (tuples, not lists). Storage dtype (how weights live in memory) and compute dtype (what
@@ -8,16 +9,13 @@ the matmuls run in) are separate choices: bf16 weights computed in f32 on CPU, w
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import warnings
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def default_compute_dtype() -> str:
@@ -27,8 +25,8 @@ def default_compute_dtype() -> str:
 
 def _dtype_name(value: Any) -> str:
     name = jnp.dtype(value).name if not isinstance(value, str) else value
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {value!r}; expected one of {sorted(_DTYPES)}")
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {value!r}; expected one of {sorted(DTYPES)}")
     return name
 
 
@@ -38,26 +36,27 @@ def _dtype_name(value: Any) -> str:
 #   qwen3_5: hybrid (Qwen3.5 / 3.6 / 3.8 text): Gated DeltaNet layers ("linear_attention") between gated full-attention
 #   layers with q/k norm and partial rotary; every RMSNorm but the DeltaNet's gated one is zero-centred (x * (1 + w)).
 MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_5")
-HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-                    "mistral": "MistralForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}
-_FEATURES = {"qwen3": dict(qk_norm=True, attention_bias=False), "qwen2": dict(qk_norm=False, attention_bias=True),
-             "llama": dict(qk_norm=False, attention_bias=False), "mistral": dict(qk_norm=False, attention_bias=False),
-             "qwen3_5": dict(qk_norm=True, attention_bias=False)}
+FAMILY_FEATURES = {"qwen3": dict(qk_norm=True, attention_bias=False),
+                   "qwen2": dict(qk_norm=False, attention_bias=True),
+                   "llama": dict(qk_norm=False, attention_bias=False),
+                   "mistral": dict(qk_norm=False, attention_bias=False),
+                   "qwen3_5": dict(qk_norm=True, attention_bias=False)}
 ROPE_TYPES = ("default", "linear", "llama3")
 # Target layer kinds (`layer_types`): softmax attention with a KV cache, or a Gated DeltaNet with a conv window and a
 # recurrent state (qwen3_5 only).
 TARGET_LAYER_TYPES = ("full_attention", "linear_attention")
-_LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-                  "linear_conv_kernel_dim")
+LINEAR_ATTENTION_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                           "linear_value_head_dim", "linear_conv_kernel_dim")
 
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
     """One decoder-only target: GQA, NeoX RoPE, SwiGLU MLP, RMSNorm, with the family's features as switches.
 
-    `model_type` names the HF family ("qwen3" | "qwen2" | "llama" | "mistral"); `qk_norm` (per-head q/k RMSNorm before RoPE)
-    and `attention_bias` (biases on q/k/v, never on o_proj) default to that family's values and may be set apart
-    from it (`to_hf_dict` then refuses what HF cannot express). `Qwen3Config` is the same class (the name it first had).
+    `model_type` names the HF family ("qwen3" | "qwen2" | "llama" | "mistral" | "qwen3_5"); `qk_norm` (per-head q/k
+    RMSNorm before RoPE) and `attention_bias` (biases on q/k/v, never on o_proj) default to that family's values and
+    may be set apart from it (`io.hf_config.target_config_to_hf` then refuses what HF cannot express).
+    `Qwen3Config` is the same class (the name it first had).
 
     RoPE: `rope_type` "default", "linear" (positions divided by `rope_scaling_factor`) or "llama3" (Llama 3.x:
     long wavelengths divided by the factor, short ones kept, a smooth blend between, set by the low/high frequency
@@ -110,7 +109,7 @@ class TargetConfig:
             raise ValueError(f"config: head_dim must be even for RoPE, got {self.head_dim}")
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"config: model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
-        for name, value in _FEATURES[self.model_type].items():  # one canonical form: configs are static metadata
+        for name, value in FAMILY_FEATURES[self.model_type].items():  # one canonical form: configs are static metadata
             object.__setattr__(self, name, value if getattr(self, name) is None else bool(getattr(self, name)))
         self._canonical_rope()
         self._canonical_hybrid()
@@ -170,10 +169,10 @@ class TargetConfig:
                 types = None  # one canonical form: configs are static metadata
         object.__setattr__(self, "layer_types", types)
         if types is None:  # no DeltaNet: its sizes are meaningless, one canonical value
-            for name in _LINEAR_FIELDS:
+            for name in LINEAR_ATTENTION_FIELDS:
                 object.__setattr__(self, name, 0)
             return
-        for name in _LINEAR_FIELDS:
+        for name in LINEAR_ATTENTION_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or int(value) != value or int(value) < 1:
                 raise ValueError(f"config: {name} must be an integer >= 1 with linear_attention layers, got {value!r}")
@@ -223,11 +222,11 @@ class TargetConfig:
 
     @property
     def dtype(self):
-        return _DTYPES[self.compute_dtype]
+        return DTYPES[self.compute_dtype]
 
     @property
     def storage_dtype(self):
-        return _DTYPES[self.param_dtype]
+        return DTYPES[self.param_dtype]
 
     def replace(self, **changes) -> "TargetConfig":
         return dataclasses.replace(self, **changes)
@@ -237,257 +236,10 @@ class TargetConfig:
         sizes and RoPE, whatever the target's family (z-lab's drafters are Qwen3 layers for every target)."""
         return self.replace(num_hidden_layers=num_hidden_layers, model_type="qwen3", qk_norm=True,
                             attention_bias=False, layer_types=None, partial_rotary_factor=1.0,
-                            **{name: 0 for name in _LINEAR_FIELDS})
-
-    # -- HF config.json ----------------------------------------------------------------------------------------
-    @classmethod
-    def from_hf_dict(cls, d: dict, *, param_dtype: str | None = None, compute_dtype: str | None = None,
-                     **overrides) -> "TargetConfig":
-        """A config from an HF `config.json` of a Qwen3, Qwen2, Llama, Mistral or Qwen3.5 (`qwen3_5`, text-only or the
-        multimodal layout whose text model sits under `text_config`) causal LM; what this decoder cannot run is
-        refused with an error naming the key."""
-        if d.get("model_type") in ("qwen3_5", "qwen3_5_text") or isinstance(d.get("text_config"), dict):
-            return cls._from_qwen3_5(d, param_dtype=param_dtype, compute_dtype=compute_dtype, **overrides)
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if k not in d]
-        if missing:
-            raise ValueError(f"config.json is missing required keys: {missing}")
-        model_type = d.get("model_type")
-        if model_type is None:  # older files: the architecture names the family
-            by_arch = {v: k for k, v in HF_ARCHITECTURES.items()}
-            model_type = next((by_arch[a] for a in d.get("architectures") or [] if a in by_arch), "qwen3")
-        if model_type not in MODEL_TYPES:
-            raise NotImplementedError(f"config.json: model_type {model_type!r} is not supported "
-                                      f"(one of {list(MODEL_TYPES)})")
-        features = dict(_FEATURES[model_type])
-        if model_type != "qwen2" and d.get("attention_bias", False):
-            # HF Llama / Qwen3 put the bias on o_proj too; this decoder has q/k/v biases only (Qwen2's layout).
-            raise NotImplementedError(f"config.json: attention_bias=true is not supported for model_type "
-                                      f"{model_type!r} (it biases o_proj too); only Qwen2's q/k/v biases are")
-        if d.get("mlp_bias", False):
-            raise NotImplementedError("config.json: mlp_bias=true is not supported (the MLP has no biases)")
-        if d.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"config.json: hidden_act={d['hidden_act']!r} is not supported (silu only)")
-        partial = d.get("partial_rotary_factor", (d.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
-                        if isinstance(d.get("rope_parameters"), dict) else 1.0)
-        if float(partial) != 1.0:
-            raise NotImplementedError(f"config.json: partial_rotary_factor={partial} is not supported for model_type "
-                                      f"{model_type!r} (RoPE over the whole head)")
-        n_heads = int(d["num_attention_heads"])
-        head_dim = int(d.get("head_dim") or d["hidden_size"] // n_heads)
-        rope_theta = d.get("rope_theta")
-        rope_scaling = d.get("rope_scaling")
-        key = "rope_scaling"
-        if rope_scaling is None and isinstance(d.get("rope_parameters"), dict):  # newer HF layout
-            rope_scaling, key = d["rope_parameters"], "rope_parameters"
-            rope_theta = rope_theta or rope_scaling.get("rope_theta")
-        rope = _rope_fields(rope_scaling, key, d)
-        layer_types = d.get("layer_types")
-        if layer_types and any(t != "full_attention" for t in layer_types):
-            raise NotImplementedError(f"config.json: layer_types {sorted(set(layer_types))} not supported "
-                                      "(full_attention only)")
-        if model_type == "mistral" and d.get("sliding_window", 4096) is not None:  # HF Mistral's default is 4096
-            raise NotImplementedError(f"config.json: sliding_window={d.get('sliding_window', 4096)} is not supported "
-                                      "for mistral (full attention only: sliding_window must be null)")
-        if model_type == "qwen2" and not layer_types and d.get("use_sliding_window", False) \
-                and int(d.get("max_window_layers", 28)) < int(d["num_hidden_layers"]):
-            raise NotImplementedError("config.json: use_sliding_window=true is not supported (the layers from "
-                                      "max_window_layers on would attend within sliding_window)")
-        eos = d.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        dtype_in_file = d.get("torch_dtype") or d.get("dtype") or "float32"
-        kwargs = dict(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
-            num_attention_heads=n_heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta or 10000.0),
-            max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos,
-            param_dtype=param_dtype or (dtype_in_file if dtype_in_file in _DTYPES else "float32"),
-            compute_dtype=compute_dtype or default_compute_dtype(),
-            model_type=model_type,
-            **features,
-            **rope,
-        )
-        kwargs.update(overrides)
-        return cls(**kwargs)
-
-    @classmethod
-    def _from_qwen3_5(cls, d: dict, *, param_dtype: str | None, compute_dtype: str | None,
-                      **overrides) -> "TargetConfig":
-        """Qwen3.5 / 3.6 / 3.8 (transformers 5.x `qwen3_5`): `Qwen3_5ForCausalLM`'s text config, or the multimodal
-        `Qwen3_5ForConditionalGeneration` config whose text model is `text_config` (the vision config and the image
-        token ids are not read: a text-only decoder never meets them, so an image_token_id outside a test model's
-        vocabulary is harmless)."""
-        text = d.get("text_config")
-        if text is not None and not isinstance(text, dict):
-            raise ValueError(f"config.json: text_config must be an object, got {type(text).__name__}")
-        t = dict(text) if text is not None else dict(d)
-        if text is not None:  # a few keys may sit at the top level only (older exports)
-            for key in ("tie_word_embeddings", "torch_dtype", "dtype", "eos_token_id", "bos_token_id"):
-                if key not in t and key in d:
-                    t[key] = d[key]
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if k not in t]
-        if missing:
-            raise ValueError(f"config.json: {'text_config' if text is not None else 'config'} is missing required "
-                             f"keys: {missing}")
-        if t.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"config.json: hidden_act={t['hidden_act']!r} is not supported (silu only)")
-        if t.get("attention_bias", False):
-            raise NotImplementedError("config.json: attention_bias=true is not supported for qwen3_5")
-        rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise ValueError(f"config.json: rope_parameters must be an object, got {type(rope).__name__}")
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default":
-            raise NotImplementedError(f"config.json: rope_parameters.rope_type {kind!r} is not supported for qwen3_5 "
-                                      "(default, with multimodal sections that are equal for text)")
-        # transformers 5.x: partial_rotary_factor may sit only inside rope_parameters; its default for qwen3_5 is 0.25
-        partial = t.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
-        rope_theta = t.get("rope_theta", rope.get("rope_theta", 10000.0))
-        n = int(t["num_hidden_layers"])
-        layer_types = t.get("layer_types")
-        if layer_types is None:  # HF's default: every full_attention_interval-th layer is full attention
-            interval = int(t.get("full_attention_interval", 4))
-            layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
-        if not isinstance(layer_types, list) or len(layer_types) != n:
-            raise ValueError(f"config.json: layer_types must be a list of {n} entries (num_hidden_layers), got "
-                             f"{layer_types!r}")
-        unknown = sorted({str(x) for x in layer_types} - set(TARGET_LAYER_TYPES))
-        if unknown:
-            raise NotImplementedError(f"config.json: layer_types entries {unknown} are not supported "
-                                      f"(one of {list(TARGET_LAYER_TYPES)})")
-        n_heads = int(t["num_attention_heads"])
-        eos = t.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        dtype_in_file = t.get("torch_dtype") or t.get("dtype") or "float32"
-        linear_defaults = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-                               linear_value_head_dim=128, linear_conv_kernel_dim=4)  # HF Qwen3_5TextConfig's
-        kwargs = dict(
-            vocab_size=int(t["vocab_size"]), hidden_size=int(t["hidden_size"]),
-            intermediate_size=int(t["intermediate_size"]), num_hidden_layers=n, num_attention_heads=n_heads,
-            num_key_value_heads=int(t.get("num_key_value_heads") or n_heads),
-            head_dim=int(t.get("head_dim") or 256), rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta), max_position_embeddings=int(t.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(t.get("tie_word_embeddings", False)), bos_token_id=t.get("bos_token_id"),
-            eos_token_id=eos,
-            param_dtype=param_dtype or (dtype_in_file if dtype_in_file in _DTYPES else "float32"),
-            compute_dtype=compute_dtype or default_compute_dtype(), model_type="qwen3_5",
-            layer_types=tuple(str(x) for x in layer_types), partial_rotary_factor=float(partial),
-            **{k: int(t.get(k, v)) for k, v in linear_defaults.items()})
-        kwargs.update(overrides)
-        return cls(**kwargs)
-
-    def _to_qwen3_5_dict(self) -> dict:
-        d = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
-             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
-             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-             "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
-             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
-                                 "partial_rotary_factor": self.partial_rotary_factor},
-             "max_position_embeddings": self.max_position_embeddings,
-             "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": False, "attention_dropout": 0.0,
-             "layer_types": [self.layer_type(i) for i in range(self.num_hidden_layers)],
-             "torch_dtype": self.param_dtype}
-        d.update({name: getattr(self, name) or 1 for name in _LINEAR_FIELDS})
-        if self.bos_token_id is not None:
-            d["bos_token_id"] = self.bos_token_id
-        if self.eos_token_id is not None:
-            d["eos_token_id"] = self.eos_token_id
-        return d
-
-    def to_hf_dict(self) -> dict:
-        if self.model_type == "qwen3_5":
-            return self._to_qwen3_5_dict()
-        if (self.qk_norm, self.attention_bias) != tuple(_FEATURES[self.model_type].values()):
-            raise ValueError(f"config: model_type {self.model_type!r} with qk_norm={self.qk_norm}, attention_bias="
-                             f"{self.attention_bias} has no HF config.json form (the {self.model_type} family has "
-                             f"{_FEATURES[self.model_type]})")
-        d = {
-            "architectures": [HF_ARCHITECTURES[self.model_type]],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self._rope_scaling_dict(),
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_dropout": 0.0,
-            "torch_dtype": self.param_dtype,
-        }
-        if self.model_type == "llama":
-            d.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-        elif self.model_type == "mistral":
-            d["sliding_window"] = None
-        else:  # qwen2 / qwen3: full attention in every layer
-            d.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers,
-                     layer_types=["full_attention"] * self.num_hidden_layers)
-            if self.model_type == "qwen3":
-                d["attention_bias"] = False
-        if self.bos_token_id is not None:
-            d["bos_token_id"] = self.bos_token_id
-        if self.eos_token_id is not None:
-            d["eos_token_id"] = self.eos_token_id
-        return d
-
-    def _rope_scaling_dict(self) -> dict | None:
-        if self.rope_type == "default":
-            return None
-        if self.rope_type == "linear":
-            return {"rope_type": "linear", "factor": self.rope_scaling_factor}
-        return {"rope_type": "llama3", "factor": self.rope_scaling_factor,
-                "low_freq_factor": self.rope_low_freq_factor, "high_freq_factor": self.rope_high_freq_factor,
-                "original_max_position_embeddings": self.rope_original_max_position_embeddings}
+                            **{name: 0 for name in LINEAR_ATTENTION_FIELDS})
 
 
 Qwen3Config = TargetConfig  # the name it first had (Qwen3 was the first family), kept for callers
-
-
-def _rope_fields(rope_scaling, key: str, d: dict) -> dict:
-    """The config's RoPE fields from an HF `rope_scaling` (or `rope_parameters`) object; errors name the key."""
-    if not rope_scaling:
-        return {}
-    if not isinstance(rope_scaling, dict):
-        raise ValueError(f"config.json: {key} must be an object, got {type(rope_scaling).__name__}")
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if kind == "default":
-        return {}
-
-    def number(name, cast=float):
-        if name not in rope_scaling:
-            raise ValueError(f"config.json: {key}.{name} is required for rope_type {kind!r}")
-        value = rope_scaling[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"config.json: {key}.{name} must be a number, got {value!r}")
-        return cast(value)
-
-    if kind == "linear":
-        return dict(rope_type="linear", rope_scaling_factor=number("factor"))
-    if kind == "llama3":
-        original = (rope_scaling.get("original_max_position_embeddings")
-                    or d.get("max_position_embeddings"))  # HF's fallback when the key is absent
-        return dict(rope_type="llama3", rope_scaling_factor=number("factor"),
-                    rope_low_freq_factor=number("low_freq_factor"), rope_high_freq_factor=number("high_freq_factor"),
-                    rope_original_max_position_embeddings=int(original) if original is not None else None)
-    raise NotImplementedError(f"config.json: {key}.rope_type {kind!r} is not supported (default, linear, llama3)")
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
@@ -503,7 +255,6 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int
 
 
 DRAFTER_KINDS = ("dflash", "dflash2")
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # DFlash2 keys that a DFlash2DraftModel config must carry (z-lab reads them with int(...), no default).
 DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -655,129 +406,6 @@ class DrafterConfig:
     def replace(self, **changes) -> "DrafterConfig":
         return dataclasses.replace(self, **changes)
 
-    @classmethod
-    def from_hf_dict(cls, d: dict, *, param_dtype: str | None = None, compute_dtype: str | None = None
-                     ) -> "DrafterConfig":
-        dcfg = d.get("dflash_config") or {}
-        if not isinstance(dcfg, dict):
-            raise ValueError(f"drafter config.json: dflash_config must be an object, got {type(dcfg).__name__}")
-
-        def pick(key, default=None):  # z-lab reads dflash_config first, then the top level
-            value = dcfg.get(key, d.get(key))
-            return default if value is None else value
-
-        arch = d.get("architectures") or []
-        kind = "dflash2" if ARCHITECTURES["dflash2"] in arch else "dflash"
-        block_size = pick("block_size")
-        mask_token_id = pick("mask_token_id")
-        if block_size is None:
-            raise ValueError("drafter config.json: missing block_size (top level or dflash_config)")
-        if mask_token_id is None:
-            raise ValueError("drafter config.json: missing dflash_config.mask_token_id")
-        n_target = d.get("num_target_layers")
-        if n_target is None:
-            raise ValueError("drafter config.json: missing num_target_layers")
-        layer_ids = pick("target_layer_ids")
-        if layer_ids is None:
-            layer_ids = default_target_layer_ids(int(n_target), int(d["num_hidden_layers"]))
-            warnings.warn(f"drafter config.json has no target_layer_ids; derived {list(layer_ids)} by the "
-                          "standard rule (check that it matches fc's input width)", stacklevel=2)
-        # Other engines' spellings whose exact semantics are not pinned down by z-lab's code: refuse them rather
-        # than guess (z-lab's own keys are layer_types / sliding_window / is_causal).
-        for key in ("causal", "use_swa", "swa_window_size", "attention_sink_bias"):
-            if dcfg.get(key):
-                raise NotImplementedError(f"drafter config.json: dflash_config.{key} is not supported; use the "
-                                          "z-lab keys layer_types / sliding_window / is_causal")
-        # Attention layout as z-lab's attention sees it through an HF TargetConfig (transformers 4.57):
-        # sliding_window (default 4096) is kept only when use_sliding_window is true, and a missing layer_types is
-        # derived as "sliding_attention" for layers >= max_window_layers (default 28) when a window is kept.
-        # A dflash_config.sliding_window (not an HF key) is taken as given.
-        if "sliding_window" in dcfg:
-            window = dcfg["sliding_window"]
-        else:
-            window = d.get("sliding_window", 4096 if d.get("use_sliding_window") else None)
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"drafter config.json: sliding_window must be an integer >= 1 (or null), got {window!r}")
-        layer_types = pick("layer_types")
-        if window is not None and "sliding_window" not in dcfg and not d.get("use_sliding_window", False):
-            if layer_types and "sliding_attention" in layer_types:
-                warnings.warn(f"drafter config.json: sliding_window {window} is ignored because use_sliding_window "
-                              "is not true (as HF TargetConfig does); sliding layers attend without a window",
-                              stacklevel=2)
-            window = None
-        if layer_types is None and window is not None:
-            first = int(d.get("max_window_layers", 28))
-            layer_types = ["sliding_attention" if i >= first else "full_attention"
-                           for i in range(int(d["num_hidden_layers"]))]
-        is_causal = pick("is_causal")
-        extra = {}
-        if kind == "dflash2":
-            missing = [k for k in DFLASH2_REQUIRED if pick(k) is None]
-            if missing:
-                raise ValueError(f"drafter config.json: DFlash2DraftModel config is missing {missing} "
-                                 "(dflash_config or top level)")
-            extra = {k: pick(k) for k in DFLASH2_REQUIRED}
-        cap = pick("final_logit_softcapping")
-        stripped = {k: v for k, v in d.items() if k != "layer_types"}  # the drafter handles its own layer types
-        # z-lab's drafter layers are Qwen3 layers whatever target they serve (a Llama or Qwen2 one included), so the
-        # stack is read as qwen3 even where the file copies the target's model_type.
-        stripped["model_type"] = "qwen3"
-        model = TargetConfig.from_hf_dict(stripped, param_dtype=param_dtype, compute_dtype=compute_dtype)
-        return cls(model=model, block_size=int(block_size), mask_token_id=int(mask_token_id),
-                   target_layer_ids=tuple(int(i) for i in layer_ids), num_target_layers=int(n_target), kind=kind,
-                   layer_types=tuple(layer_types) if layer_types else None, sliding_window=window,
-                   is_causal=is_causal, input_embedding_scale=pick("input_embedding_scale", 1.0),
-                   output_multiplier=pick("output_multiplier", 1.0), final_logit_softcapping=cap,
-                   draft_vocab_size=pick("draft_vocab_size"), **extra)
-
-    def to_hf_dict(self) -> dict:
-        d = self.model.to_hf_dict()
-        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
-        if self.kind == "dflash2":
-            dflash.update(block_size=self.block_size, **{k: getattr(self, k) for k in DFLASH2_REQUIRED})
-        if self.input_embedding_scale != 1.0:
-            dflash["input_embedding_scale"] = self.input_embedding_scale
-        if self.output_multiplier != 1.0:
-            dflash["output_multiplier"] = self.output_multiplier
-        if self.final_logit_softcapping is not None:
-            dflash["final_logit_softcapping"] = self.final_logit_softcapping
-        if self.draft_vocab_size is not None:  # this project's key; z-lab's loader ignores it (drafts over all)
-            dflash["draft_vocab_size"] = self.draft_vocab_size
-        arch = ARCHITECTURES[self.kind]
-        d.update({
-            "architectures": [arch],
-            "auto_map": {"AutoModel": f"dflash.{arch}"},
-            "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
-            "dflash_config": dflash,
-            "layer_types": list(self.layer_types or ["full_attention"] * self.model.num_hidden_layers),
-            "sliding_window": self.sliding_window,
-            "use_sliding_window": self.sliding_window is not None,
-        })
-        if self.is_causal is not None:
-            d["is_causal"] = self.is_causal
-        return d
-
-
-def read_config_json(path: str | Path) -> dict:
-    path = Path(path)
-    file = path / "config.json" if path.is_dir() else path
-    if not file.exists():
-        raise FileNotFoundError(f"no config.json in {path}")
-    return read_json_object(file)
-
-
-def read_json_object(file: str | Path) -> dict:
-    """A JSON file that must hold an object; errors name the file."""
-    try:
-        with open(file) as f:
-            d = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{file}: expected a JSON object, got {type(d).__name__}")
-    return d
-
 
 def check_pair(drafter: DrafterConfig, target: TargetConfig) -> None:
     """Every way a drafter can be built for another target, as one clear error."""
@@ -798,5 +426,5 @@ def check_pair(drafter: DrafterConfig, target: TargetConfig) -> None:
         raise ValueError("drafter does not match target: " + "; ".join(problems))
 
 
-__all__ = ["TargetConfig", "Qwen3Config", "DrafterConfig", "default_target_layer_ids", "check_pair", "read_config_json",
+__all__ = ["TargetConfig", "Qwen3Config", "DrafterConfig", "default_target_layer_ids", "check_pair",
            "default_compute_dtype"]

@@ -38,7 +38,7 @@ class Mutant:
     old: str
     new: str
     tests: tuple[str, ...]  # pytest arguments (files, node ids, -k expressions)
-    issue: bool = False  # one of the required bugs (the rest are extra ones of the same families)
+    required: bool = False  # a bug the suite must kill: it breaks the sampled law, EOS or the NVFP4 scales
     alt: tuple[tuple[str, str, str], ...] = ()  # (file, old, new) for other versions of the code
 
 
@@ -70,7 +70,7 @@ def _planted(w):
 '''
 
 AUDIT_TESTS = ("tests/test_quantize.py", "-k", "audit")
-# The EOS test of `_commit` since EOS ids became a traced argument (a Budget field, not a static tuple).
+# The EOS test of `_commit` since EOS ids became a traced argument (changing them no longer recompiles).
 _EOS_TRACED = "is_eos = (new_tokens[:, :, None] == budget.eos[None, None, :]).any(axis=-1)"
 SAMPLING = "tests/test_sampling.py"
 PROOF = "speculative_output_has_target_distribution or sampled_eos"
@@ -80,18 +80,18 @@ MUTANTS = [
            "decode/sampling.py",
            "q = processed_probs(d_logits, sp)  # [B, D, V]",
            "q = processed_probs(d_logits, dataclasses.replace(sp, temperature=1.0))  # [B, D, V]",
-           (SAMPLING, "-k", PROOF), issue=True),
+           (SAMPLING, "-k", PROOF), required=True),
     Mutant("eos-whole-block", "EOS searched in the whole verified block instead of the committed prefix",
            "decode/programs.py",
            "is_eos = jnp.isin(new_tokens, jnp.asarray(eos_ids, jnp.int32)) & (j < n[:, None])",
            "is_eos = jnp.isin(new_tokens, jnp.asarray(eos_ids, jnp.int32))",
-           ("tests/test_eos.py", "-k", "not control"), issue=True,
+           ("tests/test_eos.py", "-k", "not control"), required=True,
            alt=(("decode/programs.py", _EOS_TRACED + " & (j < n[:, None])", _EOS_TRACED),
                 ("decode/loop.py", _EOS_TRACED + " & (j < n[:, None])", _EOS_TRACED))),
     Mutant("key-reuse", "the drafting key reused for acceptance", "decode/programs.py",
            "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, keys, sampling, **q_kw)",
            "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, s.key, sampling, **q_kw)",
-           (SAMPLING, "-k", PROOF), issue=True,
+           (SAMPLING, "-k", PROOF), required=True,
            alt=(("decode/programs.py",
                  "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, keys, sampling)",
                  "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, s.key, sampling)"),
@@ -100,22 +100,22 @@ MUTANTS = [
                  "n_acc, committed, keys = accept_block(d_logits, drafts, v_logits, s.key, sampling, **q_kw)"))),
     Mutant("scale-reuse", "an MLP applies block 0's NVFP4 scale to every block", "models/layers.py",
            "linear(x, p.up_proj), p.down_proj)", "linear(x, _planted(p.up_proj)), p.down_proj)", AUDIT_TESTS,
-           issue=True),
+           required=True),
     Mutant("scale-shift", "v_proj's NVFP4 block scales shifted by one row", "models/layers.py",
            'v = _project(h, attn.v_proj, getattr(attn, "v_bias", None), cfg.num_key_value_heads, cfg)',
            'v = _project(h, _planted(attn.v_proj), getattr(attn, "v_bias", None), cfg.num_key_value_heads, cfg)',
-           AUDIT_TESTS, issue=True,
+           AUDIT_TESTS, required=True,
            alt=(("models/layers.py", "v = linear(h, attn.v_proj).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)",
                  "v = linear(h, _planted(attn.v_proj)).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)"),)),
     Mutant("residual-from-p", "after a rejection, the token drawn from p instead of normalize(max(p - q, 0))",
            "decode/sampling.py",
            "final = _categorical(uniforms[:, D:], residual_probs(p_at, jnp.where(was_proposed, q_at, 0.0)))",
            "final = _categorical(uniforms[:, D:], p_at)",
-           (SAMPLING, "-k", PROOF), issue=True),
+           (SAMPLING, "-k", PROOF), required=True),
     Mutant("bonus-row", "after a full block, the bonus drawn from verify row D - 1", "decode/sampling.py",
            "p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]",
            "p_at = jnp.take_along_axis(p, jnp.where(n_acc == D, D - 1, n_acc)[:, None, None], axis=1)[:, 0]",
-           (SAMPLING, "-k", PROOF), issue=True),
+           (SAMPLING, "-k", PROOF), required=True),
     Mutant("bonus-batch-row", "after a full block, the bonus drawn from the NEIGHBOURING sequence's verify row",
            "decode/sampling.py",
            "p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]",
@@ -208,7 +208,7 @@ def main() -> int:
     chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
     if args.list:
         for m in MUTANTS:
-            print(f"{m.name:22s} {'[must kill] ' if m.issue else ''}{m.what}  ->  {' '.join(m.tests)}")
+            print(f"{m.name:22s} {'[required] ' if m.required else ''}{m.what}  ->  {' '.join(m.tests)}")
         return 0
     results = []
     for m in chosen:
@@ -216,9 +216,9 @@ def main() -> int:
         results.append((m, status))
         print(f"{m.name:22s} {status:8s} {dt:7.0f}s  {detail}", flush=True)
     killed = sum(s == "KILLED" for _, s in results)
-    issue = [(m, s) for m, s in results if m.issue]
+    required = [(m, s) for m, s in results if m.required]
     print(f"\nkilled {killed} / {len(results)} planted bugs; required bugs killed "
-          f"{sum(s == 'KILLED' for _, s in issue)} / {len(issue)}")
+          f"{sum(s == 'KILLED' for _, s in required)} / {len(required)}")
     return 0 if killed == len(results) else 1
 
 

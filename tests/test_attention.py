@@ -265,16 +265,16 @@ def test_attention_chunk_is_an_execution_setting():
     a bad block size is refused with its name."""
     import dataclasses
 
-    from dflash_jax.io.checkpoint import _config_from_json
+    from dflash_jax.io.orbax_folder import config_from_saved_json
     from dflash_jax.models.attention import block_sizes
     assert "attention_chunk" not in {f.name for f in dataclasses.fields(TargetConfig)}
     old = dict(dataclasses.asdict(CFG), attention_chunk=256)
-    assert _config_from_json("target", old) == CFG
+    assert config_from_saved_json("target", old) == CFG
     dcfg = DrafterConfig(model=CFG.replace(num_hidden_layers=1), block_size=4, mask_token_id=63,
                          target_layer_ids=(0, 2), num_target_layers=3)
     saved = dataclasses.asdict(dcfg)
     saved["model"]["attention_chunk"] = 256
-    assert _config_from_json("drafter", saved) == dcfg
+    assert config_from_saved_json("drafter", saved) == dcfg
     with attention_chunk(4):
         assert block_sizes(2, 100) == (4, 4)
     assert block_sizes(1, 16) == (512, 65536)  # a batch-1 verify reads a 16k cache in one pass

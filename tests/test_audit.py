@@ -125,9 +125,10 @@ def test_dict_tuple_and_root_params():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Meaning, not only reachability: forwards that mis-apply a scale (issue 15). Each must fail the audit and name the
-# leaf. `missing` = some scale element does not reach the output; `mismatched` = the forward differs from the same
-# forward with the leaf replaced by its exact dense dequantization.
+# Meaning, not only reachability: forwards that mis-apply a scale (every scale still reaches the output, so a
+# reachability check alone passes them). Each must fail the audit and name the leaf. `missing` = some scale element
+# does not reach the output; `mismatched` = the forward differs from the same forward with the leaf replaced by its
+# exact dense dequantization.
 # ---------------------------------------------------------------------------------------------------------------
 
 def _tampered(leaf_name, change):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax.io.checkpoint import CheckpointError
+from dflash_jax.io.errors import CheckpointError
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.quant.nvfp4 import E2M1_GRID, NVFP4Array, dequantize, quantize
 from dflash_jax.params import is_linear_name, map_named, named_leaves
@@ -268,6 +268,34 @@ def test_dense_tensor_errors_name_the_tensor(tmp_path, mutate):
     _write(tmp_path, tensors)
     with pytest.raises(CheckpointError, match=pattern):
         dj.load_target(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["target", "drafter"])
+def test_a_path_that_is_no_model_says_what_one_can_be(tmp_path, kind):
+    """A bare .safetensors file, an empty folder, a folder without a config and a missing path are refused before
+    any reader runs (a bare .safetensors file once reached the config reader: "not valid JSON"), each error saying
+    what the path is and what a target / drafter path can be."""
+    load = dj.load_target if kind == "target" else dj.load_drafter
+    model = _target() if kind == "target" else dj.init_drafter(drafter_cfg(), jax.random.key(1))
+    dj.save_hf(tmp_path / "hf", model)
+    can_be = f"a {kind} is an HF folder" if kind == "target" else "a drafter is a z-lab DFlash / DFlash2 folder"
+    with pytest.raises(CheckpointError, match=r"bare \.safetensors file.*config\.json") as e:
+        load(tmp_path / "hf" / "model.safetensors")
+    assert can_be in str(e.value) and "JSON" not in str(e.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"an empty folder \(no config\.json, no dflash_jax\.json\)") as e:
+        load(tmp_path / "empty")
+    assert can_be in str(e.value)
+    with pytest.raises(FileNotFoundError, match="no such file or folder") as e:
+        load(tmp_path / "missing")
+    assert can_be in str(e.value)
+    (tmp_path / "hf" / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="it holds model.safetensors but no config.json") as e:
+        load(tmp_path / "hf")
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(CheckpointError, match="a file that is not GGUF") as e:
+        load(tmp_path / "notes.txt")
+    assert can_be in str(e.value)
 
 
 def test_missing_files(tmp_path):
@@ -745,7 +773,8 @@ ZL_LAYER_IDS = [1, 3, 5]
 
 
 def _zlab_config() -> dict:
-    """Written by hand after the Qwen3-8B-DFlash-b16 config.json on the Hugging Face hub, not by our own to_hf_dict."""
+    """Written by hand after the Qwen3-8B-DFlash-b16 config.json on the Hugging Face hub, not by our own
+    drafter_config_to_hf."""
     return {
         "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "model_type": "qwen3", "block_size": 16, "num_target_layers": 8,

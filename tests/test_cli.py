@@ -119,7 +119,7 @@ def test_gguf_goals_quote_the_acceptance_rate_beside_tau():
     """`bench --gguf-roundtrip`'s replay line on made-up results: tau counts the bonus token, so a broken drafter
     that never gets a draft accepted still scores tau 1 (0.81x of an intact tau 1.24, above the 0.3x goal); the
     acceptance rate (accepted drafts / drafted tokens) is the figure that collapses, and its counts are shown."""
-    from dflash_jax.bench import speculative as bench
+    from dflash_jax.bench import gguf_replay as bench
 
     def cell(accepted, steps, D=7):  # a compare() cell from its counts: tau = tokens per step incl. the bonus
         return {"tau": 1 + accepted / steps, "acceptance_rate": accepted / (steps * D), "accepted": accepted,
@@ -151,3 +151,57 @@ def test_calibration_anchors_below_one_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--tau-table", "--nvfp4", "--calibration-anchors", "0"])
     assert "--calibration-anchors must be >= 1, got 0" in capsys.readouterr().err
+
+
+# -- defaults follow the loaded drafter ------------------------------------------------------------------------------
+
+def _tiny_pair_with_block(block_size: int):
+    """A random tiny pair whose drafter's block is `block_size` tokens, with the code-5m tokenizer (its vocabulary)."""
+    import jax
+
+    import dflash_jax as dj
+    from dflash_jax.io.shipped import checkpoints_dir
+
+    tok = dj.Tokenizer.from_file(checkpoints_dir() / "tokenizer.json")
+    cfg = dj.TargetConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    dcfg = dj.DrafterConfig(model=cfg.replace(num_hidden_layers=1), block_size=block_size, mask_token_id=tok.mask_id,
+                            target_layer_ids=(1, 2), num_target_layers=4)
+    return dj.init_target(cfg, jax.random.key(0)), dj.init_drafter(dcfg, jax.random.key(1)), tok
+
+
+def test_draft_lengths_are_those_the_block_holds():
+    from dflash_jax.bench.command import draft_lengths
+
+    class D:  # a drafter as draft_lengths sees one
+        def __init__(self, block_size):
+            self.config = argparse.Namespace(block_size=block_size)
+
+    assert draft_lengths([D(16)], (3, 7, 15)) == (3, 7, 15)
+    assert draft_lengths([D(8)], (3, 7, 15)) == (3, 7)  # the shipped SmolLM2 drafter
+    assert draft_lengths([D(8), D(16)], (7, 15)) == (7,)  # every drafter of a table must hold it
+    assert draft_lengths([D(4)], (7, 15)) == (3,)  # none fits: the longest the block holds
+    assert draft_lengths([D(2)], (1, 3, 7)) == (1,)
+
+
+def test_bench_tables_take_their_draft_lengths_from_the_drafter(monkeypatch, tmp_path, capsys):
+    """`bench --tau-table --nvfp4` once asked a block-8 drafter for D = 15 (`draft_length must be in 1..7`): every
+    table's draft lengths now come from the loaded drafter's block. A block-4 drafter runs the tau table and the pair
+    table at D = 3 (the only length of 3/7/15 and 7/15 it holds, the longest it holds) and the --nvfp4 bench at D = 3
+    (not the report's 7); an explicit length beyond the block is refused before anything runs. (The documented
+    commands themselves run on the default pair, whose block is 8, in tests/test_docs_commands.py.)"""
+    from dflash_jax.bench import command
+
+    pair = _tiny_pair_with_block(4)
+    monkeypatch.setattr(command, "load_default", lambda **kw: pair)
+    small = ["--prompts", "1", "--new-tokens", "4", "--dflash2", str(tmp_path / "none")]  # no DFlash2 rows
+    cli.main(["bench", "--tau-table"] + small)
+    table = capsys.readouterr().out.split("-" * 100 + "\n")[1].splitlines()
+    assert [(line[:16].strip(), int(line[16:20])) for line in table] == [("dense", 3)], table
+    cli.main(["bench", "--pair-table", "--temperature", "0", "--prompts", "1", "--new-tokens", "4"])
+    out = capsys.readouterr().out
+    assert [line.split()[:2] for line in out.splitlines() if line.startswith(" 0.0 ")] == [["0.0", "3"]], out
+    cli.main(["bench", "--nvfp4"] + small)
+    assert "draft length 3 (block 4)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"--draft-length 7: the drafter's block holds 4 tokens .*so 1\.\.3"):
+        cli.main(["bench", "--pair-table", "--draft-length", "7", "--prompts", "1", "--new-tokens", "4"])

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax.io.checkpoint import CheckpointError
-from dflash_jax.config import DrafterConfig
+from dflash_jax.io.errors import CheckpointError
+from dflash_jax.io.zlab_config import drafter_config_from_hf
 from dflash_jax.quant.nvfp4 import NVFP4Array
 from dflash_jax.params import named_leaves
 from dflash_jax.quant.quantize import quantize_nvfp4
@@ -190,7 +190,7 @@ def test_dflash2_folder_is_not_a_target(folder):
 
 
 def test_sliding_window_follows_use_sliding_window(folder):
-    """HF TargetConfig keeps sliding_window only with use_sliding_window true; z-lab's attention reads it after."""
+    """HF Qwen3Config keeps sliding_window only with use_sliding_window true; z-lab's attention reads it after."""
     path, _ = folder
     edit_config(path, lambda c: c.update(use_sliding_window=False))
     with pytest.warns(UserWarning, match="sliding_window 16 is ignored"):
@@ -251,7 +251,7 @@ def test_orbax_round_trip_dflash2_dense_and_nvfp4(folder, tmp_path):
     {"layer_types": None, "max_window_layers": 0, "is_causal": None, "sliding_window": None},
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "fixture")
 def test_layer_rules_match_hf_qwen3config(changes):
-    """Per layer (causal, window) as z-lab computes them from transformers' TargetConfig (the oracle here):
+    """Per layer (causal, window) as z-lab computes them from transformers' Qwen3Config (the oracle here):
     layer_type = config.layer_types[i]; causal = (layer_type == sliding) unless config.is_causal is set;
     window = config.sliding_window for sliding layers."""
     transformers = pytest.importorskip("transformers")
@@ -265,7 +265,7 @@ def test_layer_rules_match_hf_qwen3config(changes):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf = transformers.Qwen3Config(**{k: v for k, v in d.items() if k != "dflash_config"})
-        ours = DrafterConfig.from_hf_dict(d)
+        ours = drafter_config_from_hf(d)
     is_causal = d.get("is_causal")  # z-lab: getattr(config, "is_causal", None)
     for i in range(LAYERS):
         layer_type = hf.layer_types[i]

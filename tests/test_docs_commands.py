@@ -1,16 +1,22 @@
-"""Every command line printed in README.md and checkpoints/README.md runs, in-process, on a tiny budget.
+"""Every command line printed in README.md, docs/*.md and checkpoints/README.md runs, in-process, on a tiny budget,
+on the model a user gets by default.
 
-The commands are collected from the two files (fenced code blocks and inline code spans; pieces joined by `&&`, `;`
-or `|` are separate commands), so a newly documented command is tested by construction. A command line is one that
+The commands are collected from those files (fenced code blocks and inline code spans; pieces joined by `&&`, `;` or
+`|` are separate commands), so a newly documented command is tested by construction. A command line is one that
 starts with `dflash-jax <something>` or `python -m dflash_jax...`.
 
-Budgets are shrunk generically: the command's own `--help` says which options it takes; every option named in
-TINY gets its tiny value (replacing the documented one, or added), every flag in TINY_FLAGS it takes is set (a
-command's own small mode, such as the GPU report's CPU `--smoke`), every option in OUTPUTS is sent to a fresh
-temporary folder, and the command runs with that folder as the working directory (relative default paths such as
-`.train/` land there too; an argument naming a path of the repository, such as `checkpoints/target_v3`, is given
-as that path). A command that takes `--no-packages` runs with it when the `[corpus]` extra is not installed, rather
-than being skipped.
+A command runs as documented, on its own defaults: the suite's `$DFLASH_JAX_DEFAULT_MODEL=code-5m` (tests/conftest.py)
+is removed for it, so a command that names no model runs the default SmolLM2 pair, and everything that follows from
+the drafter (draft lengths, block sizes) is the drafter's. Only sizes shrink, generically: the command's own `--help`
+says which options it takes; every option named in TINY (prompts, tokens, steps, repetitions, batch and sequence
+sizes, the shape of a model a trainer builds) gets its tiny value (replacing the documented one, or added), every
+flag in TINY_FLAGS it takes is set (a command's own small mode where its hardware is missing: the GPU report's and
+the mesh bench's CPU `--smoke`), every option in OUTPUTS is sent to a fresh temporary folder, and the command runs
+with that folder as the working directory (relative default paths such as `.train/` land there too; an argument
+naming a path of the repository, such as `checkpoints/target_v3`, is given as that path). A command that takes
+`--no-packages` runs with it when the `[corpus]` extra is not installed, rather than being skipped. The shipped
+models are loaded once for all the commands (`load_default`'s result is shared, as its loaders have tests of their
+own), and the compiled programs stay in memory across commands.
 """
 
 from __future__ import annotations
@@ -26,14 +32,18 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = (ROOT / "README.md", ROOT / "checkpoints" / "README.md")
+from dflash_jax.io import shipped
 
-# Options that set how much work a command does -> the tiny value used here.
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "checkpoints" / "README.md")
+
+# Options that set how much work a command does -> the tiny value used here. Sizes only: nothing that picks a model,
+# a drafter, a draft length or a mode (a draft length the test chose once hid a default that crashed on the default
+# pair: `bench --tau-table` asked its block-8 drafter for D = 15).
 TINY = {
     "--max-new-tokens": "6", "--new-tokens": "6", "--prompts": "2", "--steps": "2", "--batch": "2",
     "--seq-len": "32", "--long-seq-len": "48", "--max-prompt-tokens": "16", "--anchors": "4", "--reps": "2",
-    "--warmup": "1", "--budget-s": "30", "--draft-length": "3", "--windows": "4",
+    "--warmup": "1", "--budget-s": "30", "--windows": "4",
     "--eval-prompts": "1", "--eval-tokens": "6", "--calibration-anchors": "1",
     # Model shape, where a command builds the model it trains: the same code paths at a fraction of the compile and
     # evaluation cost (train-target's held-out evaluation alone, 64 + 16 long windows at the shipped 6-layer shape,
@@ -131,19 +141,22 @@ COMMANDS = documented_commands()
 RUN_ELSEWHERE = {
     "python -m dflash_jax.bench.device_report": (
         "test_pallas_nvfp4.py", "test_device_report_smoke", 'device_report.main(["--smoke", "--out", str(tmp_path)'),
+    # the same script at its first documented path (dflash_jax/device_report.py runs bench.device_report.main)
+    "python -m dflash_jax.device_report": (
+        "test_pallas_nvfp4.py", "test_device_report_smoke", 'device_report.main(["--smoke", "--out", str(tmp_path)'),
 }
 
 
 # Documented commands whose shrunk run, argument for argument, another test makes and checks in detail: exact command
 # -> (test file, test, the name of the argument list it runs, which it completes with `--out` (a temporary folder)).
 RUN_ELSEWHERE_EXACT = {
-    "dflash-jax bench --nvfp4 --prompts 8": (
+    "dflash-jax bench --nvfp4 --prompts 8 --model code-5m": (
         "test_dflash2_cli.py", "test_bench_nvfp4_prints_dflash2_rows_and_the_draft_cost_ratio", "BENCH_NVFP4_SHRUNK"),
     # the same DFlash rows, the DFlash2 folder missing: run there right after the one above (its programs, warm)
-    "dflash-jax bench --nvfp4 --dflash2 PATH": (
+    "dflash-jax bench --nvfp4 --dflash2 PATH --model code-5m": (
         "test_dflash2_cli.py", "test_bench_nvfp4_prints_dflash2_rows_and_the_draft_cost_ratio",
         "BENCH_NVFP4_DFLASH2_PATH_SHRUNK"),
-    "dflash-jax bench --nvfp4 --prompts 1 --new-tokens 32 --dflash2 /tmp/d2/out": (
+    "dflash-jax bench --nvfp4 --prompts 1 --new-tokens 32 --dflash2 /tmp/d2/out --model code-5m": (
         "test_dflash2_cli.py", "test_bench_nvfp4_prints_dflash2_rows_and_the_draft_cost_ratio",
         "BENCH_NVFP4_DFLASH2_D2_OUT_SHRUNK"),
 }
@@ -167,6 +180,26 @@ SAME_RUN_PLUS = {
 
 def _same_run_plus(command: str):
     return next((v for k, v in SAME_RUN_PLUS.items() if command.startswith(k)), None)
+
+
+def test_every_docs_page_is_linked_and_every_link_resolves():
+    """The README is the front page: every page of docs/ is linked from it, and every relative link of the README and
+    the pages names a file of the repository (a moved section leaves no dead link)."""
+    pages = sorted((ROOT / "docs").glob("*.md"))
+    assert pages, "no docs/ pages"
+    readme = (ROOT / "README.md").read_text()
+    assert [p.name for p in pages if f"(docs/{p.name})" not in readme] == []
+    dead = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+            if not re.match(r"[a-z]+://", target) and not (doc.parent / target).exists():
+                dead.append(f"{doc.relative_to(ROOT)} -> {target}")
+    assert dead == []
+
+
+def test_the_shrink_changes_sizes_only():
+    """No shrink picks what a user's run depends on: a model, a drafter kind, a draft length, a temperature."""
+    assert not {"--model", "--kind", "--draft-length", "--draft-vocab", "--temperature", "--target"} & set(TINY)
 
 
 def test_the_docs_document_commands():
@@ -256,6 +289,39 @@ def _same_tiny_run(command: str) -> str | None:
     return next((c for c in COMMANDS[:COMMANDS.index(command)] if _tiny_run_key(c) == mine), None)
 
 
+_LOAD_DEFAULT = shipped.load_default  # the loader itself (the tests below replace the module's name with a cache)
+
+
+@functools.cache
+def _load_default_once(model: str, compute_dtype, param_dtype, drafter: str):
+    return _LOAD_DEFAULT(model=model, compute_dtype=compute_dtype, param_dtype=param_dtype, drafter=drafter)
+
+
+def _shared_load_default(*, model=None, compute_dtype=None, param_dtype=None, drafter="dflash"):
+    """`load_default`, each (model, dtypes, drafter) loaded once for every command of this file."""
+    return _load_default_once(model or shipped.default_model(), compute_dtype, param_dtype, drafter)
+
+
+def _as_a_user_runs_it(monkeypatch):
+    """The environment a documented command runs in: the user's default model (not the suite's code-5m), the shipped
+    models loaded once for all the commands."""
+    from dflash_jax.bench import command as bench_command
+
+    monkeypatch.delenv(shipped.MODEL_ENV_VAR, raising=False)
+    monkeypatch.setattr(shipped, "load_default", _shared_load_default)
+    monkeypatch.setattr(bench_command, "load_default", _shared_load_default)
+    assert shipped.default_model() == "smollm2"
+
+
+# What a documented command must print beyond something (prefix -> texts). The README's first command, on the default
+# model: the request goes through the chat template, the answer is identical to plain greedy decoding, and tau and the
+# speedup are printed (tests/test_smollm2.py ran it once more in a subprocess; this run is the one now).
+PROMISES = {
+    'dflash-jax generate "Write a Python function': ("user: Write a Python function", "assistant: ",
+                                                      "identical to autoregressive output", "tau ", "x  (prefill"),
+}
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_documented_command_runs(command, tmp_path, monkeypatch, capsys):
     same = _same_tiny_run(command)
@@ -274,9 +340,13 @@ def test_documented_command_runs(command, tmp_path, monkeypatch, capsys):
         pytest.skip("trains against the 135M SmolLM2 target: minutes of compiles even when shrunk")
     main, args = tiny(command, tmp_path)
     monkeypatch.chdir(tmp_path)
+    _as_a_user_runs_it(monkeypatch)
     main(args)
     out = capsys.readouterr().out
     assert out.strip(), f"{command!r} (run as {args}) printed nothing"
+    for prefix, texts in PROMISES.items():
+        if command.startswith(prefix):
+            assert all(text in out for text in texts), (command, texts, out[-2000:])
 
 
 def test_ci_runs_exactly_the_readme_test_command():

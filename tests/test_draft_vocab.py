@@ -17,10 +17,10 @@ import pytest
 
 import dflash_jax as dj
 from helpers import COPY_MAX_NEW, COPY_PROMPTS, PDCFG, assert_same, build_copy_pair, context_and_block
-from dflash_jax.config import DrafterConfig
 from dflash_jax.decode.draft_step import draft_step
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.io.gguf_drafter import load_drafter_gguf, save_gguf
+from dflash_jax.io.zlab_config import drafter_config_from_hf, drafter_config_to_hf
 from dflash_jax.models.drafter import cached_context
 from dflash_jax.quant.linear import linear
 from dflash_jax.quant.nvfp4 import quantize
@@ -108,7 +108,7 @@ def test_config_validation_and_canonical_form():
 def test_round_trips_through_hf_orbax_and_gguf(copy_pair, tmp_path):
     target, drafter = copy_pair
     d = _with_vocab(drafter, N)
-    assert DrafterConfig.from_hf_dict(d.config.to_hf_dict()).draft_vocab_size == N
+    assert drafter_config_from_hf(drafter_config_to_hf(d.config)).draft_vocab_size == N
     dj.save_hf(tmp_path / "hf", d)
     assert dj.load_drafter(tmp_path / "hf").config.draft_vocab_size == N
     dj.save(tmp_path / "orbax", d)

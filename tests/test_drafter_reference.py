@@ -8,7 +8,8 @@ target's lm_head (tied or untied), block embedded with the target's embedding. I
 error is the JAX float32 rounding.
 
 Also here: the target-layer tap semantics against HF transformers (feature id L == hidden_states[L + 1]), the cached
-drafter path (context appended in chunks) against the one-shot path, and DrafterConfig.from_hf_dict / check_pair.
+drafter path (context appended in chunks) against the one-shot path, and io.zlab_config.drafter_config_from_hf /
+check_pair.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import dflash_jax as dj
 from helpers import tiny_qwen3
 from random_models import make_drafter, make_target
 from dflash_jax.config import DrafterConfig, TargetConfig, check_pair
+from dflash_jax.io.zlab_config import drafter_config_from_hf, drafter_config_to_hf
 from dflash_jax.models.drafter import empty_draft_cache, append_context, block_logits
 from dflash_jax.models.layers import rms_norm
 import report  # tests/report.py
@@ -292,7 +294,7 @@ def test_draft_calls_take_the_target_first_and_the_old_order_warns():
         dj.draft_logits(target, target, features, block)
 
 
-# -- 4. DrafterConfig.from_hf_dict (z-lab config variants) -------------------------------------------------------
+# -- 4. drafter_config_from_hf (z-lab config variants) ----------------------------------------------------------------
 
 def zlab_8b_config() -> dict:
     """config.json of z-lab/Qwen3-8B-DFlash-b16 as published on the Hugging Face hub."""
@@ -321,8 +323,8 @@ def _move(d: dict, *, top=(), inside=()) -> dict:
     return d
 
 
-def test_from_hf_dict_zlab_8b():
-    cfg = DrafterConfig.from_hf_dict(zlab_8b_config())
+def test_drafter_config_from_hf_zlab_8b():
+    cfg = drafter_config_from_hf(zlab_8b_config())
     assert (cfg.block_size, cfg.mask_token_id, cfg.num_target_layers) == (16, 151669, 36)
     assert cfg.target_layer_ids == (1, 9, 17, 25, 33) and cfg.num_taps == 5
     m = cfg.model
@@ -330,12 +332,12 @@ def test_from_hf_dict_zlab_8b():
             m.intermediate_size, m.vocab_size) == (4096, 5, 32, 8, 128, 12288, 151936)
     assert m.rope_theta == 1e6 and m.rms_norm_eps == 1e-6 and not m.tie_word_embeddings
     assert m.param_dtype == "bfloat16"
-    # a round trip through to_hf_dict keeps everything
-    assert DrafterConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    # a round trip through drafter_config_to_hf keeps everything
+    assert drafter_config_from_hf(drafter_config_to_hf(cfg)) == cfg
 
 
 @pytest.mark.parametrize("layout", ["zlab", "all-top-level", "all-in-dflash_config", "mixed"])
-def test_from_hf_dict_key_placement(layout):
+def test_drafter_config_from_hf_key_placement(layout):
     base = zlab_8b_config()
     keys = ("block_size", "mask_token_id", "target_layer_ids")
     d = {"zlab": lambda: base,
@@ -344,16 +346,16 @@ def test_from_hf_dict_key_placement(layout):
          "mixed": lambda: _move(_move(base, top=("target_layer_ids",)), inside=("block_size",))}[layout]()
     if layout == "all-top-level":
         assert not d["dflash_config"]
-    cfg = DrafterConfig.from_hf_dict(d)
+    cfg = drafter_config_from_hf(d)
     assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids) == (16, 151669, (1, 9, 17, 25, 33))
 
 
-def test_from_hf_dict_dflash_config_wins_over_top_level():
+def test_drafter_config_from_hf_dflash_config_wins_over_top_level():
     d = zlab_8b_config()
     d["block_size"], d["dflash_config"]["block_size"] = 8, 16
     d["mask_token_id"] = 5
     d["target_layer_ids"] = [0, 1]
-    cfg = DrafterConfig.from_hf_dict(d)
+    cfg = drafter_config_from_hf(d)
     assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids) == (16, 151669, (1, 9, 17, 25, 33))
 
 
@@ -364,7 +366,7 @@ def test_missing_target_layer_ids_derived_with_warning(n_layers, expected):
     d["num_hidden_layers"] = n_layers
     d["layer_types"] = ["full_attention"] * n_layers
     with pytest.warns(UserWarning, match="target_layer_ids"):
-        cfg = DrafterConfig.from_hf_dict(d)
+        cfg = drafter_config_from_hf(d)
     assert cfg.target_layer_ids == expected
     assert dj.default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
 
@@ -382,25 +384,25 @@ def test_missing_target_layer_ids_derived_with_warning(n_layers, expected):
     (lambda d: d.pop("num_target_layers"), r"missing num_target_layers"),
 ], ids=["mask>=vocab", "mask<0", "layer>=N", "layer<0", "no-layers", "bs=1", "bs=0", "no-bs", "no-mask",
         "no-num-target-layers"])
-def test_from_hf_dict_errors(edit, match):
+def test_drafter_config_from_hf_errors(edit, match):
     d = zlab_8b_config()
     d["dflash_config"] = dict(d["dflash_config"])
     edit(d)
     with pytest.raises(ValueError, match=match):
-        DrafterConfig.from_hf_dict(d)
+        drafter_config_from_hf(d)
 
 
-def test_from_hf_dict_causal_and_sliding_window_keys():
+def test_drafter_config_from_hf_causal_and_sliding_window_keys():
     """z-lab's keys (is_causal, layer_types, sliding_window) are supported (tests/test_dflash2_reference.py checks
     their forward); other engines' spellings with unpinned semantics are refused by name."""
     d = zlab_8b_config()
     d["dflash_config"] = dict(d["dflash_config"], is_causal=True)
-    assert DrafterConfig.from_hf_dict(d).layer_attention(0) == (True, None)
+    assert drafter_config_from_hf(d).layer_attention(0) == (True, None)
     for key in ("use_swa", "causal", "swa_window_size"):
         d = zlab_8b_config()
         d["dflash_config"] = dict(d["dflash_config"], **{key: 1})
         with pytest.raises(NotImplementedError, match=f"dflash_config.{key} is not supported"):
-            DrafterConfig.from_hf_dict(d)
+            drafter_config_from_hf(d)
 
 
 # -- 5. check_pair -------------------------------------------------------------------------------------------------

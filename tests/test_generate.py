@@ -182,18 +182,18 @@ TRAIN_PROMPT_LEN = 8
 
 @pytest.fixture(scope="module")
 def trained():
-    from dflash_jax.train import drafter as td
+    from dflash_jax.train import drafter_data as tdd, drafter_loss as tdl
     from dflash_jax.train.loop import OptimConfig, run
 
     target = make_target(C1.target, 0, std=0.15)  # std 0.15: tau ~1.6 with steps of every length (0.02: all 8s)
     rng = np.random.default_rng(0)
     lens = [TRAIN_PROMPT_LEN] * 6 + rng.integers(3, 11, 58).tolist()
     prompts = [rng.integers(0, 63, n).tolist() for n in lens]
-    data = td.make_sequences(target, prompts, max_new_tokens=40, seq_len=48, batch=64)
+    data = tdd.make_sequences(target, prompts, max_new_tokens=40, seq_len=48, batch=64)
     p0 = make_drafter(C1.drafter, 1, std=0.02).params
     with tempfile.TemporaryDirectory() as ckpt:
-        params, hist = run(params=p0, loss_fn=td.drafter_loss(C1.drafter, C1.target),
-                           batch_fn=td.make_batch_fn(data, target.params, batch=8, num_anchors=8, seed=0),
+        params, hist = run(params=p0, loss_fn=tdl.drafter_loss(C1.drafter, C1.target),
+                           batch_fn=tdd.make_batch_fn(data, target.params, batch=8, num_anchors=8, seed=0),
                            optim=OptimConfig(steps=300, lr=3e-3), ckpt_dir=ckpt, ckpt_every=10 ** 9,
                            desc="test-drafter")
     drafter = dj.Drafter(params=params, config=C1.drafter)

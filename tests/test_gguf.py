@@ -18,8 +18,8 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax.config import TargetConfig
-from dflash_jax.io import gguf_model
-from dflash_jax.io.checkpoint import CheckpointError
+from dflash_jax.io import gguf_config, gguf_model
+from dflash_jax.io.errors import CheckpointError
 from dflash_jax.io.gguf import NATIVE_TYPES, GGUFError, GGUFFile, is_gguf
 from dflash_jax.params import named_leaves
 
@@ -225,7 +225,7 @@ def test_llama_unpermute_inverts_the_converter():
 def test_smollm2_header_and_config():
     g = GGUFFile(smollm2())
     assert g.version == 3 and len(g.tensors) == 272 and g.architecture == "llama"
-    d = gguf_model.hf_config(g)
+    d = gguf_config.target_hf_config(g)
     expect = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                   num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
                   max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False, bos_token_id=1,
@@ -259,7 +259,7 @@ def test_smollm2_q_k_unpermuted_as_transformers_does():
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     g = GGUFFile(smollm2())
-    d = gguf_model.hf_config(g)
+    d = gguf_config.target_hf_config(g)
     tensors = gguf_model.hf_tensors(g, d)
     proc = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
     for layer in (0, 17):

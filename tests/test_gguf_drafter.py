@@ -1,4 +1,4 @@
-"""DFlash / DFlash2 drafters as llama.cpp `dflash` GGUF files (issue 24), checked against gguf-py as the oracle.
+"""DFlash / DFlash2 drafters as llama.cpp `dflash` GGUF files, checked against gguf-py as the oracle.
 
 gguf-py (0.19.0) is independent of our code: its `GGUFReader` reads what `save_gguf` writes, its `GGUFWriter` writes
 the engine-layout files our loader must read, and `gguf.quants.dequantize` is the reference NVFP4 (type 40) decoder.
@@ -18,7 +18,8 @@ import pytest
 import dflash_jax as dj
 from dflash_jax import cli
 from dflash_jax.io import gguf_nvfp4 as g4
-from dflash_jax.io.gguf_drafter import GGUFError, gguf_name
+from dflash_jax.io.errors import GGUFDrafterError
+from dflash_jax.io.gguf_drafter import gguf_name
 from dflash_jax.models import drafter as drafter_mod
 from dflash_jax.models.drafter import draft_proposal
 from dflash_jax.params import abstract_drafter, is_linear_name, named_leaves
@@ -371,7 +372,7 @@ class _Compiles:
 
 def _refused(path, match, **kw):
     with _Compiles() as c:
-        with pytest.raises(GGUFError, match=match):
+        with pytest.raises(GGUFDrafterError, match=match):
             dj.load_drafter(path, vocab_size=128, num_target_layers=4, **kw)
     assert c.count == 0
 
@@ -420,7 +421,7 @@ def test_bad_files_are_refused_naming_the_problem(tmp_path):
     _engine_file(tmp_path / "anchor.gguf", q, meta_over={"dflash.sample_from_anchor": True})
     with pytest.raises(NotImplementedError, match="sample_from_anchor = true"):
         dj.load_drafter(tmp_path / "anchor.gguf", vocab_size=128, num_target_layers=4)
-    with pytest.raises(GGUFError, match="no target depth"):  # the engine's files do not record it
+    with pytest.raises(GGUFDrafterError, match="no target depth"):  # the engine's files do not record it
         dj.load_drafter(tmp_path / "no_scale.gguf", vocab_size=128)
 
 
@@ -528,7 +529,7 @@ def test_metadata_read_as_llama_cpp_reads_it(tmp_path):
 def test_bench_proposal_agreement(tmp_path, target):
     """`bench --gguf-roundtrip`'s proposal comparison: a drafter agrees with itself on every slot; the file with its
     attention `.scale` set to 1 proposes differently (on random weights nothing else holds its proposals in place)."""
-    from dflash_jax.bench import speculative as bench
+    from dflash_jax.bench import gguf_replay as bench
 
     intact, broken = bench.gguf_roundtrip(_quantized("dflash"), tmp_path, name="d")
     prompts = [[5, 9, 17, 33], [7, 8]]

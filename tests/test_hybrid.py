@@ -21,7 +21,9 @@ import dflash_jax.decode.loop as loop
 import dflash_jax.decode.programs as programs
 import helpers as H
 from dflash_jax.config import DrafterConfig, TargetConfig
-from dflash_jax.io.checkpoint import CheckpointError
+from dflash_jax.io.errors import CheckpointError
+from dflash_jax.io.hf_config import target_config_from_hf, target_config_to_hf
+from dflash_jax.io.zlab_config import drafter_config_from_hf, drafter_config_to_hf
 from dflash_jax.io.safetensors_io import read_safetensors, write_safetensors
 from dflash_jax.models import deltanet as dn
 from dflash_jax.models.target import KVCache, commit_states, forward_with_cache
@@ -236,21 +238,21 @@ def test_bad_hybrid_configs_are_named():
         HCFG.replace(linear_num_value_heads=3)
     with pytest.raises(ValueError, match="model_type 'qwen3_5'"):
         HCFG.replace(model_type="qwen3")
-    d = HCFG.to_hf_dict()
+    d = target_config_to_hf(HCFG)
     d["layer_types"] = ["linear_attention", "mamba"]
     with pytest.raises(NotImplementedError, match="mamba"):
-        TargetConfig.from_hf_dict(d)
+        target_config_from_hf(d)
 
 
 def test_drafter_configs_with_rope_parameters_or_rope_theta_read_the_same():
     """transformers 5.x writes `rope_parameters` (rope_theta inside, none at the top) for drafters too; z-lab's
     published drafter configs have a top-level rope_theta: both read as one config."""
     dcfg = DrafterConfig(HCFG.drafter_stack(1).replace(rope_theta=5e5), 8, 47, (0, 1), 2)
-    zlab = dcfg.to_hf_dict()
+    zlab = drafter_config_to_hf(dcfg)
     v5 = {k: v for k, v in zlab.items() if k not in ("rope_theta", "rope_scaling")}
     v5["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5}
-    assert DrafterConfig.from_hf_dict(zlab) == DrafterConfig.from_hf_dict(v5) == dcfg.replace(
-        model=dcfg.model.replace(compute_dtype=DrafterConfig.from_hf_dict(zlab).model.compute_dtype))
+    assert drafter_config_from_hf(zlab) == drafter_config_from_hf(v5) == dcfg.replace(
+        model=dcfg.model.replace(compute_dtype=drafter_config_from_hf(zlab).model.compute_dtype))
 
 
 def test_drafter_taps_beyond_the_hybrid_target_are_refused(target):
@@ -289,7 +291,7 @@ def test_saved_hf_folder_roundtrip_and_mismatched_weights(tmp_path, target):
                                                  if key == "linear_num_value_heads" else {key: value}))
         with pytest.raises(CheckpointError, match=named):
             dj.load_target(folder)
-        (folder / "config.json").write_text(json.dumps(target.config.to_hf_dict()))
+        (folder / "config.json").write_text(json.dumps(target_config_to_hf(target.config)))
 
 
 # -- against transformers 5.x ----------------------------------------------------------------------------------------

@@ -149,7 +149,7 @@ def test_native_vs_portable_on_blackwell():
 
 
 def test_portable_and_pallas_agree_in_bf16():
-    """Both apply the tensor scale to the f32 result (issue 26): in bf16 they differ by at most the output's
+    """Both apply the tensor scale to the f32 result, so they agree in bf16 too: they differ by at most the output's
     rounding of a different f32 summation order, not by a weight rounded with its scale."""
     x = jnp.asarray(_rand((4, 64), 21), jnp.bfloat16)
     q = quantize(_rand((48, 64), 22) * 0.05)

@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax.config import DrafterConfig, TargetConfig, check_pair
+from dflash_jax.config import DrafterConfig, check_pair
+from dflash_jax.io.hf_config import target_config_from_hf, target_config_to_hf
+from dflash_jax.io.zlab_config import drafter_config_from_hf
 from dflash_jax.models.layers import rope_inv_freq
 from dflash_jax.params import named_leaves
 from dflash_jax.parallel import sharding as S
@@ -180,7 +182,7 @@ def test_llama3_rope_frequencies_match_transformers(case):
     hf_cfg = transformers.LlamaConfig(**kw)
     ref, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
     assert attention_factor == 1.0  # nothing but the frequencies to match
-    cfg = TargetConfig.from_hf_dict(hf_cfg.to_dict())
+    cfg = target_config_from_hf(hf_cfg.to_dict())
     assert cfg.rope_type == "llama3"
     ours = np.asarray(rope_inv_freq(cfg))
     np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-6, atol=0)
@@ -193,14 +195,14 @@ def test_llama3_rope_frequencies_match_transformers(case):
     d = hf_cfg.to_dict()
     if "rope_scaling" in d and d["rope_scaling"]:
         params = dict(d.pop("rope_scaling"), rope_theta=d.pop("rope_theta"))
-        assert TargetConfig.from_hf_dict({**d, "rope_parameters": params}) == cfg
+        assert target_config_from_hf({**d, "rope_parameters": params}) == cfg
     else:
         params = dict(d.pop("rope_parameters"))
         d.pop("rope_scaling", None)
         theta = params.pop("rope_theta")
-        assert TargetConfig.from_hf_dict({**d, "rope_scaling": params, "rope_theta": theta}) == cfg
+        assert target_config_from_hf({**d, "rope_scaling": params, "rope_theta": theta}) == cfg
     # And the config writes it back.
-    assert TargetConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    assert target_config_from_hf(target_config_to_hf(cfg)) == cfg
 
 
 # -- config keys --------------------------------------------------------------------------------------------------
@@ -239,22 +241,22 @@ BAD_CONFIGS = {
 def test_unsupported_config_keys_are_named(case):
     changes, error, message = BAD_CONFIGS[case]
     with pytest.raises(error, match=message):
-        TargetConfig.from_hf_dict(_llama_dict(**changes))
+        target_config_from_hf(_llama_dict(**changes))
 
 
 def test_qwen2_attention_bias_key_and_family_switches():
     """Qwen2 has q/k/v biases whatever `attention_bias` says (HF Qwen2 ignores the key); configs no HF family
     describes can exist but have no config.json form; a drafter must be Qwen3 layers."""
     d = _llama_dict(model_type="qwen2")
-    assert TargetConfig.from_hf_dict(d).attention_bias
-    assert TargetConfig.from_hf_dict({**d, "attention_bias": True}).attention_bias
-    cfg = TargetConfig.from_hf_dict(_llama_dict())
-    assert cfg.to_hf_dict()["architectures"] == ["LlamaForCausalLM"]
-    assert TargetConfig.from_hf_dict(cfg.replace(model_type="qwen2", attention_bias=None).to_hf_dict()) \
+    assert target_config_from_hf(d).attention_bias
+    assert target_config_from_hf({**d, "attention_bias": True}).attention_bias
+    cfg = target_config_from_hf(_llama_dict())
+    assert target_config_to_hf(cfg)["architectures"] == ["LlamaForCausalLM"]
+    assert target_config_from_hf(target_config_to_hf(cfg.replace(model_type="qwen2", attention_bias=None))) \
         .attention_bias
     odd = cfg.replace(qk_norm=True)
     with pytest.raises(ValueError, match="'llama' with qk_norm=True.*no HF config.json form"):
-        odd.to_hf_dict()
+        target_config_to_hf(odd)
     # Params of one family under another family's config: a clear error, not a None in the arithmetic.
     small = cfg.replace(vocab_size=V, num_hidden_layers=1, param_dtype="float32", compute_dtype="float32")
     llama = dj.init_target(small, jax.random.key(0))
@@ -272,7 +274,7 @@ def test_qwen2_attention_bias_key_and_family_switches():
     # A z-lab drafter config.json that copies a Llama target's model_type is still read as Qwen3 layers.
     dd = {**_llama_dict(num_hidden_layers=1), "architectures": ["DFlashDraftModel"], "block_size": 4,
           "num_target_layers": 2, "dflash_config": {"mask_token_id": 1, "target_layer_ids": [0]}}
-    assert DrafterConfig.from_hf_dict(dd).model.qk_norm
+    assert drafter_config_from_hf(dd).model.qk_norm
 
 
 # -- saving, quantizing, sharding ---------------------------------------------------------------------------------

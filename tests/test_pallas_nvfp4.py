@@ -237,7 +237,8 @@ def test_pallas_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(linear_mod, "_compute_capability", lambda: 9.0)
     assert resolve_backend() == "pallas"  # Hopper
     monkeypatch.setattr(linear_mod, "_compute_capability", lambda: 10.0)
-    assert resolve_backend() == "pallas"  # Blackwell too: auto is W4A16 everywhere (a row never depends on the batch)
+    # Blackwell too: auto is W4A16 everywhere (a row's drafts never depend on the other rows of its batch)
+    assert resolve_backend() == "pallas"
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU choices")

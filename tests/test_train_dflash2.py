@@ -16,7 +16,7 @@ from dflash_jax.models import selector as sel_mod
 from dflash_jax.models.drafter import draft_proposal
 from dflash_jax.params import abstract_drafter
 from dflash_jax.quant.quantize import DFLASH2_PROJECTIONS, drop_global_scales, quantize_nvfp4
-from dflash_jax.train import drafter as td
+from dflash_jax.train import drafter_data as tdd, drafter_loss as tdl
 from dflash_jax.train import drafter2 as td2
 from dflash_jax.train.loop import OptimConfig, run
 from random_models import nontrivial_dflash2, random_params
@@ -41,8 +41,8 @@ def test_training_forward_equals_inference_forward_dflash2():
     tokens = rng.integers(0, 63, (2, 30)).astype(np.int32)
     anchors = np.array([[3, 4, 11, 20], [5, 11, 13, 23]], np.int32)  # adjacent / overlapping blocks included
     batch = training_batch(target, tokens, [30, 26], anchors)
-    h, _ = td.training_hidden(drafter.params, batch, cfg, target.config)
-    logits = td.training_logits(drafter.params, batch, cfg, target.config)
+    h, _ = tdl.training_hidden(drafter.params, batch, cfg, target.config)
+    logits = tdl.training_logits(drafter.params, batch, cfg, target.config)
     scores, idx, usable = td2.selector_terms(drafter.params, h, logits, batch, cfg)
     for b, n, ref in inference_at_anchors(target, drafter, tokens, anchors, draft_proposal):
         np.testing.assert_allclose(np.asarray(logits[b, n]), np.asarray(ref.logits[0]), atol=3e-5, rtol=3e-5)
@@ -86,9 +86,9 @@ def trained():
     drafter = dj.init_drafter(DCFG, jax.random.key(1))
     rng = np.random.RandomState(0)
     prompts = [list(rng.randint(0, 63, rng.randint(3, 10))) for _ in range(48)]
-    data = td.make_sequences(target, prompts, max_new_tokens=30, seq_len=40, batch=48)
+    data = tdd.make_sequences(target, prompts, max_new_tokens=30, seq_len=40, batch=48)
     params, hist = run(params=drafter.params, loss_fn=td2.drafter2_loss(DCFG, target.config),
-                       batch_fn=td.make_batch_fn(data, target.params, batch=8, num_anchors=8, seed=0),
+                       batch_fn=tdd.make_batch_fn(data, target.params, batch=8, num_anchors=8, seed=0),
                        optim=OptimConfig(steps=150, lr=3e-3), ckpt_dir=tempfile.mkdtemp(), ckpt_every=10 ** 9,
                        desc="tiny-drafter2")
     return target, drafter, drafter.replace(params=params), prompts, hist

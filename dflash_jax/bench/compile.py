@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.bench import speculative as bench
+from dflash_jax.bench import step_costs
 from dflash_jax.config import TargetConfig
 from dflash_jax.decode import buckets
 from dflash_jax.decode import programs as G
@@ -87,10 +87,10 @@ def attention_section(target, drafter, *, live: int = 64, cache_lens=(256, 16384
 
     steps, metas = {}, {}
     for n in cache_lens:
-        fns = bench.step_functions(target, drafter, context_len=live, cache_len=n)
+        fns = step_costs.step_functions(target, drafter, context_len=live, cache_len=n)
         metas[n] = fns.pop("_meta")
         steps.update({(n, k): v for k, v in fns.items()})
-    ms = bench.interleaved_ms(steps, reps)
+    ms = step_costs.interleaved_ms(steps, reps)
     rows = {n: {k: ms[n, k] for k in ("verify_ms", "decode_ms", "draft_ms")} for n in cache_lens}
     for n, c in rows.items():
         print(f"cache {n:>6} slots, {live} live tokens: verify({metas[n]['draft_length'] + 1} tok) "

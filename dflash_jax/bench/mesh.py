@@ -62,6 +62,7 @@ import numpy as np  # noqa: E402
 from dflash_jax.decode import programs as G  # noqa: E402
 from dflash_jax.decode.programs import generate  # noqa: E402
 from dflash_jax.io.checkpoint import load_target  # noqa: E402
+from dflash_jax.io.hf_config import target_config_to_hf  # noqa: E402
 from dflash_jax.io.shipped import load_default  # noqa: E402
 from dflash_jax.models.drafter import Drafter  # noqa: E402
 from dflash_jax.models.target import Target  # noqa: E402
@@ -146,7 +147,7 @@ def load_config(gb: float, model: int) -> TargetConfig:
 def write_random_checkpoint(folder: Path, cfg: TargetConfig, file_gb: float = 0.5) -> int:
     """A random HF Qwen3 checkpoint (bf16) in several safetensors files with an index; returns its bytes."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    (folder / "config.json").write_text(json.dumps(target_config_to_hf(cfg)))
     rng = np.random.default_rng(0)
     files, current, size, total, weight_map = [], {}, 0, 0, {}
 

@@ -19,7 +19,6 @@ needs a loadable file and is skipped with the reason when it is not.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from pathlib import Path
@@ -30,8 +29,10 @@ import ml_dtypes
 import numpy as np
 
 from dflash_jax.config import TargetConfig
-from dflash_jax.io import checkpoint
 from dflash_jax.io import gguf_drafter as gd
+from dflash_jax.io.checkpoint import load_drafter, load_target
+from dflash_jax.io.hf_folder import read_tensors
+from dflash_jax.io.model_path import model_path
 from dflash_jax.models.drafter import Drafter, draft_proposal
 from dflash_jax.models.target import Target, target_forward
 from dflash_jax.params import abstract_target, init_from_abstract, named_leaves
@@ -183,7 +184,7 @@ def _gguf_rows(path: Path) -> list[ScaleRow]:
 
 
 def _hf_rows(path: Path) -> list[ScaleRow]:
-    tensors = checkpoint._read_tensors(path)
+    tensors = read_tensors(path)
     modules = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith((".weight_scale", ".weight_scale_2"))})
     rows = []
     for module in modules:
@@ -257,33 +258,29 @@ def graph_check(model, target: Target | None = None, *, context: int = 8, seed: 
 
 # -- the call ----------------------------------------------------------------------------------------------------
 
-def _load_folder(path: Path):
-    if (path / checkpoint.SAVED_MARKER).exists():
-        kind = json.loads((path / checkpoint.SAVED_MARKER).read_text()).get("kind")
-    else:
-        arch = (checkpoint.read_config_json(path).get("architectures") or [])
-        kind = "drafter" if any(a in ("DFlashDraftModel", "DFlash2DraftModel") for a in arch) else "target"
-    kw = dict(param_dtype="float32", compute_dtype="float32")
-    return checkpoint.load_drafter(path, **kw) if kind == "drafter" else checkpoint.load_target(path, **kw)
-
-
 def audit_file(path: str | Path, *, target: Target | None = None, graph: bool = True, **load_kw) -> FileAudit:
     """The per-tensor scale table of a GGUF drafter, an HF / ModelOpt folder or a `save` folder, and (graph=True)
     `audit_scales` on the loaded model. target: the target a drafter runs with (default: a random stand-in of the
     right shape). load_kw: passed to the GGUF loader (vocab_size=, num_target_layers=)."""
-    path = Path(path)
-    if gd.is_gguf(path):
+    where = model_path(path)
+    path = where.path
+    kw = dict(param_dtype="float32", compute_dtype="float32")
+    if where.format == "gguf":  # read raw for the table: the file may not load (the role would need it to)
         fmt, rows = "gguf", _gguf_rows(path)
-        loader = lambda: gd.load_drafter_gguf(path, param_dtype="float32", compute_dtype="float32", **load_kw)
-    elif path.is_dir() and (path / checkpoint.SAVED_MARKER).exists():
-        fmt, model = "orbax", _load_folder(path)
+        loader = lambda: gd.load_drafter_gguf(path, **kw, **load_kw)
+        return _audited(FileAudit(path=str(path), fmt=fmt, rows=_finish(rows)), loader, graph, target)
+    load = load_drafter if where.role == "drafter" else load_target
+    if where.format == "saved":
+        fmt, model = "orbax", load(path, **kw)
         rows, loader = _model_rows(model), lambda: model
-    elif path.is_dir():
-        fmt, rows = "hf", _hf_rows(path)
-        loader = lambda: _load_folder(path)
     else:
-        raise FileNotFoundError(f"{path}: not a GGUF file or a model folder")
-    out = FileAudit(path=str(path), fmt=fmt, rows=_finish(rows))
+        fmt, rows = "hf", _hf_rows(path)
+        loader = lambda: load(path, **kw)
+    return _audited(FileAudit(path=str(path), fmt=fmt, rows=_finish(rows)), loader, graph, target)
+
+
+def _audited(out: FileAudit, loader, graph: bool, target: Target | None) -> FileAudit:
+    """`out` with the graph check of the model `loader()` gives (or why there is none)."""
     if not graph:
         out.graph_skipped = "not requested"
         return out

@@ -1,8 +1,9 @@
-"""A GGUF decoder (llama.cpp's `llama`, `qwen2`, `qwen3` architectures) seen as an HF checkpoint.
+"""A GGUF decoder (llama.cpp's `llama`, `qwen2`, `qwen3`, `qwen35` architectures) loaded as a Target.
 
-`hf_config(g)` maps the GGUF metadata onto an HF `config.json` dict and `hf_tensors(g)` maps the tensor names onto
-HF's (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`), each a lazy `GGUFTensor` that decodes on
-read. The loader then builds the Target exactly as it does from safetensors (shape checks, NaN checks, `mesh=`).
+`gguf_config.target_hf_config(g)` maps the GGUF metadata onto an HF `config.json` dict and `hf_tensors(g, d)` maps
+the tensor names onto HF's (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`), each a lazy
+`GGUFTensor` that decodes on read. `load_target_gguf` then builds the Target exactly as from safetensors
+(`hf_folder.params_from_hf`: shape checks, NaN checks, `mesh=`).
 
 llama.cpp's converter permutes the rows of `attn_q` / `attn_k` for the `llama` architecture so that its RoPE rotates
 adjacent pairs of dimensions; HF (and this project) rotate halves. Within each head the converter took rows
@@ -21,30 +22,29 @@ undone here on read (`_qwen35_reader`):
     can broadcast key heads with a plain repeat: the v rows of attn_qkv (q and k rows untouched), the v channels of
     ssm_conv1d, the rows of attn_gate (z), ssm_beta, ssm_alpha, ssm_a, ssm_dt and the columns of ssm_out.
   The full-attention q_proj (query and output gate interleaved per head) is written as is, as `attn_q`.
-Metadata: `qwen35.ssm.conv_kernel` (linear_conv_kernel_dim), `.ssm.state_size` (linear_key_head_dim),
-`.ssm.group_count` (linear_num_key_heads), `.ssm.time_step_rank` (linear_num_value_heads), `.ssm.inner_size`
-(value heads x value head dim), `.full_attention_interval` (every n-th layer is full attention, as HF's default
-`layer_types`), `.rope.dimension_count` (head_dim x partial_rotary_factor), `.rope.dimension_sections` (multimodal
-RoPE; a text model's three position streams are equal, so sections do not change it and are not read). A file
-with multi-token-prediction layers (`qwen35.nextn_predict_layers`, counted in block_count after the decoder's, as the
-converter's MTP mixin appends them) loads without them, with a warning (assumed from the converter; no such file was
-at hand).
+A file with multi-token-prediction layers (`qwen35.nextn_predict_layers`, counted in block_count after the decoder's,
+as the converter's MTP mixin appends them) loads without them, with a warning (assumed from the converter; no such
+file was at hand). The metadata keys are `gguf_config`'s docstring.
 """
 
 from __future__ import annotations
 
 import re
 import warnings
+from pathlib import Path
 
 import numpy as np
 
+from dflash_jax.io.errors import CheckpointError
 from dflash_jax.io.gguf import GGUFError, GGUFFile
+from dflash_jax.io.gguf_config import target_hf_config
+from dflash_jax.io.hf_config import target_config_from_hf
+from dflash_jax.io.hf_folder import dense_keys, params_from_hf
 from dflash_jax.io.lazy_array import LazyArray
+from dflash_jax.models.target import Target
+from dflash_jax.params import abstract_target, is_linear_name, map_named, named_leaves
 from dflash_jax.quant import ggml
 from dflash_jax.quant.ggml import GGMLArray
-
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen35": "Qwen3_5ForCausalLM"}
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -114,92 +114,6 @@ def check_against(g: GGUFFile, tensors: dict, expected: dict[str, tuple[int, ...
         if tuple(tensors[hf].shape) != tuple(shape):
             raise GGUFError(f"{g.path}: tensor {name!r} has shape {list(tensors[hf].shape)} (numpy order), expected "
                             f"{list(shape)} for the model's {hf}")
-
-
-def hf_config(g: GGUFFile) -> dict:
-    """An HF-style config dict from the metadata (`{arch}.*` keys; vocabulary size from the embedding rows; tied
-    when there is no `output.weight`; bos / eos from `tokenizer.ggml.*_token_id`)."""
-    arch = g.architecture
-    if arch not in ARCHITECTURES:
-        raise NotImplementedError(f"{g.path}: metadata key 'general.architecture' is {arch!r}; supported GGUF "
-                                  f"architectures are {sorted(ARCHITECTURES)}")
-
-    def key(name, kind=int, default=None):
-        return g.get(f"{arch}.{name}", default, kind) if default is not None else g.require(f"{arch}.{name}", kind)
-
-    hidden = int(key("embedding_length"))
-    n_heads = int(key("attention.head_count"))
-    n_kv = int(key("attention.head_count_kv", int, n_heads))
-    head_dim = int(key("attention.key_length", int, hidden // n_heads))
-    value_dim = int(key("attention.value_length", int, head_dim))
-    if value_dim != head_dim:
-        raise NotImplementedError(f"{g.path}: metadata key '{arch}.attention.value_length' ({value_dim}) differs "
-                                  f"from the key length ({head_dim}); not supported")
-    rope_dims = int(key("rope.dimension_count", int, head_dim))
-    if rope_dims != head_dim and arch != "qwen35":
-        raise NotImplementedError(f"{g.path}: metadata key '{arch}.rope.dimension_count' ({rope_dims}) is not the "
-                                  f"head dimension ({head_dim}): partial RoPE is not supported")
-    embd = g.info("token_embd.weight")
-    if len(embd.shape) != 2 or embd.shape[1] != hidden:
-        raise GGUFError(f"{g.path}: tensor 'token_embd.weight' has shape {list(embd.shape)}, expected "
-                        f"[vocab, {hidden}] ('{arch}.embedding_length')")
-    rope_scaling = None
-    scaling = g.get(f"{arch}.rope.scaling.type", None, str)
-    if scaling not in (None, "none"):
-        if scaling != "linear":
-            raise NotImplementedError(f"{g.path}: metadata key '{arch}.rope.scaling.type' = {scaling!r} is not "
-                                      "supported (none and linear are)")
-        rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor", float))}
-    if "rope_freqs.weight" in g.tensors:
-        raise NotImplementedError(f"{g.path}: tensor 'rope_freqs.weight' (per-frequency RoPE scaling, llama 3.1 "
-                                  "style) is not supported")
-    d = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
-        "vocab_size": int(embd.shape[0]),
-        "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        # qwen35: block_count includes the multi-token-prediction layers llama.cpp's converter appends
-        "num_hidden_layers": int(key("block_count")) - (int(key("nextn_predict_layers", int, 0)) if arch == "qwen35"
-                                                        else 0),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", float)),
-        "rope_theta": float(key("rope.freq_base", float, 10000.0)),
-        "rope_scaling": rope_scaling,
-        "max_position_embeddings": int(key("context_length")),
-        "tie_word_embeddings": "output.weight" not in g.tensors,
-        "attention_bias": "blk.0.attn_q.bias" in g.tensors,
-        "torch_dtype": "float32",
-    }
-    if arch == "qwen35":
-        d.update(_qwen35_config(g, key, head_dim, rope_dims))
-    for field, meta in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
-                        ("eos_token_id", "tokenizer.ggml.eos_token_id")):
-        if meta in g.metadata:
-            d[field] = int(g.require(meta, int))
-    return d
-
-
-def _qwen35_config(g: GGUFFile, key, head_dim: int, rope_dims: int) -> dict:
-    """The hybrid fields of a qwen35 file's HF config (Qwen3_5TextConfig names), from the `qwen35.ssm.*` keys."""
-    n_v = int(key("ssm.time_step_rank"))
-    n_k = int(key("ssm.group_count"))
-    inner = int(key("ssm.inner_size"))
-    if n_v <= 0 or n_k <= 0 or n_v % n_k or inner % n_v:
-        raise GGUFError(f"{g.path}: metadata keys 'qwen35.ssm.time_step_rank' ({n_v} value heads), "
-                        f"'qwen35.ssm.group_count' ({n_k} key heads) and 'qwen35.ssm.inner_size' ({inner}) do not "
-                        "split into whole heads (key heads must divide value heads, value heads the inner size)")
-    if rope_dims <= 0 or rope_dims > head_dim or rope_dims % 2:
-        raise GGUFError(f"{g.path}: metadata key 'qwen35.rope.dimension_count' ({rope_dims}) must be an even number "
-                        f"of dimensions up to the head dimension ({head_dim})")
-    return {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForCausalLM"],
-            "partial_rotary_factor": rope_dims / head_dim,
-            "full_attention_interval": int(key("full_attention_interval", int, 4)),
-            "linear_conv_kernel_dim": int(key("ssm.conv_kernel")), "linear_key_head_dim": int(key("ssm.state_size")),
-            "linear_num_key_heads": n_k, "linear_num_value_heads": n_v, "linear_value_head_dim": inner // n_v}
 
 
 def _untiled_heads(n_k: int, n_v: int) -> np.ndarray:
@@ -337,10 +251,6 @@ def hf_tensors(g: GGUFFile, cfg: dict) -> dict[str, LazyArray]:
     return out
 
 
-__all__ = ["hf_config", "hf_tensors", "hf_name", "gguf_name", "check_against", "GGUFTensor", "Converted",
-           "ARCHITECTURES"]
-
-
 BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # kept as the file's own blocks (`quant.ggml.GGMLArray`) by `block_leaves`
 
 
@@ -356,13 +266,42 @@ def block_leaves(g: GGUFFile, cfg: dict, wanted) -> dict[str, GGMLArray]:
         if hf is None or len(t.shape) != 2 or t.type_name not in BLOCK_TYPES or not wanted(hf):
             continue
         raw = np.asarray(g.raw(name))  # [rows, row bytes]
-        heads = None
-        if permute and name.endswith("attn_q.weight"):
-            heads = cfg["num_attention_heads"]
-        elif permute and name.endswith("attn_k.weight"):
-            heads = cfg["num_key_value_heads"]
+        heads = {"attn_q.weight": cfg["num_attention_heads"], "attn_k.weight": cfg["num_key_value_heads"]}.get(
+            name.split(".", 2)[-1]) if permute else None
         if heads is not None:
             rows = raw.shape[0]
             raw = raw.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(rows, -1)
         out[hf] = ggml.from_blocks(raw, t.type_name, tuple(t.shape))
     return out
+
+
+def load_target_gguf(path: Path, param_dtype: str, compute_dtype: str, mesh=None, *,
+                     keep_blocks: bool = False) -> Target:
+    """A Target from a llama.cpp GGUF file: config from the metadata, tensors decoded one at a time from the
+    memory-mapped file into the storage dtype; any problem with the file is a CheckpointError naming it.
+    keep_blocks: the linear weights and the embedding stored as Q4_0 / Q4_1 / Q8_0 stay those blocks (`GGMLArray`
+    leaves, what the CPU kernel streams); every tensor is still decoded once on the way, which checks it for NaN."""
+    try:
+        g = GGUFFile(path)
+        d = target_hf_config(g)
+        tensors = hf_tensors(g, d)
+    except GGUFError as e:
+        raise CheckpointError(str(e)) from None
+    cfg = target_config_from_hf(d, param_dtype=param_dtype, compute_dtype=compute_dtype)
+    abstract = abstract_target(cfg)
+    try:
+        check_against(g, tensors, {dense_keys("target", n)[0]: s.shape for n, s in named_leaves(abstract).items()})
+        params = params_from_hf("target", path, abstract, cfg.storage_dtype, None, mesh=mesh, cfg=cfg,
+                                tensors=tensors)
+        if keep_blocks:
+            keys = {dense_keys("target", n)[0] for n in named_leaves(abstract)
+                    if is_linear_name(n) or n == "embed_tokens"}
+            blocks = block_leaves(g, d, wanted=lambda hf: hf in keys)
+            params = map_named(lambda n, x: blocks.get(dense_keys("target", n)[0], x), params)
+    except GGUFError as e:
+        raise CheckpointError(str(e)) from None
+    return Target(params=params, config=cfg)
+
+
+__all__ = ["load_target_gguf", "block_leaves", "BLOCK_TYPES", "hf_tensors", "hf_name", "gguf_name", "check_against",
+           "GGUFTensor", "Converted"]

@@ -1,5 +1,5 @@
 """`LazyArray`: a tensor of a model file that is not read yet, the common ground of the safetensors `LazyTensor` and
-the GGUF `GGUFTensor`. The loader (`checkpoint._placed_dense`) treats both alike: it checks `shape` / `ndim` /
+the GGUF `GGUFTensor`. The loader (`hf_folder._placed_dense`) treats both alike: it checks `shape` / `ndim` /
 `size`, reads the slice each device needs with `read(index)`, or the whole tensor with `np.asarray(t)`."""
 
 from __future__ import annotations

@@ -44,10 +44,11 @@ from dflash_jax.models import selector as sel_mod
 from dflash_jax.io.checkpoint import load_target
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models.drafter import Drafter, head_logits
-from dflash_jax.train.drafter import (CHECKPOINTS, add_training_arguments, build_data_or_exit, decay_gamma,
-                                      eval_eos, eval_prompts_and_length, mask_token_id, measure_tau,
-                                      resolve_target_and_tokenizer, shipped_drafter_config, tau_eval_fn,
-                                      train_and_save, training_hidden, training_labels, write_report)
+from dflash_jax.train.drafter import (CHECKPOINTS, add_training_arguments, eval_eos, eval_prompts_and_length,
+                                      mask_token_id, measure_tau, resolve_target_and_tokenizer, shipped_drafter_config,
+                                      tau_eval_fn, train_and_save, write_report)
+from dflash_jax.train.drafter_data import build_data_or_exit
+from dflash_jax.train.drafter_loss import decay_gamma, training_hidden, training_labels
 from dflash_jax.train.drafter import warm_start  # noqa: F401  (re-exported: the notebooks import it from here)
 from dflash_jax.train.loop import cross_entropy, load_training_tokenizer
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.io.checkpoint import save
+from dflash_jax.io.orbax_folder import save
 from dflash_jax.config import TargetConfig
 from dflash_jax.models.target import Target, forward_with_cache, init_target
 from dflash_jax.train import corpus, unlikelihood
