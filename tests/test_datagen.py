@@ -130,6 +130,8 @@ def test_bad_inputs_refused_by_name(target, prompts, tmp_path):
             _run(target, tmp_path, prompts, spec=_spec(target, **change))
         with pytest.raises(DataError, match=name):
             shards.read_dataset(tmp_path, spec=_spec(target, **change))
+        with pytest.raises(DataError, match=name):  # a trainer's check of the fields it cares about
+            shards.read_dataset(tmp_path, **change)
     first, second = shards.shard_dirs(tmp_path)
     # a shard from another target
     meta = json.loads((second / "meta.json").read_text())

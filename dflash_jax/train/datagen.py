@@ -113,8 +113,8 @@ def _totals(work: Path) -> dict:
             "feature_bytes": sum(m["bytes"]["features"] for m in metas)}
 
 
-def run(target, work: Path, spec: DataSpec, settings: RefillSettings, *, source: dict, prompts, limit: int | None = None,
-        max_answer_tokens: int | None = None, shard_answers: int = 256, command: str = "", log=print) -> dict:
+def run(target, work: Path, spec: DataSpec, settings: RefillSettings, *, source: dict, prompts,
+        limit: int | None = None, max_answer_tokens: int | None = None, shard_answers: int = 256, command: str = "", log=print) -> dict:
     """Generates answers for the queue's undone prompts (at most `limit` answers in this run; none once the work dir
     holds `max_answer_tokens` answer tokens) into `work`. Returns this run's record (also in the manifest).
     SIGTERM / SIGINT stop taking new prompts: the rows in flight finish and are written."""
@@ -218,23 +218,33 @@ def main(argv=None):
         return datagen_bench.main([a for a in argv if a != "--bench"])
     ap = argparse.ArgumentParser(prog="python -m dflash_jax.train.datagen", description=__doc__.split("\n\n")[0])
     ap.add_argument("--work-dir", required=True, help="shards, manifest, queue (rerun to resume or extend)")
+    ap.add_argument("--source", choices=("chat", "packages"), default="chat",
+                    help="chat: chat_prompt_ids requests (stdlib functions + general requests); packages: the same "
+                         "coding templates over the installed corpus packages' train-split functions "
+                         "(`train.prompt_sources`), appended to the queue after what it holds")
     ap.add_argument("--prompts", type=int, default=None,
-                    help="prompts of the source (default: every distinct one the split yields)")
+                    help="prompts of the chat source (default: every distinct one the split yields)")
     ap.add_argument("--limit", type=int, default=None, help="answers in this run at most")
     ap.add_argument("--max-answer-tokens", type=int, default=2_000_000,
                     help="stop taking prompts once the work dir holds this many answer tokens")
     ap.add_argument("--shard-answers", type=int, default=256, help="answers per shard")
     add_recipe_arguments(ap)
     args = ap.parse_args(argv)
+    import dflash_jax
+    dflash_jax.enable_compilation_cache(Path(args.work_dir) / "xla")  # a resumed run loads its programs
     target, drafter, tok = load_pair(args)
     spec = spec_for(target, tok, layer_ids=args.taps or drafter.config.target_layer_ids,
                     block_size=args.block_size or drafter.config.block_size,
                     max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.new_tokens,
                     sampled_fraction=args.sampled_fraction, temperature=args.sample_temperature, seed=args.seed)
-    source = {"kind": "chat_prompt_ids", "split": args.split, "seed": args.prompt_seed,
-              "max_prompt_tokens": args.max_prompt_tokens, "n": args.prompts}
-    prompts = chat_queue(tok, args.prompts, split=args.split, seed=args.prompt_seed,
-                         max_prompt_tokens=args.max_prompt_tokens)
+    if args.source == "packages":
+        from dflash_jax.train.prompt_sources import package_chat_ids
+        prompts, source = package_chat_ids(tok, seed=args.prompt_seed, max_prompt_tokens=args.max_prompt_tokens)
+    else:
+        source = {"kind": "chat_prompt_ids", "split": args.split, "seed": args.prompt_seed,
+                  "max_prompt_tokens": args.max_prompt_tokens, "n": args.prompts}
+        prompts = chat_queue(tok, args.prompts, split=args.split, seed=args.prompt_seed,
+                             max_prompt_tokens=args.max_prompt_tokens)
     try:
         run(target, Path(args.work_dir), spec, settings_for(spec, args), source=source, prompts=prompts,
             limit=args.limit, max_answer_tokens=args.max_answer_tokens, shard_answers=args.shard_answers,

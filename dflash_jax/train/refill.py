@@ -48,7 +48,7 @@ class RefillSettings:
     steps: int = 32  # K: decode steps per program call at most (a host return at least every K steps)
     refill_min: int = 4  # the decode call returns once this many rows finished (while prompts remain)
     max_refill: int = 16  # rows per refill program call at most (bigger refills are split)
-    prompt_multiple: int = 16  # refill prompts are padded to a multiple of this (prompt buckets)
+    prompt_multiple: int = 32  # refill prompts are padded to a multiple of this (few buckets: few compiles)
     feature_dtype: str = "float16"
 
     def __post_init__(self):
@@ -185,7 +185,8 @@ def _refill(target: Target, s: RowState, rows, prompts, plens, temps, keys, *, l
     pos = put(s.pos, plens)
     return s.replace(cache=_scatter_rows(s.cache, small, rows).replace(lengths=pos), tokens=tokens,
                      feats=s.feats.at[rows[:, None], cols].set(f.astype(s.feats.dtype), mode="drop"), pos=pos,
-                     last=put(s.last, first), n_new=put(s.n_new, one), final=put(s.final, _ends(first, one, eos, max_new)),
+                     last=put(s.last, first), n_new=put(s.n_new, one),
+                     final=put(s.final, _ends(first, one, eos, max_new)),
                      done=put(s.done, jnp.zeros((r,), bool)), temp=put(s.temp, temps), keys=put(s.keys, keys))
 
 
@@ -277,8 +278,9 @@ def generate_answers(target: Target, jobs: Iterable[Job], settings: RefillSettin
                      stats: RefillStats | None = None) -> Iterator[Answer]:
     """The target's answers to `jobs`, with their features, in the order they finish.
 
-    The host returns between program calls only to hand over finished rows and refill them: it dispatches the next
-    refill and decode before converting the finished rows, so the device works while the caller consumes them."""
+    Per round the host reads two [B] vectors (done, pos), gathers the finished rows, dispatches their refill and
+    the next decode call, and only then hands the finished answers to the caller, so the device decodes while the
+    caller writes them (programs run asynchronously)."""
     stats = RefillStats() if stats is None else stats
     static = dict(layer_ids=tuple(int(i) for i in settings.layer_ids), eos=tuple(sorted(set(settings.eos_ids))),
                   max_new=int(settings.max_new_tokens))

@@ -231,14 +231,18 @@ class RaggedFeatures:
         return out if dtype is None else out.astype(dtype)
 
 
-def read_dataset(work: Path, *, spec: DataSpec | None = None) -> dict:
+def read_dataset(work: Path, *, spec: DataSpec | None = None, **require) -> dict:
     """The whole work dir as `build_data` returns data: tokens [N, L] (0-padded, L = max prompt + max new tokens),
     lengths [N], prompt_lens [N], features [N, L, K*H] (`RaggedFeatures`, lazy), plus prompt_index [N] (the rows
-    are in queue order). spec: refuse the data unless it was made so (e.g. for this target and these taps)."""
+    are in queue order). spec: refuse the data unless it was made exactly so; require: refuse it unless these
+    `DataSpec` fields have these values (a trainer's check: target_fingerprint=, layer_ids=, block_size=, ...)."""
     work = Path(work)
     have = DataSpec.from_json(read_manifest(work)["spec"])
     if spec is not None:
         check_spec(have, spec, work)
+    if require:
+        check_spec(have, dataclasses.replace(have, **{k: tuple(v) if isinstance(v, (list, tuple)) else v
+                                                      for k, v in require.items()}), work)
     parts, index, plens, lens, part, start = [], [], [], [], [], []
     for path in shard_dirs(work):
         check_shard(path, have)
