@@ -10,9 +10,8 @@ listed), so the source is whatever the machine holds; its record names the packa
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata as md
-
-import numpy as np
 
 from dflash_jax.train import corpus, instructions
 
@@ -32,19 +31,24 @@ def installed_corpus_packages() -> tuple[dict[str, str], list[str]]:
     return have, missing
 
 
+def _draw(seed: int, sig: str) -> int:
+    return int(hashlib.sha1(f"{seed}:{sig}".encode()).hexdigest()[:15], 16)
+
+
 def package_function_requests(seed: int, packages: dict[str, str]) -> list[str]:
-    """One coding request per usable function of the packages' train files (a template drawn per function), in a
-    seeded order; signatures of held-out files and of the stdlib train split are left out."""
+    """One coding request per usable function of the packages' train files, in a seeded order; signatures of
+    held-out files and of the stdlib train split are left out. A function's template and place depend only on the
+    seed and its signature, so a source read with more packages installed repeats every request it made before
+    (the queue then takes only the new ones)."""
     train, held, _ = corpus.build_corpus(packages=packages)
     std_train = [f.text for f in train if f.origin == "stdlib"]
     taken = {sig for sig, _ in instructions.function_requests(std_train)}
     taken |= {sig for sig, _ in instructions.function_requests([f.text for f in held])}
     funcs = [(s, w) for s, w in instructions.function_requests([f.text for f in train if f.origin != "stdlib"])
              if s not in taken]
-    rng = np.random.default_rng(seed)
     templates = instructions._CODE_TEMPLATES
-    reqs = [templates[rng.integers(len(templates))].format(sig=s, what=w) for s, w in funcs]
-    return [reqs[i] for i in rng.permutation(len(reqs))]
+    funcs.sort(key=lambda f: _draw(seed, f[0]))
+    return [templates[_draw(seed + 1, s) % len(templates)].format(sig=s, what=w) for s, w in funcs]
 
 
 def package_chat_ids(tok, *, seed: int, max_prompt_tokens: int) -> tuple[list[tuple[int, ...]], dict]:
