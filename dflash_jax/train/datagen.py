@@ -3,7 +3,7 @@ of every position, from the refilling batch (`train.refill`), written as shards 
 on the same work dir does the queue's prompts that no complete shard holds, in queue order.
 
     python -m dflash_jax.train.datagen --work-dir /work/data/smollm2_answers          # SmolLM2, the shipped recipe
-    python -m dflash_jax.train.datagen --bench --prompts 128                           # old path vs this one
+    python -m dflash_jax.train.datagen_bench --prompts 128                             # old path vs this one
 
 The recipe is the shipped SmolLM2 drafter's (checkpoints/README.md): `chat_prompt_ids` requests of the train split
 (at most 96 prompt tokens), answers until `<|im_end|>` or 256 tokens, 25% of the prompts sampled at T 0.7 (by queue
@@ -22,9 +22,13 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import jax
 import numpy as np
 
-from dflash_jax.train import shards
+from dflash_jax.io.shipped import load_default
+from dflash_jax.train import corpus, instructions, shards
+from dflash_jax.train.drafter import chat_prompt_ids, target_fingerprint
+from dflash_jax.train.prompt_sources import package_chat_ids
 from dflash_jax.train.refill import Job, RefillSettings, RefillStats, generate_answers, prompt_keys
 from dflash_jax.train.shards import DataError, DataSpec
 
@@ -44,7 +48,6 @@ def temperature_of(index: int, fraction: float, temperature: float) -> float:
 def chat_capacity(split: str) -> int:
     """How many distinct requests `instructions.instruction_requests` can make for `split`: every usable function
     of the split plus the general requests (at its 25% general share)."""
-    from dflash_jax.train import corpus, instructions
     train, held = corpus.split_files(corpus.stdlib_files())
     files = train if split == "train" else [f for f in held if not corpus.relpath(f).startswith("encodings/")]
     n_code = len(instructions.function_requests(corpus.read_texts(files)))
@@ -54,8 +57,6 @@ def chat_capacity(split: str) -> int:
 
 def chat_queue(tok, n: int | None, *, split: str, seed: int, max_prompt_tokens: int) -> list[tuple[int, ...]]:
     """`chat_prompt_ids` prompts (n None: as many as the split yields), as tuples."""
-    from dflash_jax.train import instructions
-    from dflash_jax.train.drafter import chat_prompt_ids
     if n is None:
         n = chat_capacity(split)
         ids = instructions.chat_prompts(tok, instructions.instruction_requests(n, split=split, seed=seed))
@@ -175,7 +176,6 @@ def run(target, work: Path, spec: DataSpec, settings: RefillSettings, *, source:
 
 def spec_for(target, tok, *, layer_ids, block_size: int, max_prompt_tokens: int, max_new_tokens: int,
              sampled_fraction: float, temperature: float, seed: int) -> DataSpec:
-    from dflash_jax.train.drafter import target_fingerprint
     return DataSpec(target_fingerprint=target_fingerprint(target), layer_ids=tuple(int(i) for i in layer_ids),
                     hidden_size=target.config.hidden_size, vocab_size=target.config.vocab_size,
                     vocabulary=vocabulary_fingerprint(tok), block_size=int(block_size),
@@ -207,15 +207,11 @@ def settings_for(spec: DataSpec, args) -> RefillSettings:
 
 def load_pair(args):
     """(target float32, shipped drafter, tokenizer) of --model."""
-    from dflash_jax.io.shipped import load_default
     return load_default(model=args.model, compute_dtype="float32")
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--bench" in argv:
-        from dflash_jax.train import datagen_bench
-        return datagen_bench.main([a for a in argv if a != "--bench"])
     ap = argparse.ArgumentParser(prog="python -m dflash_jax.train.datagen", description=__doc__.split("\n\n")[0])
     ap.add_argument("--work-dir", required=True, help="shards, manifest, queue (rerun to resume or extend)")
     ap.add_argument("--source", choices=("chat", "packages"), default="chat",
@@ -230,15 +226,15 @@ def main(argv=None):
     ap.add_argument("--shard-answers", type=int, default=256, help="answers per shard")
     add_recipe_arguments(ap)
     args = ap.parse_args(argv)
-    import dflash_jax
-    dflash_jax.enable_compilation_cache(Path(args.work_dir) / "xla")  # a resumed run loads its programs
+    # JAX's persistent compilation cache in the work dir: a resumed run loads its programs instead of compiling them
+    jax.config.update("jax_compilation_cache_dir", str(Path(args.work_dir) / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     target, drafter, tok = load_pair(args)
     spec = spec_for(target, tok, layer_ids=args.taps or drafter.config.target_layer_ids,
                     block_size=args.block_size or drafter.config.block_size,
                     max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.new_tokens,
                     sampled_fraction=args.sampled_fraction, temperature=args.sample_temperature, seed=args.seed)
     if args.source == "packages":
-        from dflash_jax.train.prompt_sources import package_chat_ids
         prompts, source = package_chat_ids(tok, seed=args.prompt_seed, max_prompt_tokens=args.max_prompt_tokens)
     else:
         source = {"kind": "chat_prompt_ids", "split": args.split, "seed": args.prompt_seed,

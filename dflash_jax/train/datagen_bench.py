@@ -2,7 +2,7 @@
 `target_features` pass), on the same prompts, in one process; then the refilling generator's steady-state rate per
 batch size and K (decode steps per program call).
 
-    python -m dflash_jax.train.datagen --bench --prompts 128 --rows 16 32 64 128 --steps 8 32
+    python -m dflash_jax.train.datagen_bench --prompts 128 --rows 16 32 64 128 --steps 8 32
 
 Compile time is measured apart (jax.monitoring) and taken out of the rates; the machine's load is printed with them
 (a shared machine's figures are medians of noisy samples, not the hardware's rate).
@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from dflash_jax.train import datagen
+from dflash_jax.train.drafter import chat_prompt_ids, make_sequences, target_features
 from dflash_jax.train.refill import Job, RefillSettings, RefillStats, generate_answers, prompt_keys
 
 _COMPILE = {"s": 0.0}
@@ -44,7 +45,6 @@ def _timed(fn):
 def old_path(target, prompts, taps, *, new_tokens: int, max_prompt: int, fraction: float, temp: float, eos: int,
              batch: int = 64) -> dict:
     """make_sequences (batch-64 generate_autoregressive calls) + target_features, as build_data runs them."""
-    from dflash_jax.train.drafter import make_sequences, target_features
     seq_len = max_prompt + new_tokens
     data, w1, c1, p1 = _timed(lambda: make_sequences(target, prompts, max_new_tokens=new_tokens, seq_len=seq_len,
                                                  sampled_fraction=fraction, temperature=temp, batch=batch,
@@ -109,7 +109,7 @@ def steady_rate(target, prompts, settings: RefillSettings, *, fraction: float, t
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m dflash_jax.train.datagen --bench", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m dflash_jax.train.datagen_bench", description=__doc__)
     ap.add_argument("--prompts", type=int, default=128, help="prompts of the old-vs-new comparison")
     ap.add_argument("--no-old", action="store_true", help="skip the old path")
     ap.add_argument("--sweep-only", action="store_true", help="skip the old-vs-new comparison")
@@ -123,7 +123,6 @@ def main(argv=None):
     args = ap.parse_args(argv)
     target, drafter, tok = datagen.load_pair(args)
     taps = tuple(args.taps or drafter.config.target_layer_ids)
-    from dflash_jax.train.drafter import chat_prompt_ids
     prompts = chat_prompt_ids(tok, args.prompts, split=args.split, seed=args.prompt_seed,
                               max_prompt_tokens=args.max_prompt_tokens)
     settings = RefillSettings(layer_ids=taps, eos_ids=(tok.eos_id,), max_new_tokens=args.new_tokens,
@@ -149,3 +148,7 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
     return res
+
+
+if __name__ == "__main__":
+    main()
