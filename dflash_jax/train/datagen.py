@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Iterator
 
 import jax
-import numpy as np
 
 from dflash_jax.io.shipped import load_default
 from dflash_jax.train import corpus, instructions, shards
@@ -115,7 +114,8 @@ def _totals(work: Path) -> dict:
 
 
 def run(target, work: Path, spec: DataSpec, settings: RefillSettings, *, source: dict, prompts,
-        limit: int | None = None, max_answer_tokens: int | None = None, shard_answers: int = 256, command: str = "", log=print) -> dict:
+        limit: int | None = None, max_answer_tokens: int | None = None, shard_answers: int = 256, command: str = "",
+        log=print) -> dict:
     """Generates answers for the queue's undone prompts (at most `limit` answers in this run; none once the work dir
     holds `max_answer_tokens` answer tokens) into `work`. Returns this run's record (also in the manifest).
     SIGTERM / SIGINT stop taking new prompts: the rows in flight finish and are written."""
