@@ -16,7 +16,7 @@ from helpers import tiny_qwen3
 from dflash_jax.decode.programs import generate_autoregressive
 from dflash_jax.models.target import init_target, target_forward
 from dflash_jax.train import datagen, shards
-from dflash_jax.train.drafter import target_fingerprint
+from dflash_jax.train.drafter_data import target_fingerprint
 from dflash_jax.train.refill import Job, RefillSettings, RefillStats, generate_answers, prompt_keys
 from dflash_jax.train.shards import DataError, DataSpec
 

@@ -23,7 +23,7 @@ import time
 
 from dflash_jax.decode.programs import generate, generate_autoregressive
 from dflash_jax.io import shipped
-from dflash_jax.train.drafter import chat_prompt_ids
+from dflash_jax.train.drafter_data import chat_prompt_ids
 
 # run in the llama.cpp interpreter: argv = [gguf, threads, new tokens, json prompts]; prints one JSON line
 _CHILD = r"""

@@ -26,7 +26,7 @@ import jax
 
 from dflash_jax.io.shipped import load_default
 from dflash_jax.train import corpus, instructions, shards
-from dflash_jax.train.drafter import chat_prompt_ids, target_fingerprint
+from dflash_jax.train.drafter_data import chat_prompt_ids, target_fingerprint
 from dflash_jax.train.prompt_sources import package_chat_ids
 from dflash_jax.train.refill import Job, RefillSettings, RefillStats, generate_answers, prompt_keys
 from dflash_jax.train.shards import DataError, DataSpec

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from dflash_jax.train import datagen
-from dflash_jax.train.drafter import chat_prompt_ids, make_sequences, target_features
+from dflash_jax.train.drafter_data import chat_prompt_ids, make_sequences, target_features
 from dflash_jax.train.refill import Job, RefillSettings, RefillStats, generate_answers, prompt_keys
 
 _COMPILE = {"s": 0.0}
