@@ -168,10 +168,18 @@ def main(argv=None):
     b.add_argument("--tau-table", action="store_true",
                    help="tau at the draft lengths of 3/7/15 the drafter's block holds (+ NVFP4 with --nvfp4)")
     b.add_argument("--step-table", action="store_true",
-                   help="per draft length (those of 1/3/7 the block holds, or --draft-length) and draft vocabulary "
-                        "(whole, first 8192, first 4096 ids): verify and draft cost (r, c), tau, predicted and "
-                        "measured speedup")
+                   help="per draft length (those of 1/3/7 the block holds, or --draft-length), draft vocabulary (the "
+                        "drafter's own, or --draft-vocabs) and batch (--batches): verify and draft cost (r, c), tau, "
+                        "predicted and measured speedup")
     b.add_argument("--reps", type=int, default=30, help="with --step-table: timed rounds per step cost (default 30)")
+    b.add_argument("--draft-vocabs", type=int, nargs="+", default=None,
+                   help="with --step-table: draft vocabularies to compare (first N ids; 0: the whole vocabulary)")
+    b.add_argument("--batches", type=int, nargs="+", default=[1],
+                   help="with --step-table: batch sizes (rows per generate call; default 1)")
+    b.add_argument("--save-table", nargs="?", const="", default=None, metavar="FOLDER",
+                   help="with --step-table: write the table as step_table.json into FOLDER (default: the shipped "
+                        "drafter's folder), where loading the drafter picks it up: generate's default draft length "
+                        "is then its best row for the running pair")
     b.add_argument("--draft-vocab", type=int, default=None,
                    help="draft over the first N token ids only (0: the whole vocabulary; default: the drafter's "
                         "config)")

@@ -15,6 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.frozen import Replaceable
+from dflash_jax.step_table import StepTable
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -50,7 +53,7 @@ LINEAR_ATTENTION_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "li
 
 
 @dataclasses.dataclass(frozen=True)
-class TargetConfig:
+class TargetConfig(Replaceable):
     """One decoder-only target: GQA, NeoX RoPE, SwiGLU MLP, RMSNorm, with the family's features as switches.
 
     `model_type` names the HF family ("qwen3" | "qwen2" | "llama" | "mistral" | "qwen3_5"); `qk_norm` (per-head q/k
@@ -228,9 +231,6 @@ class TargetConfig:
     def storage_dtype(self):
         return DTYPES[self.param_dtype]
 
-    def replace(self, **changes) -> "TargetConfig":
-        return dataclasses.replace(self, **changes)
-
     def drafter_stack(self, num_hidden_layers: int) -> "TargetConfig":
         """The layer stack of a DFlash drafter for this target: Qwen3 layers (q/k norm, no biases) of the target's
         sizes and RoPE, whatever the target's family (z-lab's drafters are Qwen3 layers for every target)."""
@@ -261,7 +261,7 @@ DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "sel
 
 
 @dataclasses.dataclass(frozen=True)
-class DrafterConfig:
+class DrafterConfig(Replaceable):
     """A DFlash drafter: a Qwen3 layer stack plus `fc` + `hidden_norm` over concatenated target features.
 
     The drafter has no embedding and no LM head of its own: it borrows the target's at run time.
@@ -301,6 +301,10 @@ class DrafterConfig:
     # is unchanged in law (greedy: token for token); only acceptance can move. EAGLE-3 calls the same idea a
     # reduced draft vocabulary.
     draft_vocab_size: int | None = None
+    # What a step costs and buys with this drafter, measured (`dflash_jax.step_table`; `step_table.json` beside the
+    # weights): `generate`'s default draft length is its best row. Not an architecture setting: never saved in the
+    # config itself, and a table that does not match the running pair is ignored with a warning.
+    step_table: StepTable | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -357,6 +361,9 @@ class DrafterConfig:
                                  f"got {n!r}")
             # One canonical form: the whole vocabulary is None.
             object.__setattr__(self, "draft_vocab_size", None if int(n) == V else int(n))
+        if self.step_table is not None and not isinstance(self.step_table, StepTable):
+            raise ValueError(f"drafter config: step_table must be a dflash_jax.step_table.StepTable or None, got "
+                             f"{type(self.step_table).__name__}")
         if self.kind == "dflash2":
             self._check_dflash2()
 
@@ -402,9 +409,6 @@ class DrafterConfig:
         sliding = layer_type == "sliding_attention"
         causal = sliding if self.is_causal is None else self.is_causal
         return causal, (self.sliding_window if sliding else None)
-
-    def replace(self, **changes) -> "DrafterConfig":
-        return dataclasses.replace(self, **changes)
 
 
 def check_pair(drafter: DrafterConfig, target: TargetConfig) -> None:

@@ -18,6 +18,7 @@ LAYERS = {
     "dflash_jax.models": 4, "dflash_jax.parallel": 3, "dflash_jax.quant": 2, "dflash_jax.params": 1,
     "dflash_jax.execution": 1,
     "dflash_jax.config": 0, "dflash_jax.quant.nvfp4": 0, "dflash_jax.quant.ggml": 0, "dflash_jax.frozen": 0,
+    "dflash_jax.step_table": 0,
 }
 LAZY_OK = {"dflash_jax.cli"}  # start-up time: `dflash-jax --help` imports no JAX
 

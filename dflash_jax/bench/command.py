@@ -19,7 +19,9 @@ explicit --draft-length that a block cannot hold is refused before anything runs
 
 from __future__ import annotations
 
+import datetime
 import tempfile
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -31,7 +33,8 @@ from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.decode.programs import generate
 from dflash_jax.io.audit_file import audit_file
 from dflash_jax.io.checkpoint import load_drafter
-from dflash_jax.io.shipped import checkpoints_dir, default_model, load_default
+from dflash_jax.io.shipped import DRAFTER_FOLDERS, checkpoints_dir, default_model, load_default
+from dflash_jax.io.step_table_file import write_step_table
 from dflash_jax.models.calibrate import calibrate_drafter
 from dflash_jax.models.drafter import init_drafter
 from dflash_jax.models.target import init_target
@@ -74,12 +77,7 @@ def run(args):
         drafter = with_draft_vocab(drafter, args.draft_vocab)
     check_draft_length(args.draft_length, [drafter])
     if args.step_table:
-        lengths = (args.draft_length,) if args.draft_length else draft_lengths([drafter], (1, 3, 7))
-        rows = bench.step_table(target, drafter, prompts, draft_lengths=lengths, max_new_tokens=args.new_tokens[0],
-                                reps=args.reps)
-        print(f"{len(prompts)} held-out prompts, {args.new_tokens[0]} new tokens, greedy, batch 1, one run")
-        print(bench.format_step_table(rows))
-        return
+        return step_table(args, target, drafter, prompts)
     if args.tau_table:
         return tau_table(args, target, drafter, tok, prompts)
     if args.pair_table:
@@ -87,6 +85,30 @@ def run(args):
     if args.gguf_roundtrip:
         return gguf_roundtrip(args, target, drafter, prompts)
     return speculative_vs_autoregressive(args, target, drafter, prompts)
+
+
+def step_table(args, target, drafter, prompts):
+    lengths = (args.draft_length,) if args.draft_length else draft_lengths([drafter], (1, 3, 7))
+    vocabs = None if args.draft_vocabs is None else [None if n == 0 else n for n in args.draft_vocabs]
+    bad = [b for b in args.batches if not 1 <= b <= len(prompts)]
+    if bad:
+        raise SystemExit(f"--batches {bad}: each batch must be in 1..--prompts ({len(prompts)})")
+    rows = bench.step_table(target, drafter, prompts, draft_lengths=lengths, draft_vocabs=vocabs,
+                            batches=tuple(args.batches), max_new_tokens=args.new_tokens[0], reps=args.reps)
+    print(f"{len(prompts)} held-out prompts, {args.new_tokens[0]} new tokens, greedy, batches {args.batches}, one run")
+    print(bench.format_step_table(rows))
+    if args.save_table is not None:
+        folder = Path(args.save_table) if args.save_table else checkpoints_dir() / (
+            "smollm2" if (args.model or default_model()) == "smollm2" else "") / DRAFTER_FOLDERS["dflash"]
+        note = (f"dflash-jax bench --step-table: {len(prompts)} held-out prompts x {args.new_tokens[0]} tokens, "
+                f"greedy, reps {args.reps}, {datetime.date.today().isoformat()}")
+        table = bench.as_step_table(rows, target, note=note)
+        path = write_step_table(folder, table)
+        best = table.best(drafter.config.draft_vocab_size)
+        print(f"wrote {path}: generate's default draft length for this pair on {table.platform} is now "
+              f"{best.draft_length if best else 'block_size - 1'} (predicted {best.predicted_speedup:.2f}x)"
+              if best else f"wrote {path} (no row for the drafter's draft vocabulary)")
+    return rows
 
 
 def random_tiny(args):

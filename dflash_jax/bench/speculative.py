@@ -13,13 +13,16 @@ import statistics
 import time
 from typing import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.bench.step_costs import step_costs
+from dflash_jax.decode.draft_length import target_signature
 from dflash_jax.decode.programs import generate, generate_autoregressive
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
+from dflash_jax.step_table import StepRow, StepTable
 
 # Benchmarks run with the persistent compilation cache on (cli.py), which never stores a program with a host
 # callback: prefill is timed by a prefill-only rerun of the same compiled program instead of a callback stamp.
@@ -119,41 +122,83 @@ def exact_counts(results: list[dict]) -> tuple[int, int]:
     return sum(a for a, _ in pairs), sum(b for _, b in pairs)
 
 
+def compare_batched(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, batch: int,
+                    max_new_tokens: int, draft_length: int | None = None, eos_ids=()) -> dict:
+    """`batch` prompts per call (groups of the prompt list, each call warmed up first): autoregressive and DFlash
+    decode tokens/s summed over each call's rows, medians over calls; tau over every step of every row."""
+    groups = [[list(p) for p in prompts[i:i + batch]] for i in range(0, len(prompts) - batch + 1, batch)]
+    if not groups:
+        raise ValueError(f"batch {batch} needs at least {batch} prompts, got {len(prompts)}")
+    kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, prefill_timing=PREFILL_TIMING)
+    generate_autoregressive(target, groups[0], **kw)
+    generate(target, drafter, groups[0], draft_length=draft_length, **kw)
+    ar_tps, sp_tps, steps, exact = [], [], [], 0
+    for g in groups:
+        ar = generate_autoregressive(target, g, **kw)
+        sp = generate(target, drafter, g, draft_length=draft_length, **kw)
+        ar_tps.append(ar.decode_tokens_per_second)
+        sp_tps.append(sp.decode_tokens_per_second)
+        steps.extend(sp.acceptance_lengths[sp.acceptance_lengths > 0].tolist())
+        exact += sum(a == b for a, b in zip(ar.token_lists(), sp.token_lists()))
+    n = len(groups) * batch
+    return {"ar_tokens_per_s": statistics.median(ar_tps),
+            "dflash": {"tokens_per_s": statistics.median(sp_tps), "tau": float(np.mean(steps)),
+                       "speedup": statistics.median(sp_tps) / statistics.median(ar_tps), "exact_match": f"{exact}/{n}"}}
+
+
 def step_table(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, draft_lengths=(1, 3, 7),
-               draft_vocabs=(None, 8192, 4096), max_new_tokens: int = 128, context_len: int = 256,
+               draft_vocabs=None, batches=(1,), max_new_tokens: int = 128, context_len: int = 256,
                reps: int = 30) -> list[dict]:
-    """What a step costs and what it buys, per (draft length, draft vocabulary): r and c (interleaved step costs at
-    `context_len`), tau, the speedup they predict (tau / (r + c)) and the speedup measured on the same prompts in the
-    same run (medians, greedy, each against the autoregressive runs of its own `compare`). The draft vocabulary is
-    the drafter config's `draft_vocab_size` (None: the whole vocabulary); sizes at or above it are skipped."""
+    """What a step costs and what it buys, per (draft length, draft vocabulary, batch): r and c (interleaved step
+    costs at `context_len`, with `batch` rows), tau, the speedup they predict (tau / (r + c)) and the speedup measured
+    on the same prompts in the same run (medians, greedy, each against the autoregressive runs of its own `compare`).
+    The draft vocabulary is the drafter config's `draft_vocab_size` (None: the whole vocabulary); draft_vocabs None
+    measures the drafter's own only; sizes at or above the vocabulary are skipped."""
     V = drafter.config.model.vocab_size
-    variants = {("full" if n is None else f"first {n}"): drafter.replace(config=drafter.config.replace(
-        draft_vocab_size=n)) for n in draft_vocabs if n is None or n < V}
+    own = drafter.config.draft_vocab_size
+    wanted = (own,) if draft_vocabs is None else tuple(draft_vocabs)
+    variants = {n: drafter.replace(config=drafter.config.replace(draft_vocab_size=n))
+                for n in dict.fromkeys(wanted) if n is None or n < V}
+    label = {n: "full" if n is None else f"first {n}" for n in variants}
     rows = []
-    for D in draft_lengths:
-        first, *rest = variants
-        res = compare(target, variants[first], prompts, max_new_tokens=max_new_tokens, draft_length=D,
-                      drafters={n: variants[n] for n in rest})
-        costs = {n: step_costs(target, d, context_len=context_len, draft_length=D, reps=reps)
-                 for n, d in variants.items()}
-        for n in variants:
-            x, c = res["dflash" if n == first else n], costs[n]
-            rows.append({"draft_length": D, "draft_vocab": n, "r": c["r"], "c": c["c"], "decode_ms": c["decode_ms"],
-                         "verify_ms": c["verify_ms"], "draft_ms": c["draft_ms"], "tau": x["tau"],
-                         "predicted": x["tau"] / (c["r"] + c["c"]), "speedup": x["speedup"],
-                         "exact_match": x["exact_match"], "max_new_tokens": max_new_tokens})
+    for b in batches:
+        for D in draft_lengths:
+            if b == 1:
+                first, *rest = variants
+                res = compare(target, variants[first], prompts, max_new_tokens=max_new_tokens, draft_length=D,
+                              drafters={label[n]: variants[n] for n in rest})
+                measured = {n: res["dflash" if n == first else label[n]] for n in variants}
+            else:
+                measured = {n: compare_batched(target, d, prompts, batch=b, max_new_tokens=max_new_tokens,
+                                               draft_length=D)["dflash"] for n, d in variants.items()}
+            for n, d in variants.items():
+                c, x = step_costs(target, d, context_len=context_len, draft_length=D, batch=b, reps=reps), measured[n]
+                rows.append({"draft_length": D, "draft_vocab": label[n], "draft_vocab_size": n, "batch": b,
+                             "r": c["r"], "c": c["c"], "decode_ms": c["decode_ms"], "verify_ms": c["verify_ms"],
+                             "draft_ms": c["draft_ms"], "tau": x["tau"], "predicted": x["tau"] / (c["r"] + c["c"]),
+                             "speedup": x["speedup"], "exact_match": x["exact_match"],
+                             "max_new_tokens": max_new_tokens})
     return rows
 
 
+def as_step_table(rows: list[dict], target: Target, note: str = "") -> StepTable:
+    """The measured rows as the table `generate` reads (`dflash_jax.step_table`) for this platform and target."""
+    return StepTable(platform=jax.default_backend(), target=target_signature(target), note=note,
+                     rows=tuple(StepRow(draft_length=r["draft_length"], draft_vocab=r["draft_vocab_size"],
+                                        tau=round(float(r["tau"]), 4), r=round(float(r["r"]), 4),
+                                        c=round(float(r["c"]), 4), batch=int(r["batch"])) for r in rows))
+
+
 def format_step_table(rows: list[dict]) -> str:
-    lines = [f"{'D':>3} {'draft vocab':>12} {'verify ms':>9} {'draft ms':>8} {'r':>5} {'c':>5} {'r+c':>5} "
-             f"{'tau':>5} {'tau/(r+c)':>9} {'measured':>8} {'exact':>6}", "-" * 90]
+    lines = [f"{'batch':>5} {'D':>3} {'draft vocab':>12} {'verify ms':>9} {'draft ms':>8} {'r':>5} {'c':>5} "
+             f"{'r+c':>5} {'tau':>5} {'tau/(r+c)':>9} {'measured':>8} {'exact':>6}", "-" * 96]
     for r in rows:
-        lines.append(f"{r['draft_length']:>3} {r['draft_vocab']:>12} {r['verify_ms']:>9.2f} {r['draft_ms']:>8.2f} "
+        lines.append(f"{r.get('batch', 1):>5} {r['draft_length']:>3} {r['draft_vocab']:>12} {r['verify_ms']:>9.2f} "
+                     f"{r['draft_ms']:>8.2f} "
                      f"{r['r']:>5.2f} {r['c']:>5.2f} {r['r'] + r['c']:>5.2f} {r['tau']:>5.2f} "
                      f"{r['predicted']:>8.2f}x {r['speedup']:>7.2f}x {r['exact_match']:>6}")
-    decode = statistics.median(r["decode_ms"] for r in rows)
-    lines.append(f"decode (1 token) median {decode:.2f} ms; r = verify / decode, c = draft / decode (interleaved "
+    decode = statistics.median(r["decode_ms"] for r in rows if r.get("batch", 1) == rows[0].get("batch", 1))
+    lines.append(f"decode (1 token per row) median {decode:.2f} ms at batch {rows[0].get('batch', 1)}; r = verify / decode, c = draft / decode (interleaved "
                  f"medians); 'measured' = decode tokens/s speculative / autoregressive, medians over prompts")
     return "\n".join(lines)
 

@@ -24,7 +24,8 @@ class GenerationOptions(Replaceable):
     is used (the prompt, the budget and the drafter's block decide what is valid)."""
 
     max_new_tokens: int  # tokens to generate per row (the first comes from prefill)
-    # Drafted tokens per step, 1..block_size-1 (None: block_size - 1); speculative decoding only (how the drafts are
+    # Drafted tokens per step, 1..block_size-1; None: the best of the drafter's measured step table for this pair,
+    # platform and batch (`decode.draft_length`), else block_size - 1. Speculative decoding only (how the drafts are
     # laid out, e.g. a draft tree, would be a field beside it).
     draft_length: int | None = None
     eos_ids: Any = None  # None = the target config's `eos_token_id`; () = no EOS; or an id / ids

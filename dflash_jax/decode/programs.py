@@ -32,6 +32,7 @@ import numpy as np
 from dflash_jax import execution
 from dflash_jax.config import check_pair
 from dflash_jax.decode import buckets
+from dflash_jax.decode.draft_length import default_draft_length
 from dflash_jax.decode.call import PROGRAM_PREFIX, ProgramCall, to_host
 from dflash_jax.decode.loop import Budget, autoregressive_loop, speculative_loop
 from dflash_jax.decode.options import GenerationOptions, keyword_signature, settings
@@ -154,7 +155,10 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
 def _speculative(target: Target, drafter: Drafter, prompt, sampling: SamplingParams,
                  options: GenerationOptions) -> ProgramCall:
     check_pair(drafter.config, target.config)
-    options = options.replace(draft_length=check_draft_length(drafter, options.draft_length))
+    D = options.draft_length
+    if D is None:  # the drafter's measured best for this pair, platform and batch (else block_size - 1)
+        D = default_draft_length(drafter, target, batch=len(prompt) if hasattr(prompt, "__len__") else 1)
+    options = options.replace(draft_length=check_draft_length(drafter, D))
     call = _prepare("speculative", target, drafter, prompt, sampling, options)
     warn_short_drafter_context(drafter, int(np.max(to_host(call.args[3]))) + int(options.max_new_tokens))
     return call

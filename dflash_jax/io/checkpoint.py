@@ -18,6 +18,7 @@ from dflash_jax.io.hf_folder import params_from_hf, qwen3_5_text_tensors, read_q
 from dflash_jax.io.model_path import model_path
 from dflash_jax.io.orbax_folder import load_saved
 from dflash_jax.io.placement import loading_dtypes, shard_if
+from dflash_jax.io.step_table_file import with_step_table
 from dflash_jax.io.zlab_config import DRAFTER_ARCHITECTURES, drafter_config_from_hf, is_drafter_config
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
@@ -90,7 +91,8 @@ def load_drafter(path: str | Path, *, param_dtype: str | None = None, compute_dt
         return load_drafter_gguf(path, param_dtype=param_dtype, compute_dtype=compute_dtype, mesh=mesh,
                                  vocab_size=vocab_size, num_target_layers=num_target_layers)
     if where.format == "saved":
-        return shard_if(load_saved(path, "drafter", param_dtype=param_dtype, compute_dtype=compute_dtype), mesh)
+        drafter = load_saved(path, "drafter", param_dtype=param_dtype, compute_dtype=compute_dtype)
+        return shard_if(with_step_table(drafter, path), mesh)
     d = read_config_json(path)
     arch = d.get("architectures") or []
     if arch and not is_drafter_config(d):
@@ -102,7 +104,7 @@ def load_drafter(path: str | Path, *, param_dtype: str | None = None, compute_dt
         raise CheckpointError(f"{path}: {e}") from None
     params = params_from_hf("drafter", path, abstract_drafter(cfg), cfg.model.storage_dtype,
                             read_quant_config(path, d), mesh=mesh, cfg=cfg.model)
-    return Drafter(params=params, config=cfg)
+    return with_step_table(Drafter(params=params, config=cfg), path)
 
 
 __all__ = ["load_target", "load_drafter"]

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.io.step_table_file import write_step_table
 from dflash_jax.io.errors import CheckpointError
 from dflash_jax.io.hf_folder import qkv_order, rows_taken
 from dflash_jax.io.model_path import SAVED_MARKER
@@ -34,7 +35,7 @@ def config_from_saved_json(kind: str, d: dict):
     """The config `save` recorded for a "target" or a "drafter" (fields retired since are dropped)."""
     if kind == "target":
         return _model_config(d)
-    d = dict(d)
+    d = {k: v for k, v in d.items() if k != "step_table"}  # a measurement, kept in its own file
     d["model"] = _model_config(d["model"])
     return DrafterConfig(**d)
 
@@ -52,8 +53,9 @@ def save(path: str | Path, model) -> Path:
     nvfp4 = {n: {"shape": list(leaf.shape), "input_scale": leaf.input_scale is not None}
              for n, leaf in named.items() if isinstance(leaf, NVFP4Array)}
     # version 2: a DeltaNet's in_proj_qkv / conv1d rows grouped by key head (version 1 held HF's q | k | v order)
-    meta = {"format": "dflash_jax", "version": 2, "kind": kind, "config": dataclasses.asdict(model.config),
-            "nvfp4": nvfp4}
+    config = dataclasses.asdict(model.config)
+    table = config.pop("step_table", None) and model.config.step_table  # its own file (`io.step_table_file`)
+    meta = {"format": "dflash_jax", "version": 2, "kind": kind, "config": config, "nvfp4": nvfp4}
     params_dir = path / "params"
     if params_dir.exists():
         shutil.rmtree(params_dir)
@@ -62,6 +64,8 @@ def save(path: str | Path, model) -> Path:
     ckptr.wait_until_finished()
     with open(path / SAVED_MARKER, "w") as f:
         json.dump(meta, f, indent=1)
+    if table is not None:
+        write_step_table(path, table)
     return path
 
 

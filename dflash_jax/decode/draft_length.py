@@ -1,0 +1,64 @@
+"""The draft length `generate` uses when none is given: the best row of the drafter's measured step table
+(`dflash_jax.step_table`) for this platform, this target and the batch, else block_size - 1.
+
+A table measured on another platform, with another target (or the same model in another weight format: its step
+costs differ), or holding no row for the drafter's draft vocabulary is ignored with a warning (once per reason),
+never silently applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import warnings
+
+import jax
+
+from dflash_jax.models.drafter import Drafter
+from dflash_jax.models.target import Target
+from dflash_jax.params import named_leaves
+
+_WARNED: set[str] = set()
+
+
+def target_signature(target: Target) -> str:
+    """A short name for what a step costs depends on: the target's config and its weights' formats (dtype, or
+    NVFP4 / GGML block kind), not their values."""
+    formats = sorted({f"{type(x).__name__}:{getattr(x, 'kind', '')}:{getattr(x, 'dtype', '')}"
+                      for x in named_leaves(target.params).values()})
+    blob = json.dumps([dataclasses.asdict(target.config), formats], sort_keys=True, default=str)
+    return f"{target.config.model_type}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
+
+
+def default_draft_length(drafter: Drafter, target: Target, batch: int = 1) -> int:
+    """The step table's best D for this pair on this platform (rows of the largest measured batch <= `batch`), or
+    block_size - 1 when there is no table or it does not apply (warned)."""
+    cfg = drafter.config
+    fallback = cfg.block_size - 1
+    table = cfg.step_table
+    if table is None:
+        return fallback
+    platform = jax.default_backend()
+    batches = sorted({r.batch for r in table.rows if r.batch <= max(int(batch), 1)})
+    row = table.best(cfg.draft_vocab_size, batches[-1]) if batches else None
+    if table.platform != platform:
+        why = f"it was measured on {table.platform!r} and this runs on {platform!r}"
+    elif table.target != target_signature(target):
+        why = (f"it was measured with target {table.target}, and this target is {target_signature(target)} (another "
+               "model, or the same one in another weight format)")
+    elif row is None:
+        why = f"it has no row for draft vocabulary {cfg.draft_vocab_size} at batch {batch}"
+    elif not 1 <= row.draft_length <= fallback:
+        why = f"its best draft length {row.draft_length} is outside 1..{fallback} (the drafter's block)"
+    else:
+        return row.draft_length
+    if why not in _WARNED:
+        _WARNED.add(why)
+        warnings.warn(f"the drafter's step table is ignored: {why}; drafting block_size - 1 = {fallback} tokens per "
+                      "step (measure a table for this pair with `dflash-jax bench --step-table --save-table`)",
+                      stacklevel=4)
+    return fallback
+
+
+__all__ = ["default_draft_length", "target_signature"]

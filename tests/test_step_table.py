@@ -1,0 +1,84 @@
+"""The measured step table: generate's default draft length is its best row for the running pair; a table from
+another platform or target, or without a row for the drafter's draft vocabulary, is ignored with a warning; the
+table travels with the drafter's folder (save, load_drafter)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from dflash_jax.decode import draft_length as dl
+from dflash_jax.io.step_table_file import FILE_NAME
+from dflash_jax.step_table import StepRow, StepTable
+from helpers import tiny_qwen3
+
+
+@pytest.fixture(scope="module")
+def pair():
+    cfg = tiny_qwen3(num_hidden_layers=2, max_position_embeddings=256)
+    target = dj.init_target(cfg, jax.random.key(0))
+    dcfg = dj.DrafterConfig(model=cfg.drafter_stack(1), block_size=6, mask_token_id=0, target_layer_ids=(0, 1),
+                            num_target_layers=2)
+    return target, dj.init_drafter(dcfg, jax.random.key(1))
+
+
+def _table(target, rows, platform=None):
+    return StepTable(platform=platform or jax.default_backend(), target=dl.target_signature(target), rows=tuple(rows))
+
+
+def _with(drafter, table):
+    return drafter.replace(config=drafter.config.replace(step_table=table))
+
+
+def test_default_draft_length_is_the_best_measured_row(pair):
+    target, drafter = pair
+    rows = [StepRow(1, None, 1.5, 1.1, 0.2), StepRow(3, None, 2.4, 1.3, 0.2), StepRow(5, None, 2.6, 1.9, 0.3),
+            StepRow(2, None, 3.0, 1.0, 0.1, batch=4)]
+    d = _with(drafter, _table(target, rows))
+    assert dl.default_draft_length(d, target) == 3  # 2.4 / 1.5 beats 1.5 / 1.3 and 2.6 / 2.2
+    assert dl.default_draft_length(d, target, batch=4) == 2 and dl.default_draft_length(d, target, batch=9) == 2
+    res = dj.generate(target, d, [[3, 4, 5]], max_new_tokens=8, eos_ids=())
+    assert res.draft_length == 3
+    assert dj.generate(target, d, [[3, 4, 5]], max_new_tokens=8, eos_ids=(), draft_length=5).draft_length == 5
+    assert dl.default_draft_length(drafter, target) == 5  # no table: block_size - 1
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("platform", "measured on 'elsewhere'"),
+    ("target", "measured with target"),
+    ("vocab", "no row for draft vocabulary"),
+])
+def test_a_table_that_does_not_apply_is_ignored_with_a_warning(pair, bad, why):
+    target, drafter = pair
+    rows = [StepRow(2, 32 if bad == "vocab" else None, 2.0, 1.0, 0.1)]
+    table = _table(target, rows, platform="elsewhere" if bad == "platform" else None)
+    if bad == "target":
+        table = table.replace(target="llama-0123456789ab")
+    dl._WARNED.clear()
+    with pytest.warns(UserWarning, match=f"step table is ignored: .*{why}"):
+        assert dl.default_draft_length(_with(drafter, table), target) == 5
+
+
+def test_the_table_travels_with_the_drafter_folder(pair, tmp_path):
+    target, drafter = pair
+    table = _table(target, [StepRow(2, None, 2.0, 1.0, 0.1)]).replace(note="test")
+    dj.save(tmp_path / "d", _with(drafter, table))
+    saved = json.loads((tmp_path / "d" / "dflash_jax.json").read_text())
+    assert "step_table" not in saved["config"]  # a measurement, not architecture: its own file
+    back = dj.load_drafter(tmp_path / "d")
+    assert back.config.step_table == table
+    (tmp_path / "d" / FILE_NAME).write_text('{"rows": 3}')
+    with pytest.warns(UserWarning, match="ignored"):
+        assert dj.load_drafter(tmp_path / "d").config.step_table is None
+
+
+def test_weight_format_changes_the_signature(pair):
+    target, _ = pair
+    bf = target.replace(params=jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), target.params))
+    assert dl.target_signature(bf) != dl.target_signature(target)
+    assert dl.target_signature(target) == dl.target_signature(target)
