@@ -50,11 +50,12 @@ TINY = {
     # was minutes on CI's cores). head_dim is fixed at 64, so --hidden 64 with one head.
     "--layers": "1", "--hidden": "64", "--intermediate": "128", "--heads": "1", "--kv-heads": "1",
     "--block-size": "4",
+    "--batches": "1",  # the step table's batch rows (each needs that many prompts)
 }
 # Flags that switch a command to its own small configuration (e.g. the GPU report's CPU smoke run).
 TINY_FLAGS = ("--smoke",)
 # Options that name where a command writes -> a fresh temporary path.
-OUTPUTS = ("--out", "--work-dir", "--out-dir", "--output", "--output-dir")
+OUTPUTS = ("--out", "--work-dir", "--out-dir", "--output", "--output-dir", "--save-table")
 
 
 def _code_texts(markdown: str) -> list[str]:
