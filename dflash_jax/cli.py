@@ -121,11 +121,16 @@ def _bench(args):
     if args.draft_vocab is not None:
         drafter = _with_draft_vocab(drafter, args.draft_vocab)
     if args.step_table:
+        from dflash_jax.bench import tree as tree_bench
         lengths = (args.draft_length,) if args.draft_length else (1, 3, 7)
         rows = bench.step_table(target, drafter, prompts, draft_lengths=lengths, max_new_tokens=args.new_tokens[0],
                                 reps=args.reps)
+        rows += tree_bench.tree_rows(target, drafter, prompts, budgets=tuple(args.tree_budgets),
+                                     max_new_tokens=args.new_tokens[0], reps=args.reps)
         print(f"{len(prompts)} held-out prompts, {args.new_tokens[0]} new tokens, greedy, batch 1, one run")
         print(bench.format_step_table(rows))
+        vocab = rows[-1]["draft_vocab"] if rows else None  # the tree rows' vocabulary: compare like with like
+        print(tree_bench.format_tree_goals([r for r in rows if r["draft_vocab"] == vocab]))
         return
     if args.tau_table:
         _tau_table(args, target, drafter, tok, prompts)
@@ -421,8 +426,12 @@ def main(argv=None):
     b.add_argument("--tau-table", action="store_true", help="tau at draft lengths 3/7/15 (+ NVFP4 with --nvfp4)")
     b.add_argument("--step-table", action="store_true",
                    help="per draft length (1/3/7, or --draft-length) and draft vocabulary (whole, first 8192, "
-                        "first 4096 ids): verify and draft cost (r, c), tau, predicted and measured speedup")
+                        "first 4096 ids), then per draft-tree budget (--tree-budgets): verify and draft cost (r, c), "
+                        "tau, predicted and measured speedup")
     b.add_argument("--reps", type=int, default=30, help="with --step-table: timed rounds per step cost (default 30)")
+    b.add_argument("--tree-budgets", type=int, nargs="*", default=[4, 8, 16, 32],
+                   help="with --step-table: draft-tree rows, one per budget (nodes per step besides the root; "
+                        "default 4 8 16 32; none: chains only)")
     b.add_argument("--draft-vocab", type=int, default=None,
                    help="draft over the first N token ids only (0: the whole vocabulary; default: the drafter's "
                         "config)")

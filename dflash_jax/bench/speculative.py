@@ -219,14 +219,17 @@ def draft_costs(target: Target, drafters: dict, *, context_len: int = 64, draft_
 
 def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
             draft_length: int | None = None, eos_ids=(), warmup: bool = True, drafters: dict | None = None,
-            temperature: float = 0.0, seed: int = 0) -> dict:
+            temperature: float = 0.0, seed: int = 0, tree_budget: int | None = None) -> dict:
     """Per prompt (batch 1): AR and DFlash decode tokens/s, tau, acceptance. Medians over prompts.
 
     `drafters` may name extra drafters (e.g. {"nvfp4": q}) measured on the same prompts in the same run.
+    tree_budget: every drafter drafts trees of that many nodes (draft_length then stays None).
     """
     drafters = {"dflash": drafter, **(drafters or {})}
     kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=temperature, seed=seed,
               prefill_timing=PREFILL_TIMING)
+    if tree_budget is not None:
+        kw["tree_budget"] = tree_budget
     if warmup:  # compile every program shape before timing
         generate_autoregressive(target, [list(prompts[0])], **kw)
         for d in drafters.values():
@@ -247,8 +250,10 @@ def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], 
             r.setdefault("exact", []).append(bool(np.array_equal(res.tokens[0], ar.tokens[0])))
             r.setdefault("position", []).append(res.position_acceptance)
     D = drafter.config.block_size - 1 if draft_length is None else draft_length
+    if tree_budget is not None:
+        D = min(tree_budget, drafter.config.block_size - 1)  # the tree's depth
     out = {"max_new_tokens": max_new_tokens, "draft_length": D, "prompts": len(prompts), "temperature": temperature,
-           "ar_tokens_per_s": statistics.median(ar_tps)}
+           "ar_tokens_per_s": statistics.median(ar_tps), "tree_budget": tree_budget}
     for name, r in rows.items():
         steps = np.asarray(r["tau_steps"])
         out[name] = {
@@ -352,7 +357,8 @@ def step_table(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]
                  for n, d in variants.items()}
         for n in variants:
             x, c = res["dflash" if n == first else n], costs[n]
-            rows.append({"draft_length": D, "draft_vocab": n, "r": c["r"], "c": c["c"], "decode_ms": c["decode_ms"],
+            rows.append({"draft_length": D, "tree_budget": None, "draft_vocab": n, "r": c["r"], "c": c["c"],
+                         "decode_ms": c["decode_ms"],
                          "verify_ms": c["verify_ms"], "draft_ms": c["draft_ms"], "tau": x["tau"],
                          "predicted": x["tau"] / (c["r"] + c["c"]), "speedup": x["speedup"],
                          "exact_match": x["exact_match"], "max_new_tokens": max_new_tokens})
@@ -360,10 +366,14 @@ def step_table(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]
 
 
 def format_step_table(rows: list[dict]) -> str:
-    lines = [f"{'D':>3} {'draft vocab':>12} {'verify ms':>9} {'draft ms':>8} {'r':>5} {'c':>5} {'r+c':>5} "
-             f"{'tau':>5} {'tau/(r+c)':>9} {'measured':>8} {'exact':>6}", "-" * 90]
+    """One line per row: chain rows (tree "-") and draft-tree rows (`bench.tree.tree_rows`: tree = N nodes, D = the
+    tree's depth, verify = root + N nodes, draft = the drafter pass + the tree's construction)."""
+    lines = [f"{'tree':>4} {'D':>3} {'draft vocab':>12} {'verify ms':>9} {'draft ms':>8} {'r':>5} {'c':>5} {'r+c':>5} "
+             f"{'tau':>5} {'tau/(r+c)':>9} {'measured':>8} {'exact':>6}", "-" * 95]
     for r in rows:
-        lines.append(f"{r['draft_length']:>3} {r['draft_vocab']:>12} {r['verify_ms']:>9.2f} {r['draft_ms']:>8.2f} "
+        tree = "-" if r.get("tree_budget") is None else str(r["tree_budget"])
+        lines.append(f"{tree:>4} {r['draft_length']:>3} {r['draft_vocab']:>12} {r['verify_ms']:>9.2f} "
+                     f"{r['draft_ms']:>8.2f} "
                      f"{r['r']:>5.2f} {r['c']:>5.2f} {r['r'] + r['c']:>5.2f} {r['tau']:>5.2f} "
                      f"{r['predicted']:>8.2f}x {r['speedup']:>7.2f}x {r['exact_match']:>6}")
     decode = statistics.median(r["decode_ms"] for r in rows)
