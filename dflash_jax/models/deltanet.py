@@ -18,6 +18,12 @@ acceptance length n is known per row, `commit` runs the recurrent form over thos
 takes the conv window ending at token n - 1. Keeping the per-position states instead would hold dk x dv floats per
 value head and token: at Qwen3.5-27B shapes (48 DeltaNet layers of 48 value heads of 128 x 128) and D = 15 that is
 2,304 MiB per row against 54 MiB of inputs (README, "Hybrid targets").
+
+Draft trees (`deltanet_tree`): the nodes of a tree (parents before children) each run from their parent's states:
+the conv reads up the node's own path (`tree_conv`, taps by parent index) and the delta rule runs along it
+(`tree_rule`: the chunked form's one chunk with the chain's order replaced by the ancestor relation). The states stay
+untouched; `commit_path` takes the accepted path's inputs in path order and commits them as a chain's (`commit`), so
+no per-node state is ever kept.
 """
 
 from __future__ import annotations
