@@ -66,13 +66,20 @@ def draft_scores(d_logits: jax.Array, sp: SamplingParams) -> jax.Array:
     return jax.nn.log_softmax(x, axis=-1)
 
 
+def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k` over the last axis, taken on a 2-D view: XLA:CPU lowered the 3-D one inside `build` to a full sort
+    of the vocabulary (138 ms for 7 x 49,152 logits, against 0.4 ms for its TopK call on the 2-D view)."""
+    vals, ids = jax.lax.top_k(x.reshape(-1, x.shape[-1]), k)
+    return vals.reshape(x.shape[:-1] + (k,)), ids.reshape(x.shape[:-1] + (k,))
+
+
 def build(logp: jax.Array, root: jax.Array, budget: int) -> DraftTree:
     """The `budget` best prefixes of the per-position draft log-probabilities logp [B, D, V] (position k is depth
     k + 1) as a tree under root [B]; best first, N pops (a static trip count)."""
     B, D, V = logp.shape
     N = int(budget)
     K = min(N, V)
-    top_lp, top_id = jax.lax.top_k(logp, K)  # [B, D, K] best first (ties: the lower id first)
+    top_lp, top_id = _top_k(logp, K)  # [B, D, K] best first (ties: the lower id first)
     C = 2 * N + 1  # candidate slots: the root's first child, then two per pop
     neg = jnp.float32(-jnp.inf)
     rows = jnp.arange(B)
