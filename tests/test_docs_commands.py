@@ -40,6 +40,7 @@ TINY = {
     # was minutes on CI's cores). head_dim is fixed at 64, so --hidden 64 with one head.
     "--layers": "1", "--hidden": "64", "--intermediate": "128", "--heads": "1", "--kv-heads": "1",
     "--block-size": "4",
+    "--tree-budgets": "4",  # one draft-tree row of the step table
 }
 # Flags that switch a command to its own small configuration (e.g. the GPU report's CPU smoke run).
 TINY_FLAGS = ("--smoke",)

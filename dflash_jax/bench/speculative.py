@@ -228,12 +228,11 @@ def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], 
     drafters = {"dflash": drafter, **(drafters or {})}
     kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=temperature, seed=seed,
               prefill_timing=PREFILL_TIMING)
-    if tree_budget is not None:
-        kw["tree_budget"] = tree_budget
+    spec = dict(draft_length=draft_length) if tree_budget is None else dict(tree_budget=tree_budget)
     if warmup:  # compile every program shape before timing
         generate_autoregressive(target, [list(prompts[0])], **kw)
         for d in drafters.values():
-            generate(target, d, [list(prompts[0])], draft_length=draft_length, **kw)
+            generate(target, d, [list(prompts[0])], **spec, **kw)
     ar_tps, rows = [], {name: {"tps": [], "acc": [], "tau_steps": [], "steps": 0} for name in drafters}
     ar_tokens = []
     for p in prompts:
@@ -241,7 +240,7 @@ def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], 
         ar_tps.append(ar.decode_tokens_per_second)
         ar_tokens.append(ar.tokens[0])
         for name, d in drafters.items():
-            res = generate(target, d, [list(p)], draft_length=draft_length, **kw)
+            res = generate(target, d, [list(p)], **spec, **kw)
             r = rows[name]
             r["tps"].append(res.decode_tokens_per_second)
             acc = res.acceptance_lengths[res.acceptance_lengths > 0]

@@ -43,7 +43,8 @@ class GenerationOptions(Replaceable):
     return_prompt: bool = False  # `tokens` holds each row's prompt, then its new tokens
 
 
-SPECULATIVE_ONLY = ("draft_length", "tree_budget", "p_min", "draft_sampling")  # keywords autoregressive decoding does not take
+# keywords autoregressive decoding does not take
+SPECULATIVE_ONLY = ("draft_length", "tree_budget", "p_min", "draft_sampling")
 _OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationOptions))
 _SAMPLING_DEFAULTS = {name: p.default for name, p in inspect.signature(SamplingParams.make).parameters.items()
                       if name != "cls"}
