@@ -169,8 +169,8 @@ def main(argv=None):
                    help="tau at the draft lengths of 3/7/15 the drafter's block holds (+ NVFP4 with --nvfp4)")
     b.add_argument("--step-table", action="store_true",
                    help="per draft length (those of 1/3/7 the block holds, or --draft-length), draft vocabulary (the "
-                        "drafter's own, or --draft-vocabs) and batch (--batches): verify and draft cost (r, c), tau, "
-                        "predicted and measured speedup")
+                        "drafter's own, or --draft-vocabs) and batch (--batches), then per draft-tree budget "
+                        "(--tree-budgets): verify and draft cost (r, c), tau, predicted and measured speedup")
     b.add_argument("--reps", type=int, default=30, help="with --step-table: timed rounds per step cost (default 30)")
     b.add_argument("--draft-vocabs", type=int, nargs="+", default=None,
                    help="with --step-table: draft vocabularies to compare (first N ids; 0: the whole vocabulary)")
@@ -180,6 +180,9 @@ def main(argv=None):
                    help="with --step-table: write the table as step_table.json into FOLDER (default: the shipped "
                         "drafter's folder), where loading the drafter picks it up: generate's default draft length "
                         "is then its best row for the running pair")
+    b.add_argument("--tree-budgets", type=int, nargs="*", default=[4, 8, 16, 32],
+                   help="with --step-table: draft-tree rows, one per budget (nodes per step besides the root; "
+                        "default 4 8 16 32; none: chains only)")
     b.add_argument("--draft-vocab", type=int, default=None,
                    help="draft over the first N token ids only (0: the whole vocabulary; default: the drafter's "
                         "config)")

@@ -3,7 +3,8 @@
 A row holds, for one draft length D and draft vocabulary, the held-out acceptance tau (tokens committed per step)
 and the step's cost in decode steps: r = verify (D + 1 tokens) / decode, c = draft / decode. A step commits tau
 tokens for r + c decode steps' time, so tau / (r + c) is the speedup it predicts, and `generate`'s default draft
-length is the row that maximises it for the drafter's own draft vocabulary (`decode.draft_length`). The table is
+length (or draft tree, for a tree row: N nodes verified in one pass) is the row that maximises it for the drafter's
+own draft vocabulary (`decode.draft_length`). The table is
 measured by `dflash-jax bench --step-table --save-table` and ships as `step_table.json` beside the drafter's
 weights; it names the platform and the target it was measured with, and a table that does not match the pair being
 run is ignored with a warning, never silently applied.
@@ -24,6 +25,7 @@ class StepRow(Replaceable):
     r: float  # verify of D + 1 tokens / one decode step
     c: float  # one draft / one decode step
     batch: int = 1
+    tree_budget: int | None = None  # a draft tree of this many nodes (draft_length = its depth); None: a chain
 
     @property
     def predicted_speedup(self) -> float:
@@ -37,9 +39,11 @@ class StepTable(Replaceable):
     rows: tuple[StepRow, ...]
     note: str = ""  # how it was measured (command, prompts, date)
 
-    def best(self, draft_vocab: int | None, batch: int = 1) -> StepRow | None:
-        """The row with the highest predicted speedup for this draft vocabulary and batch, or None."""
-        rows = [r for r in self.rows if r.draft_vocab == draft_vocab and r.batch == batch]
+    def best(self, draft_vocab: int | None, batch: int = 1, trees: bool = True) -> StepRow | None:
+        """The row with the highest predicted speedup for this draft vocabulary and batch (chains only unless
+        `trees`), or None."""
+        rows = [r for r in self.rows if r.draft_vocab == draft_vocab and r.batch == batch
+                and (trees or r.tree_budget is None)]
         return max(rows, key=lambda r: r.predicted_speedup, default=None)
 
     def to_dict(self) -> dict:

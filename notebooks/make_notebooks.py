@@ -38,7 +38,7 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 KEYS_MIME = "application/vnd.dflash-jax.keys+json"
-QUICK_ENV = "DFLASH_JAX_NOTEBOOK_QUICK"  # set: acceptance_vs_length runs a subset (the tests' size)
+QUICK_ENV = "DFLASH_JAX_NOTEBOOK_QUICK"  # set: acceptance_vs_length and draft_trees run a subset (the tests' size)
 TOLERANCE = {"numbers": (1e-3, 1e-3), "sampled": (0.0, 0.35)}  # (relative, absolute)
 KINDS = ("numbers", "sampled", "timings")
 
@@ -325,6 +325,72 @@ plt.show()
 """,
 ]
 
+DRAFT_TREES = [
+    """md:# Draft trees: tau and speedup against the tree's budget
+Each step drafts one block with the DFlash drafter, builds a tree of the N most probable draft prefixes from its
+per-position distributions, verifies the root and the N nodes in one target pass (each node sees the committed text,
+its ancestors and itself, at position = committed length + depth) and keeps the path the target's own tokens follow,
+plus its bonus token: `generate(..., tree_budget=N)`. The default pair (SmolLM2-135M-Instruct and its DFlash
+drafter), two held-out requests in one batch, greedy, no EOS stop; the chain of 7 drafts (the same verify width as 7
+nodes) is the reference line. tau counts the bonus; speedup = decode tokens/s over autoregressive decoding in the
+same run (second runs, compilation excluded). Timings are this machine's at the time of the run; tau is the
+models'. On CPU the matmul kernel reads the weights once per 8 rows of a product, so a verify of 1 + N nodes costs
+about ceil((1 + N) / 8) weight reads.""",
+    SETUP + """
+import os
+import dflash_jax as dj
+from dflash_jax.train.drafter import chat_prompt_ids
+
+dj.enable_compilation_cache()  # compiled programs kept on disk: running the notebook again skips compiling
+CACHEABLE = dict(prefill_timing="rerun")  # no host callback in the program, so it can be cached (prefill timed apart)
+target, drafter, tok = dj.load_default(model="smollm2")  # the default pair
+prompts = chat_prompt_ids(tok, 2, split="eval", seed=0)  # held-out requests through the chat template
+BUDGETS, CHAIN, NEW = (4, 8, 16, 32), 7, 64
+if os.environ.get("{QUICK_ENV}"):  # the test suite's smaller run (a subset of the same grid)
+    BUDGETS, CHAIN = (8,), None
+print("prompt lengths", [len(p) for p in prompts], "| budgets", BUDGETS, "| block", drafter.config.block_size,
+      "| draft vocabulary", drafter.config.draft_vocab_size)
+""".replace("{QUICK_ENV}", QUICK_ENV),
+    """
+kw = dict(max_new_tokens=NEW, eos_ids=(), **CACHEABLE)
+
+
+def second_run(fn, *args, **more):
+    fn(*args, **kw, **more)  # the first run compiles and warms up
+    return fn(*args, **kw, **more)
+
+
+ar = second_run(dj.generate_autoregressive, target, prompts)
+runs = {f"tree_N{N}": second_run(dj.generate, target, drafter, prompts, tree_budget=N) for N in BUDGETS}
+if CHAIN:
+    runs[f"chain_D{CHAIN}"] = second_run(dj.generate, target, drafter, prompts, draft_length=CHAIN)
+for name, r in runs.items():
+    speedup = r.decode_tokens_per_second / ar.decode_tokens_per_second
+    print(f"{name:>9}: tau {r.tau:5.3f}  steps by committed tokens {r.tau_histogram[1:].tolist()}  "
+          f"identical to autoregressive: {r.token_lists() == ar.token_lists()}  "
+          f"{r.decode_tokens_per_second:6.1f} vs {ar.decode_tokens_per_second:6.1f} tok/s -> {speedup:.2f}x")
+keep(**{f"tau_{k}": r.tau for k, r in runs.items()},
+     **{f"identical_{k}": r.token_lists() == ar.token_lists() for k, r in runs.items()})
+keep("timings", **{f"speedup_{k}": r.decode_tokens_per_second / ar.decode_tokens_per_second for k, r in runs.items()})
+""",
+    """md:## The figure""",
+    """
+fig, axs = plt.subplots(1, 2, figsize=(11, 3.5))
+trees = [runs[f"tree_N{N}"] for N in BUDGETS]
+for ax, value, label in [(axs[0], lambda r: r.tau, "tau (tokens per step)"),
+                         (axs[1], lambda r: r.decode_tokens_per_second / ar.decode_tokens_per_second,
+                          "speedup vs autoregressive (this run)")]:
+    ax.plot(BUDGETS, [value(r) for r in trees], "-o", label="draft tree")
+    if CHAIN:
+        ax.axhline(value(runs[f"chain_D{CHAIN}"]), color="C1", ls="--", label=f"chain, D {CHAIN}")
+    ax.set(xscale="log", xlabel="tree budget N (nodes besides the root)", ylabel=label)
+    ax.set_xticks(BUDGETS, [str(n) for n in BUDGETS])
+    ax.legend(fontsize=8)
+axs[1].axhline(1.0, color="k", lw=0.8)
+plt.show()
+""",
+]
+
 TRAINING = [
     """md:# Training: loss curves, held-out loss, and what more tokens would buy
 Read from the shipped checkpoints: `checkpoints/{target,drafter}/train_report.json` (always there) and
@@ -502,6 +568,7 @@ NOTEBOOKS = {
     "quickstart": dict(cells=QUICKSTART, figures=2),
     "nvfp4_drafter": dict(cells=NVFP4, figures=3),
     "acceptance_vs_length": dict(cells=ACCEPTANCE_VS_LENGTH, figures=1),
+    "draft_trees": dict(cells=DRAFT_TREES, figures=1),
     "training": dict(cells=TRAINING, figures=2),
     "sharding": dict(cells=SHARDING, figures=1),
 }

@@ -118,20 +118,25 @@ def cycle_next(x):
     return (x // PERIOD) * PERIOD + (x + 1) % PERIOD
 
 
-def build_copy_pair(flaw: tuple[tuple[int, int], ...] = ()):
+def build_copy_pair(flaw: tuple[tuple[int, int], ...] = (), family: str = "qwen3", scale: float = 0.01):
+    """(copy target, copy drafter); family: the target's decoder family ("qwen3", or "llama": no q/k norm), the same
+    construction either way (the drafter reads only its embeddings and its layer-1 output). scale: what the target's
+    layers add to the residual stream (o_proj / down_proj factor): at 0.01 greedy is the cycle map whatever the
+    context; at 0.3 the target follows the cycle only now and then, and its tokens depend on the whole context."""
+    cfg = PCFG if family == "qwen3" else PCFG.replace(model_type=family, qk_norm=None, attention_bias=None)
     rng = np.random.default_rng(1234)
     Q, _ = np.linalg.qr(rng.standard_normal((PH, PH)))
     u, W = Q[:, 0], Q[:, 1:PV + 1].T  # W [V, H]: orthonormal rows, orthogonal to u
     emb = u[None, :] + W
     inv = np.empty(PV, int)
     inv[cycle_next(np.arange(PV))] = np.arange(PV)
-    tp = random_params(abstract_target(PCFG), 5)
+    tp = random_params(abstract_target(cfg), 5)
     layers = tuple(dataclasses.replace(
-        l, self_attn=dataclasses.replace(l.self_attn, o_proj=0.01 * l.self_attn.o_proj),
-        mlp=dataclasses.replace(l.mlp, down_proj=0.01 * l.mlp.down_proj)) for l in tp.layers)
+        l, self_attn=dataclasses.replace(l.self_attn, o_proj=scale * l.self_attn.o_proj),
+        mlp=dataclasses.replace(l.mlp, down_proj=scale * l.mlp.down_proj)) for l in tp.layers)
     tp = dataclasses.replace(tp, embed_tokens=jnp.asarray(emb, jnp.float32), lm_head=jnp.asarray(emb[inv], jnp.float32),
                              norm=jnp.ones((PH,), jnp.float32), layers=layers)
-    target = dj.Target(params=tp, config=PCFG)
+    target = dj.Target(params=tp, config=cfg)
 
     m = PDCFG.model
     hd, nH = m.head_dim, m.num_attention_heads

@@ -74,6 +74,7 @@ AUDIT_TESTS = ("tests/test_quantize.py", "-k", "audit")
 _EOS_TRACED = "is_eos = (new_tokens[:, :, None] == budget.eos[None, None, :]).any(axis=-1)"
 SAMPLING = "tests/test_sampling.py"
 PROOF = "speculative_output_has_target_distribution or sampled_eos"
+TREE_TESTS = ("tests/test_tree.py", "-k", "greedy_tree_equals or verify_equals")
 
 MUTANTS = [
     Mutant("q-temperature", "draft probabilities q computed at temperature 1 whatever is requested",
@@ -122,6 +123,23 @@ MUTANTS = [
            "p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]\n"
            "    p_at = jnp.where((n_acc == D)[:, None], jnp.roll(p_at, 1, axis=0), p_at)",
            (SAMPLING, "-k", PROOF)),
+    # -- draft trees: each must break greedy tree == autoregressive and the verify pass against cache-free forwards
+    Mutant("tree-positions-by-index", "tree nodes at committed length + node index instead of + depth",
+           "decode/tree.py", "    return start[:, None] + tree.depths",
+           "    return start[:, None] + jnp.arange(tree.depths.shape[1], dtype=jnp.int32)[None, :]",
+           TREE_TESTS, issue=True),
+    Mutant("tree-sibling-visible", "a tree node sees its earlier siblings too", "decode/tree.py",
+           "    return (anc[..., None] == jnp.arange(T, dtype=jnp.int32)).any(axis=2)",
+           "    sib = (anc[:, :, None, 1] == anc[:, None, :, 1]) & jnp.tril(jnp.ones((T, T), bool), -1)\n"
+           "    return (anc[..., None] == jnp.arange(T, dtype=jnp.int32)).any(axis=2) | sib",
+           TREE_TESTS, issue=True),
+    Mutant("tree-compaction-off-by-one", "the accepted path's K/V written one slot past its positions",
+           "models/target.py", "slots = jnp.where(j < n[:, None], start[:, None] + j, cache.max_len)",
+           "slots = jnp.where(j < n[:, None], start[:, None] + j + 1, cache.max_len)", TREE_TESTS, issue=True),
+    Mutant("tree-hybrid-predecessor", "a hybrid tree node's recurrent state from the node before it, not its parent",
+           "models/deltanet.py", "    o = tree_rule(d.q, d.k, d.v, d.g, d.beta, state, mask)",
+           "    o = tree_rule(d.q, d.k, d.v, d.g, d.beta, state, jnp.tril(jnp.ones_like(mask)))",
+           ("tests/test_tree.py", "-k", "greedy_tree_equals and hybrid or verify_equals and hybrid"), issue=True),
     # -- more planted bugs of the same families ------------------------------------------------------------------
     Mutant("scale-square", "the target's o_proj NVFP4 tensor scale applied twice", "models/target.py",
            "x = x + linear(attend(q, k, v, mask), layer.self_attn.o_proj)",

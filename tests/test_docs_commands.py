@@ -51,6 +51,7 @@ TINY = {
     "--layers": "1", "--hidden": "64", "--intermediate": "128", "--heads": "1", "--kv-heads": "1",
     "--block-size": "4",
     "--batches": "1",  # the step table's batch rows (each needs that many prompts)
+    "--tree-budgets": "4",  # one draft-tree row of the step table
 }
 # Flags that switch a command to its own small configuration (e.g. the GPU report's CPU smoke run).
 TINY_FLAGS = ("--smoke",)

@@ -20,7 +20,7 @@ import make_notebooks as mk  # noqa: E402
 
 NAMES = list(mk.NOTEBOOKS)
 RERUN = "run `python notebooks/make_notebooks.py --execute` and commit the notebooks and their .json files"
-QUICK_SUBSET = {"acceptance_vs_length"}  # executed at a smaller size in tests: its keys are a subset
+QUICK_SUBSET = {"acceptance_vs_length", "draft_trees"}  # executed at a smaller size in tests: keys a subset
 
 
 def committed(name):
@@ -30,7 +30,8 @@ def committed(name):
 
 
 def test_the_notebooks_exist():
-    assert set(NAMES) == {"quickstart", "nvfp4_drafter", "acceptance_vs_length", "training", "sharding"}
+    assert set(NAMES) == {"quickstart", "nvfp4_drafter", "acceptance_vs_length", "draft_trees", "training",
+                          "sharding"}
     assert {p.stem for p in (ROOT / "notebooks").glob("*.ipynb")} == set(NAMES)
 
 

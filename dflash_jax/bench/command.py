@@ -5,7 +5,7 @@
                        has a DFlash2 drafter
     --tau-table        tau per draft length (+ NVFP4 variants with --nvfp4)
     --pair-table       dense and NVFP4 drafter: tau and speedup per draft length and temperature
-    --step-table       r, c, tau and speedups per draft length and draft vocabulary
+    --step-table       r, c, tau and speedups per draft length, draft vocabulary and batch, and per draft-tree budget
     --gguf-roundtrip   NVFP4 drafters through GGUF files, intact and with attention scales set to 1
     --bf16-exactness   greedy speculative vs autoregressive in bfloat16 compute
     --random-tiny      per-step cost split on random tiny models
@@ -28,6 +28,7 @@ import numpy as np
 
 from dflash_jax.bench import device_report, gguf_replay
 from dflash_jax.bench import speculative as bench
+from dflash_jax.bench import tree as tree_bench
 from dflash_jax.bench.step_costs import draft_costs, format_draft_costs, format_step_costs, step_costs
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.decode.programs import generate
@@ -95,8 +96,15 @@ def step_table(args, target, drafter, prompts):
         raise SystemExit(f"--batches {bad}: each batch must be in 1..--prompts ({len(prompts)})")
     rows = bench.step_table(target, drafter, prompts, draft_lengths=lengths, draft_vocabs=vocabs,
                             batches=tuple(args.batches), max_new_tokens=args.new_tokens[0], reps=args.reps)
-    print(f"{len(prompts)} held-out prompts, {args.new_tokens[0]} new tokens, greedy, batches {args.batches}, one run")
+    budgets = tuple(args.tree_budgets) if not drafter.config.is_dflash2 else ()
+    rows += tree_bench.tree_rows(target, drafter, prompts, budgets=budgets, max_new_tokens=args.new_tokens[0],
+                                 reps=args.reps)
+    print(f"{len(prompts)} held-out prompts, {args.new_tokens[0]} new tokens, greedy, batches {args.batches} (draft "
+          f"trees: batch 1), one run")
     print(bench.format_step_table(rows))
+    if budgets:
+        own = [r for r in rows if r["draft_vocab_size"] == drafter.config.draft_vocab_size and r["batch"] == 1]
+        print(tree_bench.format_tree_goals(own))
     if args.save_table is not None:
         folder = Path(args.save_table) if args.save_table else checkpoints_dir() / (
             "smollm2" if (args.model or default_model()) == "smollm2" else "") / DRAFTER_FOLDERS["dflash"]
@@ -105,9 +113,11 @@ def step_table(args, target, drafter, prompts):
         table = bench.as_step_table(rows, target, note=note)
         path = write_step_table(folder, table)
         best = table.best(drafter.config.draft_vocab_size)
-        print(f"wrote {path}: generate's default draft length for this pair on {table.platform} is now "
-              f"{best.draft_length if best else 'block_size - 1'} (predicted {best.predicted_speedup:.2f}x)"
-              if best else f"wrote {path} (no row for the drafter's draft vocabulary)")
+        choice = best and (f"a draft tree of {best.tree_budget} nodes" if best.tree_budget else
+                           f"draft length {best.draft_length}")
+        print(f"wrote {path}: generate's default for this pair on {table.platform} is now {choice} (predicted "
+              f"{best.predicted_speedup:.2f}x)" if best
+              else f"wrote {path} (no row for the drafter's draft vocabulary)")
     return rows
 
 

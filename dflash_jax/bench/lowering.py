@@ -7,7 +7,8 @@ with a provably static trip count (the condition is `counter < constant` and the
 constant: `lax.scan`, `fori_loop` with static bounds) and the rest, and counts the conditionals.
 `speculative_module` exports the speculative loop program `generate` would build for a platform, with that
 platform's execution settings whatever host exports it (a CUDA export takes the accelerator rule: attention with
-static trip counts; a CPU export the live-length loop: `buckets.uses_live_length_loop`).
+static trip counts and XLA's own dot; a CPU export the live-length loop and the CPU kernel:
+`buckets.uses_live_length_loop`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from jax._src.lib.mlir import ir
 from dflash_jax import execution
 from dflash_jax.decode import programs as G
 from dflash_jax.decode.buckets import uses_live_length_loop
+from dflash_jax.quant import cpu_kernel
 
-# The Pallas NVFP4 kernel lowers to this custom call for CUDA (an opaque kernel here).
+# The Pallas NVFP4 kernel lowers to this custom call for CUDA, the CPU matmul kernel to its own for CPU (opaque
+# kernels here; neither is a stable export target, which these exports only inspect).
 TRITON = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+CPU_KERNEL = export.DisabledSafetyCheck.custom_call(cpu_kernel.TARGET_NAME)
 
 
 def _walk(op):
@@ -91,9 +95,11 @@ def speculative_module(target, drafter, prompts, *, platform: str = "cuda", chun
     with execution.using(call.prefill_context.replace(attention_chunk=chunk)):
         # the loop program takes prefill's handoff: its shapes are enough to export it (nothing runs here)
         pre = jax.eval_shape(lambda *a: call.prefill_program(*a, **call.prefill_static), target, drafter, prompt, lens)
-    with execution.using(call.context.replace(attention_chunk=chunk,
-                                              live_length_loop=uses_live_length_loop(platform))):
-        exp = export.export(call.loop_program, platforms=[platform], disabled_checks=[TRITON])(
+    # the platform's rule for both CPU-only settings: the live-length loop and the CPU matmul kernel (a custom call
+    # only XLA:CPU has)
+    cpu = uses_live_length_loop(platform)
+    with execution.using(call.context.replace(attention_chunk=chunk, live_length_loop=cpu, cpu_kernel=cpu)):
+        exp = export.export(call.loop_program, platforms=[platform], disabled_checks=[TRITON, CPU_KERNEL])(
             target, drafter, pre, keys, sampling, budget, **call.loop_static)
     return exp.mlir_module()
 
@@ -104,7 +110,7 @@ def prefill_module(target, drafter, prompts, *, platform: str = "cuda", chunk: i
     call = G.speculative_call(target, drafter, prompts, prefill_timing="rerun", **generate_kw)
     target, drafter, prompt, lens = call.args[:4]
     with execution.using(call.prefill_context.replace(attention_chunk=chunk)):
-        exp = export.export(call.prefill_program, platforms=[platform], disabled_checks=[TRITON])(
+        exp = export.export(call.prefill_program, platforms=[platform], disabled_checks=[TRITON, CPU_KERNEL])(
             target, drafter, prompt, lens, **call.prefill_static)
     return exp.mlir_module()
 

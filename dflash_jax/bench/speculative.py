@@ -31,18 +31,20 @@ PREFILL_TIMING = "rerun"
 
 def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
             draft_length: int | None = None, eos_ids=(), warmup: bool = True, drafters: dict | None = None,
-            temperature: float = 0.0, seed: int = 0) -> dict:
+            temperature: float = 0.0, seed: int = 0, tree_budget: int | None = None) -> dict:
     """Per prompt (batch 1): AR and DFlash decode tokens/s, tau, acceptance. Medians over prompts.
 
     `drafters` may name extra drafters (e.g. {"nvfp4": q}) measured on the same prompts in the same run.
+    tree_budget: every drafter drafts trees of that many nodes (draft_length then stays None).
     """
     drafters = {"dflash": drafter, **(drafters or {})}
     kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=temperature, seed=seed,
               prefill_timing=PREFILL_TIMING)
+    spec = dict(draft_length=draft_length) if tree_budget is None else dict(tree_budget=tree_budget)
     if warmup:  # compile every program shape before timing
         generate_autoregressive(target, [list(prompts[0])], **kw)
         for d in drafters.values():
-            generate(target, d, [list(prompts[0])], draft_length=draft_length, **kw)
+            generate(target, d, [list(prompts[0])], **spec, **kw)
     ar_tps, rows = [], {name: {"tps": [], "acc": [], "tau_steps": [], "steps": 0} for name in drafters}
     ar_tokens = []
     for p in prompts:
@@ -50,7 +52,7 @@ def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], 
         ar_tps.append(ar.decode_tokens_per_second)
         ar_tokens.append(ar.tokens[0])
         for name, d in drafters.items():
-            res = generate(target, d, [list(p)], draft_length=draft_length, **kw)
+            res = generate(target, d, [list(p)], **spec, **kw)
             r = rows[name]
             r["tps"].append(res.decode_tokens_per_second)
             acc = res.acceptance_lengths[res.acceptance_lengths > 0]
@@ -59,8 +61,10 @@ def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], 
             r.setdefault("exact", []).append(bool(np.array_equal(res.tokens[0], ar.tokens[0])))
             r.setdefault("position", []).append(res.position_acceptance)
     D = drafter.config.block_size - 1 if draft_length is None else draft_length
+    if tree_budget is not None:
+        D = min(tree_budget, drafter.config.block_size - 1)  # the tree's depth
     out = {"max_new_tokens": max_new_tokens, "draft_length": D, "prompts": len(prompts), "temperature": temperature,
-           "ar_tokens_per_s": statistics.median(ar_tps)}
+           "ar_tokens_per_s": statistics.median(ar_tps), "tree_budget": tree_budget}
     for name, r in rows.items():
         steps = np.asarray(r["tau_steps"])
         out[name] = {
@@ -173,7 +177,8 @@ def step_table(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]
                                                draft_length=D)["dflash"] for n, d in variants.items()}
             for n, d in variants.items():
                 c, x = step_costs(target, d, context_len=context_len, draft_length=D, batch=b, reps=reps), measured[n]
-                rows.append({"draft_length": D, "draft_vocab": label[n], "draft_vocab_size": n, "batch": b,
+                rows.append({"draft_length": D, "tree_budget": None, "draft_vocab": label[n], "draft_vocab_size": n,
+                             "batch": b,
                              "r": c["r"], "c": c["c"], "decode_ms": c["decode_ms"], "verify_ms": c["verify_ms"],
                              "draft_ms": c["draft_ms"], "tau": x["tau"], "predicted": x["tau"] / (c["r"] + c["c"]),
                              "speedup": x["speedup"], "exact_match": x["exact_match"],
@@ -186,20 +191,26 @@ def as_step_table(rows: list[dict], target: Target, note: str = "") -> StepTable
     return StepTable(platform=jax.default_backend(), target=target_signature(target), note=note,
                      rows=tuple(StepRow(draft_length=r["draft_length"], draft_vocab=r["draft_vocab_size"],
                                         tau=round(float(r["tau"]), 4), r=round(float(r["r"]), 4),
-                                        c=round(float(r["c"]), 4), batch=int(r["batch"])) for r in rows))
+                                        c=round(float(r["c"]), 4), batch=int(r["batch"]),
+                                        tree_budget=r.get("tree_budget")) for r in rows))
 
 
 def format_step_table(rows: list[dict]) -> str:
-    lines = [f"{'batch':>5} {'D':>3} {'draft vocab':>12} {'verify ms':>9} {'draft ms':>8} {'r':>5} {'c':>5} "
-             f"{'r+c':>5} {'tau':>5} {'tau/(r+c)':>9} {'measured':>8} {'exact':>6}", "-" * 96]
+    """One line per row: chain rows (tree "-") and draft-tree rows (`bench.tree.tree_rows`: tree = N nodes, D = the
+    tree's depth, verify = root + N nodes, draft = the drafter pass + the tree's construction)."""
+    lines = [f"{'batch':>5} {'tree':>4} {'D':>3} {'draft vocab':>12} {'verify ms':>9} {'draft ms':>8} {'r':>5} "
+             f"{'c':>5} {'r+c':>5} {'tau':>5} {'tau/(r+c)':>9} {'measured':>8} {'exact':>6}", "-" * 101]
     for r in rows:
-        lines.append(f"{r.get('batch', 1):>5} {r['draft_length']:>3} {r['draft_vocab']:>12} {r['verify_ms']:>9.2f} "
+        tree = "-" if r.get("tree_budget") is None else str(r["tree_budget"])
+        lines.append(f"{r.get('batch', 1):>5} {tree:>4} {r['draft_length']:>3} {r['draft_vocab']:>12} "
+                     f"{r['verify_ms']:>9.2f} "
                      f"{r['draft_ms']:>8.2f} "
                      f"{r['r']:>5.2f} {r['c']:>5.2f} {r['r'] + r['c']:>5.2f} {r['tau']:>5.2f} "
                      f"{r['predicted']:>8.2f}x {r['speedup']:>7.2f}x {r['exact_match']:>6}")
     decode = statistics.median(r["decode_ms"] for r in rows if r.get("batch", 1) == rows[0].get("batch", 1))
-    lines.append(f"decode (1 token per row) median {decode:.2f} ms at batch {rows[0].get('batch', 1)}; r = verify / decode, c = draft / decode (interleaved "
-                 f"medians); 'measured' = decode tokens/s speculative / autoregressive, medians over prompts")
+    lines.append(f"decode (1 token per row) median {decode:.2f} ms at batch {rows[0].get('batch', 1)}; r = verify / "
+                 f"decode, c = draft / decode (interleaved medians); 'measured' = decode tokens/s speculative / "
+                 f"autoregressive, medians over prompts")
     return "\n".join(lines)
 
 

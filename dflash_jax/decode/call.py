@@ -40,13 +40,14 @@ class ProgramCall:
     # `prefill_context`: part of each program's jit cache key, like the static arguments.
     context: execution.ExecutionContext
     max_new: int
-    draft_length: int
+    draft_length: int  # drafts per step (a draft tree's depth)
     eos: tuple[int, ...]
     prefill_program: Callable  # the jitted prefill program (`decode.programs`)
     loop_program: Callable  # the jitted loop program
     batch: int = 0  # rows the caller gave (the programs run a batch bucket: inert padding rows after them)
     prompts: tuple = ()  # the caller's rows (real tokens), for return_prompt
     return_prompt: bool = False
+    tree_budget: int | None = None  # draft-tree nodes per step (None: chains)
 
     @property
     def prefill_context(self) -> execution.ExecutionContext:
@@ -138,7 +139,8 @@ class ProgramCall:
         if self.return_prompt:
             out = _with_prompts(self.prompts, out, n_out)
         return GenerationResult(tokens=out, num_tokens=n_out, acceptance_lengths=acc, finish_reason=reasons,
-                                num_steps=steps, draft_length=self.draft_length, timings=timings,
+                                num_steps=steps, draft_length=self.draft_length, tree_budget=self.tree_budget,
+                                timings=timings,
                                 prompt_lengths=lens.astype(np.int32), includes_prompt=self.return_prompt)
 
 

@@ -1,5 +1,5 @@
-"""The draft length `generate` uses when none is given: the best row of the drafter's measured step table
-(`dflash_jax.step_table`) for this platform, this target and the batch, else block_size - 1.
+"""The draft length (or draft tree) `generate` uses when neither is given: the best row of the drafter's measured
+step table (`dflash_jax.step_table`) for this platform, this target and the batch, else a chain of block_size - 1.
 
 A table measured on another platform, with another target (or the same model in another weight format: its step
 costs differ), or holding no row for the drafter's draft vocabulary is ignored with a warning (once per reason),
@@ -31,17 +31,19 @@ def target_signature(target: Target) -> str:
     return f"{target.config.model_type}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
 
 
-def default_draft_length(drafter: Drafter, target: Target, batch: int = 1) -> int:
-    """The step table's best D for this pair on this platform (rows of the largest measured batch <= `batch`), or
-    block_size - 1 when there is no table or it does not apply (warned)."""
+def default_layout(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True) -> tuple[int, int | None]:
+    """(draft_length, tree_budget) of the step table's best row for this pair on this platform (rows of the largest
+    measured batch <= `batch`; tree rows only when `trees`): (D, None) for a chain, (depth, N) for a draft tree of N
+    nodes; (block_size - 1, None) when there is no table or it does not apply (warned)."""
     cfg = drafter.config
     fallback = cfg.block_size - 1
     table = cfg.step_table
     if table is None:
-        return fallback
+        return fallback, None
     platform = jax.default_backend()
     batches = sorted({r.batch for r in table.rows if r.batch <= max(int(batch), 1)})
-    row = table.best(cfg.draft_vocab_size, batches[-1]) if batches else None
+    trees = trees and not cfg.is_dflash2  # DFlash2's selector drafts a chain only
+    row = table.best(cfg.draft_vocab_size, batches[-1], trees=trees) if batches else None
     if table.platform != platform:
         why = f"it was measured on {table.platform!r} and this runs on {platform!r}"
     elif table.target != target_signature(target):
@@ -52,13 +54,19 @@ def default_draft_length(drafter: Drafter, target: Target, batch: int = 1) -> in
     elif not 1 <= row.draft_length <= fallback:
         why = f"its best draft length {row.draft_length} is outside 1..{fallback} (the drafter's block)"
     else:
-        return row.draft_length
+        return row.draft_length, row.tree_budget
     if why not in _WARNED:
         _WARNED.add(why)
         warnings.warn(f"the drafter's step table is ignored: {why}; drafting block_size - 1 = {fallback} tokens per "
                       "step (measure a table for this pair with `dflash-jax bench --step-table --save-table`)",
                       stacklevel=4)
-    return fallback
+    return fallback, None
 
 
-__all__ = ["default_draft_length", "target_signature"]
+def default_draft_length(drafter: Drafter, target: Target, batch: int = 1) -> int:
+    """The step table's best chain D for this pair on this platform and batch, else block_size - 1 (see
+    `default_layout`)."""
+    return default_layout(drafter, target, batch, trees=False)[0]
+
+
+__all__ = ["default_draft_length", "default_layout", "target_signature"]

@@ -7,6 +7,10 @@ Layout of one DFlash step for a row whose last committed token `last` sits at po
   roll    target cache length := start+a+1; drafter context += verify features of rows 0..a; start += a+1
 Everything of a step is on device inside one `lax.while_loop`; rows that finish are frozen by masks, not removed.
 A DFlash2 drafter proposes d_1..d_D with its candidate selector (a `lax.scan` inside the loop body, draft_step.py).
+With a draft tree (`tree_budget` N, tree.py) the step drafts the same block, builds a tree of N nodes from its
+per-position distributions, verifies root + N nodes in one pass with the target cache read-only, walks the tree with
+the target's own token at every node, then writes the accepted path's K/V into consecutive slots and commits its
+DeltaNet states (`_tree_step`): the loop state is the chain's, with D = the tree's depth.
 Both loops start from prefill's handoff (prefill.py): the first token is sampled from its logits, then the loop runs
 until every row is done or the step budget is spent (`_run`, the one condition of both).
 """
@@ -20,14 +24,16 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import execution
+from dflash_jax.decode import tree
 from dflash_jax.decode.buckets import PAD
 from dflash_jax.decode.draft_step import draft_step
 from dflash_jax.decode.prefill import Prefilled
 from dflash_jax.decode.sampling import SamplingParams, accept_block, sample_tokens
 from dflash_jax.frozen import Replaceable
 from dflash_jax.models.cache import KVCache
-from dflash_jax.models.drafter import Drafter, append_context
-from dflash_jax.models.target import Target, commit_states, forward_with_cache
+from dflash_jax.models.drafter import Drafter, append_context, block_hidden, head_logits
+from dflash_jax.models.target import (Target, TreeLayout, commit_states, commit_tree, forward_tree,
+                                      forward_with_cache)
 from dflash_jax.parallel import sharding as shd
 
 
@@ -108,9 +114,41 @@ def _run(body, state: LoopState, budget: Budget):
     return (*res, (final.tcache, final.dcache))
 
 
+def _tree_step(target: Target, drafter: Drafter, s: LoopState, sampling: SamplingParams, depth: int,
+               budget_nodes: int):
+    """One draft-tree step on the loop state: (committed tokens [B, D + 1], n_acc [B], target cache with the
+    accepted path committed (lengths advanced only for active rows), pending features [B, D + 1, K*H], draft cache,
+    keys). D = depth, N = budget_nodes; T = 1 + N verified nodes."""
+    tcfg, dcfg = target.config, drafter.config
+    B, D, N = s.last.shape[0], depth, budget_nodes
+    dcache = append_context(drafter, s.pending, s.n_pending, s.dcache)
+    block = jnp.full((B, dcfg.block_size), dcfg.mask_token_id, jnp.int32).at[:, 0].set(s.last)
+    h = block_hidden(drafter, target, block, dcache)[:, 1:1 + D]  # [B, D, H]: one draft pass, as the chain's
+    d_logits = head_logits(drafter, target, h)  # [B, D, V]
+    tr = tree.build(tree.draft_scores(d_logits, sampling), s.last, N)
+    kernel = tcfg.linear_conv_kernel_dim if tcfg.is_hybrid else 1
+    anc = tree.ancestors(tr, max(D, kernel - 1))  # [B, 1 + N, >= D + 1]
+    layout = TreeLayout(positions=tree.positions(tr, s.start), mask=tree.ancestor_mask(anc[..., :D + 1]),
+                        conv_taps=tree.conv_taps(tr, anc, kernel) if tcfg.is_hybrid else None)
+    v_logits, v_feats, pending = forward_tree(target, tree.verify_tokens(tr), s.tcache, dcfg.target_layer_ids,
+                                              layout)
+    # The target's own token at every node, under its own rule (argmax, or one draw per node from the row's key)
+    own, keys = sample_tokens(v_logits, s.key, sampling)  # [B, 1 + N]
+    path, n_acc = tree.walk(tr, anc[..., :D + 1], own)  # [B, D + 1], [B]
+    committed = jnp.take_along_axis(own, path, axis=1)  # the path's target tokens: n_acc drafts, then the bonus
+    tcache = commit_tree(s.tcache, pending, path, jnp.where(s.done, 0, n_acc + 1), tcfg)
+    feats = jnp.take_along_axis(v_feats, path[:, :, None], axis=1)  # the accepted path's features, for the drafter
+    chex.assert_shape(committed, (B, D + 1))
+    return committed, n_acc, tcache, feats, dcache, keys
+
+
 def speculative_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sampling: SamplingParams,
-                     budget: Budget, *, draft_length: int, out_len: int):
-    """The speculative loop program over prefill's handoff `pre`: (out, n_out, acc, steps, caches) (see `_run`)."""
+                     budget: Budget, *, draft_length: int, out_len: int, tree_budget: int | None = None):
+    """The speculative loop program over prefill's handoff `pre`: (out, n_out, acc, steps, caches) (see `_run`).
+    tree_budget: draft trees of that many nodes (draft_length is then the trees' depth); None: chains."""
+    if tree_budget is not None:
+        return _tree_loop(target, drafter, pre, keys, sampling, budget, depth=draft_length, out_len=out_len,
+                          budget_nodes=tree_budget)
     dcfg = drafter.config
     layer_ids = dcfg.target_layer_ids
     bs, D = dcfg.block_size, draft_length
@@ -144,6 +182,30 @@ def speculative_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sam
             # rollback: drop rejected slots by length
             tcache=shd.constrain_cache(tcache.replace(lengths=new_start), target.config),
             dcache=shd.constrain_cache(dcache, dcfg.model), pending=v_feats,
+            n_pending=jnp.where(active, n_acc + 1, 0),
+            acc=s.acc.at[:, s.step].set(jnp.where(active, n_acc + 1, 0)), key=keys)
+
+    return _run(body, state, budget)
+
+
+def _tree_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sampling: SamplingParams, budget: Budget, *,
+               depth: int, out_len: int, budget_nodes: int):
+    """`speculative_loop` with draft trees of `budget_nodes` nodes, at most `depth` deep."""
+    B, D = pre.lens.shape[0], depth
+    feat_dim = len(drafter.config.target_layer_ids) * target.config.hidden_size
+    state = _init_state(pre, keys, sampling, budget, out_len, D + 1,
+                        pending=jnp.zeros((B, D + 1, feat_dim), target.config.dtype),
+                        n_pending=jnp.zeros((B,), jnp.int32))
+
+    def body(s: LoopState) -> LoopState:
+        active = ~s.done
+        committed, n_acc, tcache, feats, dcache, keys = _tree_step(target, drafter, s, sampling, D, budget_nodes)
+        out, n_out, done = _commit(s, committed, n_acc + 1, budget)
+        bonus = jnp.take_along_axis(committed, n_acc[:, None], axis=1)[:, 0]
+        return s.replace(
+            step=s.step + 1, out=out, n_out=n_out, done=done, last=jnp.where(active, bonus, s.last),
+            start=tcache.lengths, tcache=shd.constrain_cache(tcache, target.config),
+            dcache=shd.constrain_cache(dcache, drafter.config.model), pending=feats,
             n_pending=jnp.where(active, n_acc + 1, 0),
             acc=s.acc.at[:, s.step].set(jnp.where(active, n_acc + 1, 0)), key=keys)
 

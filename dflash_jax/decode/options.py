@@ -25,9 +25,15 @@ class GenerationOptions(Replaceable):
 
     max_new_tokens: int  # tokens to generate per row (the first comes from prefill)
     # Drafted tokens per step, 1..block_size-1; None: the best of the drafter's measured step table for this pair,
-    # platform and batch (`decode.draft_length`), else block_size - 1. Speculative decoding only (how the drafts are
-    # laid out, e.g. a draft tree, would be a field beside it).
+    # platform and batch (`decode.draft_length`), else block_size - 1. Speculative decoding only (a draft tree is the
+    # field beside it: `tree_budget`).
     draft_length: int | None = None
+    # A draft tree of this many nodes besides the root per step (DDTree) instead of a chain: built on device from the
+    # block's per-position distributions, verified in one target pass, walked with the target's own tokens (same
+    # output law as the chain at every temperature). One choice with draft_length (give one of them): the tree's
+    # depth follows from its budget and the drafter's block, min(tree_budget, block_size - 1). None: the chain.
+    # DFlash drafters only (DFlash2's selector drafts sequentially).
+    tree_budget: int | None = None
     eos_ids: Any = None  # None = the target config's `eos_token_id`; () = no EOS; or an id / ids
     seed: int = 0  # one key stream per row, folded from this seed
     max_cache_len: int | None = None  # a context limit below the target's max_position_embeddings
@@ -39,7 +45,8 @@ class GenerationOptions(Replaceable):
     return_prompt: bool = False  # `tokens` holds each row's prompt, then its new tokens
 
 
-SPECULATIVE_ONLY = ("draft_length", "p_min", "draft_sampling")  # keywords autoregressive decoding does not take
+# keywords autoregressive decoding does not take
+SPECULATIVE_ONLY = ("draft_length", "tree_budget", "p_min", "draft_sampling")
 _OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationOptions))
 _SAMPLING_DEFAULTS = {name: p.default for name, p in inspect.signature(SamplingParams.make).parameters.items()
                       if name != "cls"}
@@ -82,8 +89,9 @@ def settings(call: str, keywords: dict, *, speculative: bool, sampling: Sampling
         if given_options:
             raise ValueError(f"give generation settings either as options= or as keywords, not both (got options= "
                              f"and {sorted(given_options)})")
-        if not speculative and options.draft_length is not None:
-            raise ValueError("draft_length is a speculative setting: autoregressive decoding does not take it")
+        for name in ("draft_length", "tree_budget"):
+            if not speculative and getattr(options, name) is not None:
+                raise ValueError(f"{name} is a speculative setting: autoregressive decoding does not take it")
     elif "max_new_tokens" not in given_options:
         raise TypeError(f"{call}() missing 1 required keyword-only argument: 'max_new_tokens'")
     else:

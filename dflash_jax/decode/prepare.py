@@ -137,6 +137,42 @@ def check_draft_length(drafter: Drafter, draft_length) -> int:
     return int(D)
 
 
+def check_tree(drafter: Drafter, tree_budget, draft_length, sampling) -> int:
+    """A draft tree's settings against the drafter and the sampling rule; returns the tree's depth (the draft
+    positions a step needs), min(tree_budget, block_size - 1)."""
+    if not isinstance(tree_budget, (int, np.integer)) or isinstance(tree_budget, bool) or tree_budget < 1:
+        raise ValueError(f"tree_budget must be an integer >= 1 (draft nodes per step besides the root), got "
+                         f"{tree_budget!r}")
+    if draft_length is not None:
+        raise ValueError("tree_budget and draft_length are one choice: a draft tree's depth follows from its budget "
+                         "and the drafter's block (min(tree_budget, block_size - 1)); give one of them")
+    cfg = drafter.config
+    if cfg.is_dflash2:
+        raise ValueError("tree_budget: a DFlash2 drafter cannot draft a tree: its candidate selector drafts "
+                         "sequentially (each slot's choice conditions the next slot's scores), so its block has no "
+                         "independent per-position distributions to build a tree from; use draft_length (a chain)")
+    depth = min(int(tree_budget), cfg.block_size - 1)
+    if depth < 1:  # a block of one slot proposes nothing
+        raise ValueError(f"tree_budget: a draft tree needs depth >= 1, but the drafter's block of {cfg.block_size} "
+                         f"proposes block_size - 1 = {cfg.block_size - 1} positions")
+    if sampling.use_p_min:
+        raise ValueError("p_min cuts a chain of drafts at its first unsure slot; a draft tree has no such cut (leave "
+                         "p_min at 0 with tree_budget)")
+    if sampling.draft_sampling != "sample":
+        raise ValueError("draft_sampling chooses how chain drafts are drawn; a draft tree takes each position's most "
+                         "probable tokens (leave draft_sampling at its default with tree_budget)")
+    return depth
+
+
+def check_tree_fits(tree_budget: int, cache_slots: int) -> None:
+    """The verify of root + tree_budget nodes must fit in the cache bucket of the call (its fresh K/V and mask are
+    sized by the tree, its scratch never outgrows the cache it extends)."""
+    if int(tree_budget) + 1 > cache_slots:
+        raise ValueError(f"tree_budget {tree_budget}: the verify of the root + {tree_budget} nodes needs "
+                         f"{int(tree_budget) + 1} slots, more than the cache bucket of this call holds "
+                         f"({cache_slots} slots)")
+
+
 def warn_short_drafter_context(drafter: Drafter, longest: int) -> None:
     """Warns (pointing at the caller of `generate` / `speculative_call`) when a context of `longest` tokens runs past
     the positions the drafter was built for."""
@@ -153,5 +189,5 @@ def row_keys(seed: int, batch: int) -> np.ndarray:
     return np.asarray(jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(base, i)))(jnp.arange(batch)))
 
 
-__all__ = ["check_budget", "check_draft_length", "prepare_prompt", "row_keys", "unpad",
+__all__ = ["check_budget", "check_draft_length", "check_tree", "check_tree_fits", "prepare_prompt", "row_keys", "unpad",
            "warn_short_drafter_context"]

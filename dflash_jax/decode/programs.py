@@ -32,13 +32,13 @@ import numpy as np
 from dflash_jax import execution
 from dflash_jax.config import check_pair
 from dflash_jax.decode import buckets
-from dflash_jax.decode.draft_length import default_draft_length
+from dflash_jax.decode.draft_length import default_layout
 from dflash_jax.decode.call import PROGRAM_PREFIX, ProgramCall, to_host
 from dflash_jax.decode.loop import Budget, autoregressive_loop, speculative_loop
 from dflash_jax.decode.options import GenerationOptions, keyword_signature, settings
 from dflash_jax.decode.prefill import prefill_program
-from dflash_jax.decode.prepare import (check_budget, check_draft_length, prepare_prompt, row_keys, unpad,
-                                       warn_short_drafter_context)
+from dflash_jax.decode.prepare import (check_budget, check_draft_length, check_tree, check_tree_fits, prepare_prompt,
+                                       row_keys, unpad, warn_short_drafter_context)
 from dflash_jax.decode.result import GenerationResult
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.models.drafter import Drafter, as_compiled
@@ -69,7 +69,7 @@ def _jit_program(name: str, program, static: tuple[str, ...], donate: tuple[int,
 
 
 PREFILL_STATIC = ("cache_len", "stamp")
-SPECULATIVE_STATIC = ("draft_length", "out_len")
+SPECULATIVE_STATIC = ("draft_length", "out_len", "tree_budget")
 AUTOREGRESSIVE_STATIC = ("out_len",)
 _DEFS = {"prefill": (prefill_program, PREFILL_STATIC, ()),
          "speculative": (speculative_loop, SPECULATIVE_STATIC, (2,)),
@@ -126,8 +126,12 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
     extra = 1 if drafter is None else D + 1
     prefill_static = dict(cache_len=buckets.cache_slots(int(lens.max()), out_len, extra, limit), stamp=stamp)
     loop_static = dict(out_len=out_len)
+    tree_budget = None if drafter is None else options.tree_budget
     if drafter is not None:
         loop_static["draft_length"] = D
+    if tree_budget is not None:  # checked against the cache bucket here, before anything is traced
+        check_tree_fits(tree_budget, prefill_static["cache_len"])
+        loop_static["tree_budget"] = int(tree_budget)
     budget = Budget(max_new=np.int32(max_new), max_steps=np.int32(int(max_new) - 1), eos=buckets.padded_eos(eos))
     batch = len(lens)
     # The batch is bucketed, and on a mesh it goes along "data": padded to a multiple of the axis too. Padding rows
@@ -147,7 +151,7 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
         sampling, budget = shd.place_tree((sampling, budget), shd.replicated(mesh))
     args = (_as_compiled(target), _as_compiled(drafter), padded, lens, keys, sampling, budget)
     return ProgramCall(name=name, args=args, prefill_static=prefill_static, loop_static=loop_static,
-                       context=context, max_new=int(max_new), draft_length=D, eos=eos,
+                       context=context, max_new=int(max_new), draft_length=D, tree_budget=tree_budget, eos=eos,
                        prefill_program=_program("prefill"), loop_program=_program(name), batch=batch, prompts=prompts,
                        return_prompt=bool(options.return_prompt))
 
@@ -155,10 +159,17 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
 def _speculative(target: Target, drafter: Drafter, prompt, sampling: SamplingParams,
                  options: GenerationOptions) -> ProgramCall:
     check_pair(drafter.config, target.config)
-    D = options.draft_length
-    if D is None:  # the drafter's measured best for this pair, platform and batch (else block_size - 1)
-        D = default_draft_length(drafter, target, batch=len(prompt) if hasattr(prompt, "__len__") else 1)
-    options = options.replace(draft_length=check_draft_length(drafter, D))
+    if options.tree_budget is None and options.draft_length is None:
+        # the drafter's measured best for this pair, platform and batch: a chain or a draft tree (a tree only where
+        # the sampling rule allows one), else a chain of block_size - 1
+        trees = not sampling.use_p_min and sampling.draft_sampling == "sample"
+        D, N = default_layout(drafter, target, batch=len(prompt) if hasattr(prompt, "__len__") else 1, trees=trees)
+        options = options.replace(draft_length=None if N else D, tree_budget=N)
+    if options.tree_budget is None:
+        options = options.replace(draft_length=check_draft_length(drafter, options.draft_length))
+    else:  # the tree's depth stands for the draft length from here on (positions drafted, tokens per step - 1)
+        options = options.replace(draft_length=check_tree(drafter, options.tree_budget, options.draft_length,
+                                                          sampling))
     call = _prepare("speculative", target, drafter, prompt, sampling, options)
     warn_short_drafter_context(drafter, int(np.max(to_host(call.args[3]))) + int(options.max_new_tokens))
     return call

@@ -14,12 +14,15 @@ class GenerationResult:
     acceptance_lengths: np.ndarray  # [B, steps] tokens committed per step incl. the bonus; 0 after a row's end
     finish_reason: tuple[str, ...]  # per row: "eos" | "length"
     num_steps: int  # loop iterations (draft+verify steps, or decode steps)
-    draft_length: int  # drafted tokens per step (0 for autoregressive)
+    draft_length: int  # drafted tokens per step (0 for autoregressive; a draft tree's depth)
     timings: dict  # seconds: prefill_s, decode_s, total_s (this run), compile_s (tracing + compiling, apart)
     # [B] real prompt tokens per row. With return_prompt=True (`includes_prompt`), `tokens` is
     # [B, longest prompt + max_new_tokens]: row b = its prompt (no padding) + its new tokens, then -1.
     prompt_lengths: np.ndarray | None = None
     includes_prompt: bool = False
+    # Draft-tree nodes per step (None: chains). With a tree, draft_length is its depth: a step commits at most
+    # draft_length + 1 tokens, and acceptance_rate / position_acceptance count accepted depths.
+    tree_budget: int | None = None
 
     @property
     def tau(self) -> float:

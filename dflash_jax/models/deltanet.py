@@ -18,6 +18,12 @@ acceptance length n is known per row, `commit` runs the recurrent form over thos
 takes the conv window ending at token n - 1. Keeping the per-position states instead would hold dk x dv floats per
 value head and token: at Qwen3.5-27B shapes (48 DeltaNet layers of 48 value heads of 128 x 128) and D = 15 that is
 2,304 MiB per row against 54 MiB of inputs (README, "Hybrid targets").
+
+Draft trees (`deltanet_tree`): the nodes of a tree (parents before children) each run from their parent's states:
+the conv reads up the node's own path (`tree_conv`, taps by parent index) and the delta rule runs along it
+(`tree_rule`: the chunked form's one chunk with the chain's order replaced by the ancestor relation). The states stay
+untouched; `commit_path` takes the accepted path's inputs in path order and commits them as a chain's (`commit`), so
+no per-node state is ever kept.
 """
 
 from __future__ import annotations
@@ -165,14 +171,58 @@ def chunked_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     return jnp.moveaxis(o, 1, 2), state
 
 
-def _inputs(p: GatedDeltaNet, h: jax.Array, conv: jax.Array, cfg: TargetConfig):
-    """Projections, conv and gates of h [B, T, H] after the window conv [B, K-1, C]: (DeltaInputs, z [B, T, nV, dv])."""
+def tree_rule(q, k, v, g, beta, state, mask: jax.Array) -> jax.Array:
+    """The gated delta rule along a tree, all nodes at once: node t's output is the one the sequence form gives on
+    its own path (root .. t) from `state`. mask [B, T, T] bool: t sees s iff s is t or one of its ancestors, nodes
+    parent before child (so the mask is lower triangular).
+
+    `chunked_rule`'s one-chunk form with the chain's order replaced by the tree's: the cumulative log decay runs
+    along each node's path (a sum over its ancestors), and the UT transform's pairs are kept only between a node and
+    its ancestors. Its triangular solve then couples a node only to its ancestors, which are exactly the earlier
+    tokens of its path, so each node gets its path's sequence result. Same arguments as `recurrent_rule` (plus the
+    mask); returns o [B, T, nV, dv]. The state after the accepted path is `commit_path`'s, not this."""
+    B, T, nV, dk = q.shape
+    chex.assert_shape(mask, (B, T, T))
+    q, k, v = (jnp.moveaxis(x, 2, 1) for x in (q, k, v))  # [B, nV, T, d]
+    g, beta = jnp.moveaxis(g, 2, 1), jnp.moveaxis(beta, 2, 1)  # [B, nV, T]
+    cum = jnp.einsum("bts,bhs->bht", mask.astype(jnp.float32), g)  # log decay from the root through t, on its path
+    k_beta = k * beta[..., None]
+    v_beta = v * beta[..., None]
+    sees = mask[:, None]  # [B, 1, T, T]
+    # exp(cum_t - cum_s) for s on t's path, else 0 (masked before exp: the difference may be > 0 off the path)
+    pair = jnp.exp(jnp.where(sees, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [B, nV, T, T]
+    ut = jnp.einsum("bhik,bhjk->bhij", k_beta, k) * pair
+    intra = jnp.einsum("bhik,bhjk->bhij", q, k) * pair
+    solve = lambda rhs: jax.lax.linalg.triangular_solve(ut, rhs, left_side=True, lower=True, unit_diagonal=True)
+    new_v = solve(v_beta)  # [B, nV, T, dv]
+    k_cum = solve(k_beta * jnp.exp(cum)[..., None])  # [B, nV, T, dk]
+    v_new = new_v - jnp.einsum("bhck,bhkv->bhcv", k_cum, state)
+    o = jnp.einsum("bhck,bhkv->bhcv", q * jnp.exp(cum)[..., None], state) + jnp.einsum("bhij,bhjv->bhiv", intra,
+                                                                                      v_new)
+    return jnp.moveaxis(o, 1, 2)
+
+
+def tree_conv(xin: jax.Array, weight: jax.Array, taps: jax.Array) -> jax.Array:
+    """`causal_conv` along a tree: xin [B, K-1+T, C] (the window before the root, then the nodes' inputs), taps
+    [B, T, K] the indices into xin that node t's K taps read (its inputs up its path, by parent index) -> [B, T, C].
+    On a chain (taps[t, j] = t + j) it is `causal_conv`, term for term."""
+    B, T, K = taps.shape
+    w = weight[:, 0, :].astype(jnp.float32)  # [C, K]
+    x = jnp.take_along_axis(xin.astype(jnp.float32), taps.reshape(B, T * K)[..., None], axis=1)
+    x = x.reshape(B, T, K, -1)
+    out = sum(x[:, :, j, :] * w[None, None, :, j] for j in range(K))
+    return jax.nn.silu(out).astype(xin.dtype)
+
+
+def _inputs(p: GatedDeltaNet, h: jax.Array, conv: jax.Array, cfg: TargetConfig, taps: jax.Array | None = None):
+    """Projections, conv and gates of h [B, T, H] after the window conv [B, K-1, C]: (DeltaInputs, z [B, T, nV, dv]).
+    taps [B, T, K]: the tokens are the nodes of a tree, each conv reading up its own path (`tree_conv`)."""
     B, T, _ = h.shape
     nK, nV, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
     mixed = linear(h, p.in_proj_qkv)  # [B, T, C]
     xin = jnp.concatenate([conv.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
-    mixed = causal_conv(xin, p.conv1d).astype(jnp.float32)
+    mixed = (causal_conv(xin, p.conv1d) if taps is None else tree_conv(xin, p.conv1d, taps)).astype(jnp.float32)
     # channels grouped by key head (params.linear_qkv_order): [q_h | k_h | v of the nV / nK value heads reading h]
     grouped = mixed.reshape(B, T, nK, 2 * dk + (nV // nK) * dv)
     q = grouped[..., :dk]  # [B, T, nK, dk]
@@ -229,6 +279,31 @@ def deltanet(p: GatedDeltaNet, h: jax.Array, cfg: TargetConfig, conv: jax.Array,
     return out, _window(d.xin, n, K1), new_state
 
 
+def deltanet_tree(p: GatedDeltaNet, h: jax.Array, cfg: TargetConfig, conv: jax.Array, state: jax.Array, *,
+                  mask: jax.Array, taps: jax.Array) -> tuple[jax.Array, DeltaInputs]:
+    """One Gated DeltaNet over the nodes of a draft tree h [B, T, H] (nodes parent before child, node 0 the root),
+    every node from its parent's states: the conv reads up each node's path (taps [B, T, K], `tree_conv`) and the
+    delta rule runs along it (mask [B, T, T] ancestor-or-self, `tree_rule`). The states stay untouched: returns
+    (out [B, T, H], DeltaInputs in node order) for `commit_path` once the accepted path is known."""
+    B, T, _ = h.shape
+    chex.assert_shape(taps, (B, T, cfg.linear_conv_kernel_dim))
+    d, z = _inputs(p, h, conv, cfg, taps=taps)
+    o = tree_rule(d.q, d.k, d.v, d.g, d.beta, state, mask)
+    return _output(p, o, z, cfg, h.dtype), d
+
+
+def commit_path(d: DeltaInputs, state: jax.Array, path: jax.Array, n: jax.Array, conv_width: int
+                ) -> tuple[jax.Array, jax.Array]:
+    """The states after the first n[b] nodes of path [B, P] (node indices, root first) of a tree pass's inputs d
+    (`deltanet_tree`): the path's inputs taken in path order make a chain, committed as a verify's are (`commit`)."""
+    def take(x):  # [B, T, ...] -> [B, P, ...] along the path
+        return jnp.take_along_axis(x, path.reshape(path.shape + (1,) * (x.ndim - 2)), axis=1)
+
+    xin = jnp.concatenate([d.xin[:, :conv_width], take(d.xin[:, conv_width:])], axis=1)
+    chain = DeltaInputs(xin=xin, q=take(d.q), k=take(d.k), v=take(d.v), g=take(d.g), beta=take(d.beta))
+    return commit(chain, state, n, conv_width)
+
+
 def commit(d: DeltaInputs, state: jax.Array, n: jax.Array, conv_width: int) -> tuple[jax.Array, jax.Array]:
     """The states after the first n[b] tokens of a deferred pass (0 <= n <= T): (conv window, recurrent state).
 
@@ -238,5 +313,5 @@ def commit(d: DeltaInputs, state: jax.Array, n: jax.Array, conv_width: int) -> t
     return _window(d.xin, n, conv_width), recurrent_state(d.k, d.v, d.g, d.beta, state, keep=n)
 
 
-__all__ = ["DeltaInputs", "CHUNK", "chunked_rule", "recurrent_rule", "recurrent_state", "causal_conv", "commit", "deltanet",
-           "empty_states", "l2norm"]
+__all__ = ["DeltaInputs", "CHUNK", "chunked_rule", "recurrent_rule", "recurrent_state", "causal_conv", "commit",
+           "commit_path", "deltanet", "deltanet_tree", "empty_states", "l2norm", "tree_conv", "tree_rule"]

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from dflash_jax.models.attention import attention
 from dflash_jax.config import TargetConfig
 from dflash_jax.quant.linear import linear
-from dflash_jax.models.deltanet import deltanet
+from dflash_jax.models.deltanet import deltanet, deltanet_tree
 from dflash_jax.params import MLP, Attention, DecoderLayer, LinearAttnLayer
 from dflash_jax.parallel.sharding import constrain_kv
 
@@ -175,12 +175,18 @@ def decoder_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cfg: 
 
 
 def linear_attn_layer(layer: LinearAttnLayer, x: jax.Array, cfg: TargetConfig, conv: jax.Array, state: jax.Array, *,
-                      keep: jax.Array | None = None, defer: bool = False):
+                      keep: jax.Array | None = None, defer: bool = False, tree: tuple | None = None):
     """One Qwen3.5 Gated DeltaNet decoder layer over x [B, T, H] from its states (see `models.deltanet.deltanet`).
 
-    Returns (x, new conv, new state), or with defer=True (x, DeltaInputs) and the states untouched."""
-    out, *states = deltanet(layer.linear_attn, norm(x, layer.input_layernorm, cfg), cfg, conv, state, keep=keep,
-                            defer=defer)
+    Returns (x, new conv, new state), or with defer=True (x, DeltaInputs) and the states untouched. tree = (mask
+    [B, T, T], conv taps [B, T, K]): the tokens are a draft tree's nodes, each run from its parent's states
+    (`models.deltanet.deltanet_tree`; deferred, as a verify is)."""
+    h = norm(x, layer.input_layernorm, cfg)
+    if tree is not None:
+        mask, taps = tree
+        out, *states = deltanet_tree(layer.linear_attn, h, cfg, conv, state, mask=mask, taps=taps)
+    else:
+        out, *states = deltanet(layer.linear_attn, h, cfg, conv, state, keep=keep, defer=defer)
     x = x + out
     x = x + mlp(layer.mlp, norm(x, layer.post_attention_layernorm, cfg))
     return (x, *states)

@@ -11,6 +11,12 @@ cache entry (models/cache.py) is a conv window and a recurrent state instead of 
 type. Those states cannot roll back by a length: a verify pass (`defer_states=True`) leaves them untouched and
 records its delta-rule inputs in the entry (`DeltaNetCache.deferred`), and `commit_states` applies each row's
 accepted prefix once acceptance is known.
+
+Draft trees (`forward_tree`, `commit_tree`): the nodes of a tree are verified in one pass with the cache read-only
+(valid below each row's committed length) plus the nodes' own keys under an ancestor mask, at positions committed
+length + depth; a hybrid's DeltaNet runs each node from its parent's states. Nothing is written: the pass returns
+each layer's fresh K/V (or DeltaNet inputs), and `commit_tree` writes the accepted path's into consecutive slots
+(slot = position) and commits its DeltaNet states, once the walk has chosen it.
 """
 
 from __future__ import annotations
@@ -125,6 +131,71 @@ def forward_hidden(target: Target, tokens: jax.Array, cache: KVCache | None, lay
     if cache is not None:
         cache = KVCache(layers=tuple(entries), lengths=cache.lengths + T)
     return h, features, cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TreeLayout(Replaceable):
+    """How the 1 + N nodes of a draft tree (node 0 the root, parents before children) run through one verify."""
+
+    positions: jax.Array  # [B, T] int32: committed length + depth
+    mask: jax.Array  # [B, T, T] bool: node t sees node s iff s is t or one of its ancestors
+    conv_taps: jax.Array | None = None  # [B, T, K] int32 (hybrid targets): where each node's conv reads its inputs
+
+
+def forward_tree(target: Target, tokens: jax.Array, cache: KVCache, layer_ids: Sequence[int], layout: TreeLayout
+                 ) -> tuple[jax.Array, jax.Array, tuple]:
+    """A draft tree's nodes tokens [B, T] verified on top of `cache`, which is only read (slots below each row's
+    length). Attention layers: every node attends to the cache and to the fresh keys the mask lets it see, at the
+    layout's positions. DeltaNet layers: each node from its parent's conv window and state (`deltanet_tree`).
+
+    Returns (logits [B, T, V] f32, features [B, T, len(layer_ids)*H], pending): per layer, the pass's fresh K/V
+    (`AttentionCache` of [B, T, nKV, hd]) or DeltaNet inputs (`DeltaInputs`, node order), for `commit_tree`."""
+    cfg = target.config
+    p = target.params
+    B, T = tokens.shape
+    chex.assert_shape(layout.positions, (B, T))
+    chex.assert_shape(layout.mask, (B, T, T))
+    layer_ids = tuple(int(i) for i in layer_ids)
+    x = embedding_rows(p.embed_tokens, tokens, cfg.dtype)  # [B, T, H]
+    pending, feats = [], {}
+    for i, layer in enumerate(p.layers):
+        entry = cache.layers[i]
+        with jax.named_scope(f"layer{i}"):
+            if cfg.layer_type(i) == "linear_attention":
+                x, d = linear_attn_layer(layer, x, cfg, entry.conv, entry.state, tree=(layout.mask, layout.conv_taps))
+                pending.append(d)
+            else:
+                x, k, v = decoder_layer(layer, x, layout.positions, cfg, cache_k=entry.k, cache_v=entry.v,
+                                        cache_len=cache.lengths, mask=layout.mask, causal=True)
+                pending.append(AttentionCache(k=k, v=v))
+        if i in layer_ids:
+            feats[i] = x
+    logits = lm_logits(target, norm(x, p.norm, cfg))
+    chex.assert_shape(logits, (B, T, cfg.vocab_size))
+    features = (jnp.concatenate([feats[i] for i in layer_ids], axis=-1) if layer_ids
+                else jnp.zeros((B, T, 0), cfg.dtype))
+    return logits, features, tuple(pending)
+
+
+def commit_tree(cache: KVCache, pending: tuple, path: jax.Array, n: jax.Array, cfg: TargetConfig) -> KVCache:
+    """The cache after a tree verify keeps the first n[b] nodes of path [B, P] (node indices, root first, as
+    `decode.tree.walk` gives): their K/V written at slots length .. length + n - 1 (slot = position: the node at
+    path step j sits at depth j) and the DeltaNet states advanced along them; lengths += n. n = 0 leaves a row as
+    it was."""
+    B, P = path.shape
+    start = cache.lengths
+    j = jnp.arange(P, dtype=jnp.int32)[None, :]
+    slots = jnp.where(j < n[:, None], start[:, None] + j, cache.max_len)  # the rest past the cache: dropped
+    width = cfg.linear_conv_kernel_dim - 1
+
+    def commit(entry, new):
+        if isinstance(entry, DeltaNetCache):
+            return DeltaNetCache(*dn.commit_path(new, entry.state, path, n, width))
+        take = lambda x: jnp.take_along_axis(x, path[:, :, None, None], axis=1)  # [B, P, nKV, hd]
+        return AttentionCache(k=write_rows(entry.k, take(new.k), slots), v=write_rows(entry.v, take(new.v), slots))
+
+    return KVCache(layers=tuple(commit(e, x) for e, x in zip(cache.layers, pending)), lengths=start + n)
 
 
 def commit_states(cache: KVCache, n: jax.Array, cfg: TargetConfig) -> KVCache:
