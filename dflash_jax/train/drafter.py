@@ -140,7 +140,9 @@ def eval_prompts_and_length(tok, cfg: DrafterConfig, args) -> tuple[list[list[in
     """--eval-prompts held-out prompts (seed 1, never trained on: held-out code, or with --chat held-out
     instruction requests through the chat template) and the draft length tau is reported at (7, or the block's
     whole draft when it is shorter)."""
-    if args.chat:
+    if not args.eval_prompts:
+        prompts = []
+    elif args.chat:
         prompts = chat_prompt_ids(tok, args.eval_prompts, split="eval", seed=1)
     else:
         prompts = [tok.encode(t) for t in corpus.held_out_prompts(args.eval_prompts, seed=1)]
