@@ -177,9 +177,10 @@ def train_drafter(args, argv) -> dict:
                           ckpt_every=args.ckpt_every, desc="drafter", log_file=work / "log.jsonl",
                           stop_at=args.stop_at, placement=placement, on_start=on_start)
 
-    host = jax.tree.map(jax.numpy.asarray, dp.host_params(params))
+    host = dp.host_params(params)  # numpy: with several processes orbax writes host arrays from process 0
     drafter = Drafter(params=host, config=cfg.replace(draft_vocab_size=args.draft_vocab or None))
-    save(args.out, drafter)  # every process takes part (orbax); process 0 writes the files
+    save(args.out, drafter)  # every process takes part (orbax)
+    host = jax.tree.map(jax.numpy.asarray, host)
     last = history[-1] if history else {}
     report = {"command": "dflash-jax train-drafter " + " ".join(argv or []), "steps": args.steps,
               "step": int(last.get("step", -1)) + 1, "cpu_s": last.get("cpu_s"), "wall_s": last.get("wall_s"),

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from dflash_jax.io.tokenizer import Tokenizer, load_tokenizer
@@ -80,7 +81,9 @@ def run(*, params, loss_fn: Callable, batch_fn: Callable[[int], Any], optim: Opt
     tx = make_optimizer(optim)
     if placement is not None:
         params = jax.tree.map(_place, params, placement.params)
-        opt_state = jax.jit(tx.init)(params)  # moments placed like their parameters
+        opt_state = jax.jit(tx.init)(params)  # moments placed like their parameters; counts replicated below
+        rep = NamedSharding(jax.tree.leaves(placement.params)[0].mesh, P())
+        opt_state = jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) else _place(x, rep), opt_state)
     else:
         opt_state = tx.init(params)
     ckpt_dir = Path(ckpt_dir).absolute()
