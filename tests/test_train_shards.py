@@ -177,3 +177,39 @@ def test_a_resumed_run_with_another_vocabulary_is_refused(setup):
     check_or_record(work, record, resuming=True)
     with pytest.raises(RunMismatch, match="vocabulary \\(fingerprint\\): 'aaaa' in the run, 'bbbb' asked"):
         check_or_record(work, dict(record, vocabulary="bbbb"), resuming=True)
+
+
+def test_kept_labels_over_existing_text_are_what_greedy_decoding_produces():
+    """The target's predictions over text: slot k of anchor a is kept only while the text agrees with the
+    predictions at a+1..a+k-1, and then equals the token greedy decoding from tokens[:a+1] writes at a+k."""
+    import dflash_jax as dj
+    from dflash_jax.train import drafter_loss as tdl, text_data
+    from helpers import tiny_qwen3
+
+    cfg = tiny_qwen3(vocab_size=8)  # a small vocabulary: the text agrees with the predictions often
+    target = dj.init_target(cfg, jax.random.key(3))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 8, 3).tolist() for _ in range(4)]
+    answers = dj.generate_autoregressive(target, prompts, max_new_tokens=13).token_lists()
+    for i, a in enumerate(answers):  # the target's own text, with a token the target would not write
+        a[4 + i] = (a[4 + i] + 1) % 8
+    pairs = list(zip(prompts, answers))
+    data = text_data.predictions_over_text(target, pairs, (1, 3), seq_len=16, batch=4)
+    logits, _ = dj.target_forward(target, data["tokens"])
+    np.testing.assert_array_equal(data["labels"][:, 1:], np.argmax(np.asarray(logits[:, :-1]), -1))
+    bs, anchors = 5, np.array([[3, 6, 9]] * 4, np.int32)
+    batch = {k: jax.numpy.asarray(v) for k, v in data.items() if k != "features"}
+    batch.update(anchors=jax.numpy.asarray(anchors), keep=jax.numpy.ones(anchors.shape, bool))
+    labels, valid = map(np.asarray, tdl.training_labels(batch, bs))
+    kept = 0
+    for b in range(4):
+        for n, a in enumerate(anchors[b]):
+            greedy = dj.generate_autoregressive(target, [data["tokens"][b, :a + 1].tolist()],
+                                                max_new_tokens=bs - 1).token_lists()[0]
+            for k in range(1, bs):
+                agree = all(data["agree"][b, a + j] for j in range(1, k))
+                assert valid[b, n, k - 1] == agree
+                if agree:
+                    kept += 1
+                    assert labels[b, n, k - 1] == greedy[k - 1]
+    assert 12 < kept < 4 * 3 * (bs - 1)  # slot 1 always, deeper slots only sometimes

@@ -33,6 +33,7 @@ from dflash_jax.train.drafter_loss import decay_gamma, drafter_loss, loss_vocabu
 from dflash_jax.train.loop import OptimConfig, load_training_tokenizer, run
 from dflash_jax.train.run_record import RunMismatch, check_or_record
 from dflash_jax.train.shards import DataError
+from dflash_jax.train.text_data import build_text_data
 
 
 def loss_vocab_ids(args, work: Path, data: dict | None, vocab_size: int):
@@ -101,6 +102,9 @@ def train_drafter(args, argv) -> dict:
             if not rows:
                 raise DataError(f"{shards_dir} holds no complete shard yet")
             first = ss.open_rows(shards_dir, entries, rows, spec, cfg.target_layer_ids)
+        elif args.text_answers:
+            data = build_text_data(target, tok, cfg.target_layer_ids, work, n=args.text_answers, seed=args.seed,
+                                   max_prompt_tokens=args.max_prompt_tokens, max_answer_tokens=args.new_tokens)
         else:
             data = build_data_or_exit(target, tok, cfg, Path(args.data_dir) if args.data_dir else work, args)
     except DataError as e:
@@ -110,7 +114,8 @@ def train_drafter(args, argv) -> dict:
     record = {"kind": "dflash", "block_size": cfg.block_size, "layers": args.layers,
               "target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id,
               "target": fingerprint, "vocabulary": vocab_fp, "vocab_size": target.config.vocab_size,
-              "data": str(shards_dir.resolve()) if shards_dir else "cached continuations",
+              "data": str(shards_dir.resolve()) if shards_dir else (f"text {args.text_answers}" if args.text_answers
+                                                                    else "cached continuations"),
               "max_data_tokens": args.max_data_tokens, "loss_vocab": args.loss_vocab, "kl_weight": args.kl_weight,
               "steps": args.steps, "lr": args.lr, "batch": args.batch, "anchors": args.anchors, "seed": args.seed,
               "init": args.init_from or args.init}
@@ -160,8 +165,10 @@ def train_drafter(args, argv) -> dict:
     eval_prompts, _ = eval_prompts_and_length(tok, cfg, args)
     lengths = [d for d in args.eval_draft_lengths if d < cfg.block_size]
 
+    eval_cfg = cfg.replace(draft_vocab_size=args.draft_vocab or None)  # measured as it will be saved
+
     def eval_fn(p):
-        drafter = Drafter(params=jax.tree.map(jax.numpy.asarray, dp.host_params(p)), config=cfg)
+        drafter = Drafter(params=jax.tree.map(jax.numpy.asarray, dp.host_params(p)), config=eval_cfg)
         out = {}
         for d in lengths:
             m = measure_tau(target, drafter, eval_prompts, max_new_tokens=args.eval_tokens, draft_length=d,
@@ -197,7 +204,8 @@ def train_drafter(args, argv) -> dict:
                       answer_tokens_seen=int(report["step"] * args.batch * stream.answer_tokens
                                              / max(len(stream.data["lengths"]), 1)))
     else:
-        report.update(prompts=args.prompts, generated_tokens=int((data["lengths"] - data["prompt_lens"]).sum()))
+        report.update(prompts=len(data["lengths"]),
+                      generated_tokens=int((data["lengths"] - data["prompt_lens"]).sum()))
     if eval_prompts and lengths and history and args.final_eval:
         done = {k: v for k, v in last.items() if k.startswith(("tau", "acceptance_rate"))}  # evaluated at this step
         report.update({f"heldout_{k}": v for k, v in (done or eval_fn(host)).items()})
@@ -229,6 +237,10 @@ def main(argv=None):
     ap.add_argument("--data-dir", default=None,
                     help="a datagen work dir (python -m dflash_jax.train.datagen: its shards are the data, and a "
                          "resumed run sees the shards added since), or a folder for the cached continuations")
+    ap.add_argument("--text-answers", type=int, default=0,
+                    help="instead of generated answers: N coding requests answered by their function's own source "
+                         "(train split), labelled with the target's greedy predictions over that text "
+                         "(`train.text_data`)")
     ap.add_argument("--max-data-tokens", type=int, default=None,
                     help="with a datagen --data-dir: only its first answers, up to this many answer tokens")
     ap.add_argument("--stop-at", type=int, default=None,
@@ -247,8 +259,7 @@ def main(argv=None):
                          "(recomputed from the deepest tap; needs features)")
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="the saved drafter drafts over the first N token ids only (its config's draft_vocab_size; "
-                         "0 = the whole vocabulary). Training is unchanged; the final held-out tau is measured with "
-                         "it (the periodic evaluations draft over the whole vocabulary)")
+                         "0 = the whole vocabulary). Held-out tau is measured with it; the loss is --loss-vocab's")
     ap.add_argument("--eval-draft-lengths", type=int, nargs="+", default=[7],
                     help="held-out tau at these draft lengths (those the block holds)")
     ap.add_argument("--no-final-eval", dest="final_eval", action="store_false",
