@@ -93,6 +93,8 @@ def train_drafter(args, argv) -> dict:
     fingerprint, vocab_fp = target_fingerprint(target), vocabulary_fingerprint(tok)
 
     shards_dir = Path(args.data_dir) if args.data_dir and ss.is_datagen_dir(args.data_dir) else None
+    if shards_dir is not None and args.text_answers:
+        raise SystemExit("error: --text-answers makes its own data: give it no datagen --data-dir")
     data, spec = None, None
     try:
         if shards_dir is not None:
