@@ -63,6 +63,16 @@ def trimmed_target_params(target, cfg, keep_top: bool):
     return dataclasses.replace(target.params, layers=layers)
 
 
+def tokens_seen(plan, data: dict, steps: int, batch: int) -> int:
+    """Answer tokens the first `steps` steps read (expected: each segment's steps x batch x its mean answer)."""
+    answer = data["lengths"] - data["prompt_lens"]
+    total = 0.0
+    for k, seg in enumerate(plan):
+        end = plan[k + 1].start if k + 1 < len(plan) else steps
+        total += max(0, min(end, steps) - seg.start) * batch * float(answer[:seg.rows].mean())
+    return int(total)
+
+
 def _resuming(work: Path) -> bool:
     ckpt = work / "ckpt"
     return ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
@@ -203,8 +213,7 @@ def train_drafter(args, argv) -> dict:
         stream = state["stream"]
         report.update(data=str(shards_dir), data_answers=len(stream.data["lengths"]),
                       data_answer_tokens=stream.answer_tokens,
-                      answer_tokens_seen=int(report["step"] * args.batch * stream.answer_tokens
-                                             / max(len(stream.data["lengths"]), 1)))
+                      answer_tokens_seen=tokens_seen(ss.read_plan(work), stream.data, report["step"], args.batch))
     else:
         report.update(prompts=len(data["lengths"]),
                       generated_tokens=int((data["lengths"] - data["prompt_lens"]).sum()))
@@ -271,7 +280,7 @@ def main(argv=None):
     train_drafter(args, argv)
 
 
-__all__ = ["main", "train_drafter", "loss_vocab_ids", "trimmed_target_params"]
+__all__ = ["main", "train_drafter", "loss_vocab_ids", "trimmed_target_params", "tokens_seen"]
 
 
 if __name__ == "__main__":
