@@ -16,7 +16,8 @@ FIELDS = {
     "mask_token_id": "mask token", "target": "target (fingerprint)", "vocabulary": "vocabulary (fingerprint)",
     "vocab_size": "vocabulary size", "data": "training data", "max_data_tokens": "data budget",
     "loss_vocab": "loss vocabulary", "kl_weight": "KL weight", "steps": "schedule length (--steps)",
-    "lr": "learning rate", "batch": "batch", "anchors": "anchors per sequence", "seed": "seed", "init": "initialisation",
+    "lr": "learning rate", "batch": "batch", "anchors": "anchors per sequence", "seed": "seed",
+    "init": "initialisation",
 }
 
 
