@@ -248,7 +248,7 @@ def main(argv=None):
             if kind.kind == "dflash2":
                 from dflash_jax.train.drafter2 import main as train_main
             else:
-                from dflash_jax.train.drafter import main as train_main
+                from dflash_jax.train.drafter_run import main as train_main
         return train_main(rest)
     args = ap.parse_args(argv)
     if args.cmd == "audit":

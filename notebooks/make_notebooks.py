@@ -519,6 +519,41 @@ ax.set(xscale="log", xlabel="tokens seen", ylabel="held-out loss (nats/token)", 
 ax.legend(fontsize=8)
 plt.show()
 """,
+    """md:## The SmolLM2 drafter: held-out tau per CPU-hour
+`checkpoints/smollm2/drafter_curve.json` (`python -m dflash_jax.train.tau_curve collect`): held-out tau at draft
+lengths 3 and 7 (8 eval-split requests, greedy, 256 new tokens) against the training CPU time and the answer tokens
+read, for the variants compared at equal small budgets (points) and the long run on the growing data set (line),
+which started from the drafter shipped before it (the dashed level).""",
+    """
+curve_file = root / "smollm2" / "drafter_curve.json"
+fig, axs = plt.subplots(1, 2, figsize=(12, 3.8))
+if curve_file.exists():
+    curve = json.loads(curve_file.read_text())
+    long = curve["long"]
+    base = curve.get("baseline") or {}
+    for ax, xkey, scale, label in ((axs[0], "cpu_s", 3600, "training CPU-hours"),
+                                   (axs[1], "answer_tokens_seen", 1e6, "answer tokens read (millions)")):
+        for d, color in ((7, "C0"), (3, "C1")):
+            if long:
+                ax.plot([r[xkey] / scale for r in long], [r[f"tau_D{d}"] for r in long], "o-", color=color,
+                        label=f"long run, D {d}")
+            if base.get(f"tau_D{d}"):
+                ax.axhline(base[f"tau_D{d}"], color=color, ls="--", lw=0.8, label=f"shipped before, D {d}")
+            for v in curve["variants"]:
+                ax.plot([v[xkey] / scale], [v[f"tau_D{d}"]], "x" if d == 7 else "+", color=color, ms=8)
+                if d == 7:
+                    ax.annotate(v["name"], (v[xkey] / scale, v["tau_D7"]), fontsize=7, xytext=(3, 3),
+                                textcoords="offset points")
+        ax.set(xlabel=label, ylabel="held-out tau")
+    axs[0].legend(fontsize=7)
+    keep(curve_variants={v["name"]: [v["tau_D3"], v["tau_D7"]] for v in curve["variants"]},
+         curve_long=[[r["step"], r["tau_D3"], r["tau_D7"]] for r in long])
+else:
+    for ax in axs:
+        ax.text(0.5, 0.5, "no checkpoints/smollm2/drafter_curve.json", transform=ax.transAxes, ha="center")
+    keep(curve_variants=None, curve_long=None)
+plt.show()
+""",
 ]
 
 SHARDING = [
@@ -569,7 +604,7 @@ NOTEBOOKS = {
     "nvfp4_drafter": dict(cells=NVFP4, figures=3),
     "acceptance_vs_length": dict(cells=ACCEPTANCE_VS_LENGTH, figures=1),
     "draft_trees": dict(cells=DRAFT_TREES, figures=1),
-    "training": dict(cells=TRAINING, figures=2),
+    "training": dict(cells=TRAINING, figures=3),
     "sharding": dict(cells=SHARDING, figures=1),
 }
 

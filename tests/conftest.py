@@ -74,7 +74,7 @@ FILE_SECONDS = {  # seconds per file in a full local run with this file's XLA fl
     "test_gguf_drafter.py": 60, "test_dflash2_generate.py": 55, "test_compilebench.py": 55, "test_llama_qwen2.py": 50,
     "test_train_cli.py": 50, "test_audit.py": 45, "test_nvfp4.py": 40, "test_dflash2_reference.py": 25,
     "test_draft_vocab.py": 20, "test_device_lowering.py": 20, "test_checkpoint.py": 20, "test_eos.py": 20,
-    "test_cli.py": 35,
+    "test_cli.py": 35, "test_train_mesh.py": 90, "test_train_shards.py": 50,
 }
 DEFAULT_FILE_SECONDS = 15
 

@@ -59,7 +59,7 @@ def _undocumented(parser, prefix):
 
 def test_every_subcommand_and_option_has_help(monkeypatch):
     from dflash_jax.bench import device_report
-    from dflash_jax.train import drafter as train_drafter, target as train_target, tokenizer_train
+    from dflash_jax.train import drafter_run as train_drafter, target as train_target, tokenizer_train
 
     parsers = {"dflash-jax": _parser_of(monkeypatch, cli.main, ["generate", "x"]),
                "dflash-jax train-target": _parser_of(monkeypatch, train_target.main, []),

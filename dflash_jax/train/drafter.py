@@ -6,12 +6,13 @@ target says; the loss is a decay-weighted cross-entropy over many anchored block
 The target, its embedding and its LM head stay frozen: only fc, hidden_norm, the layers and norm train. This module
 is the run itself: the shared flags, warm starts, the held-out tau evaluation, the saved drafter and its report.
 
-    dflash-jax train-drafter           # reproduces checkpoints/drafter (resumable: rerun the same command)
+The command itself (`dflash-jax train-drafter`: its flags, data, resume and mesh) is `train.drafter_run`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -30,9 +31,8 @@ from dflash_jax.models.drafter import Drafter, init_drafter
 from dflash_jax.models.target import Target
 from dflash_jax.params import abstract_drafter, from_named, named_leaves
 from dflash_jax.train import corpus
-from dflash_jax.train.drafter_data import build_data_or_exit, chat_prompt_ids, make_batch_fn
-from dflash_jax.train.drafter_loss import decay_gamma, drafter_loss, loss_vocabulary
-from dflash_jax.train.loop import OptimConfig, load_training_tokenizer, run
+from dflash_jax.train.drafter_data import chat_prompt_ids, make_batch_fn
+from dflash_jax.train.loop import OptimConfig, run
 from dflash_jax.train.repetition import seq_rep_n
 
 CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
@@ -75,6 +75,32 @@ def warm_start(cfg: DrafterConfig, fresh, source: Drafter, *, exact: bool = Fals
     return from_named(abstract_drafter(cfg), named)
 
 
+def init_from_target(cfg: DrafterConfig, fresh, target: Target):
+    """`fresh` drafter params started from the target's own layers: drafter layer j = target layer t+1+j (t = the
+    deepest tap, so the layers that turn that feature into the target's prediction; the last ones when fewer are
+    left), q/k norms at 1 (the target has none), fc picking the deepest tap alone, hidden_norm = the first copied
+    layer's input norm (so the context keys / values start as that layer's own), norm = the target's final norm."""
+    p = target.params
+    top, H = max(cfg.target_layer_ids), cfg.model.hidden_size
+    n = target.config.num_hidden_layers
+    first = min(top + 1, n - cfg.model.num_hidden_layers)
+    src = p.layers[first:first + cfg.model.num_hidden_layers]
+    i = list(cfg.target_layer_ids).index(top)
+    fc = np.zeros(fresh.fc.shape, np.float32)
+    fc[:, i * H:(i + 1) * H] = np.eye(H, dtype=np.float32)
+    cast = (lambda x, like: jnp.asarray(x, like.dtype))
+    rep = dataclasses.replace
+    layers = tuple(
+        rep(mine, input_layernorm=cast(theirs.input_layernorm, mine.input_layernorm),
+            post_attention_layernorm=cast(theirs.post_attention_layernorm, mine.post_attention_layernorm),
+            self_attn=rep(mine.self_attn, **{k: cast(getattr(theirs.self_attn, k), getattr(mine.self_attn, k))
+                                             for k in ("q_proj", "k_proj", "v_proj", "o_proj")}),
+            mlp=jax.tree.map(cast, theirs.mlp, mine.mlp))
+        for mine, theirs in zip(fresh.layers, src))
+    return rep(fresh, fc=cast(fc, fresh.fc), hidden_norm=cast(src[0].input_layernorm, fresh.hidden_norm),
+               layers=layers, norm=cast(p.norm, fresh.norm))
+
+
 def add_training_arguments(ap, *, out, work_dir, work_help):
     """The flags every drafter trainer shares: what to train against, the data recipe, the optimizer."""
     ap.add_argument("--target", default=str(CHECKPOINTS / "target"),
@@ -114,7 +140,9 @@ def eval_prompts_and_length(tok, cfg: DrafterConfig, args) -> tuple[list[list[in
     """--eval-prompts held-out prompts (seed 1, never trained on: held-out code, or with --chat held-out
     instruction requests through the chat template) and the draft length tau is reported at (7, or the block's
     whole draft when it is shorter)."""
-    if args.chat:
+    if not args.eval_prompts:
+        prompts = []
+    elif args.chat:
         prompts = chat_prompt_ids(tok, args.eval_prompts, split="eval", seed=1)
     else:
         prompts = [tok.encode(t) for t in corpus.held_out_prompts(args.eval_prompts, seed=1)]
@@ -186,66 +214,3 @@ def mask_token_id(tok, args) -> int:
     if mask is None:
         raise SystemExit("error: the tokenizer has no <|mask|> or <|endoftext|> token: pass --mask-token-id")
     return int(mask)
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="dflash-jax train-drafter",
-                                 description="Train the shipped DFlash drafter for the shipped target")
-    add_training_arguments(ap, out=CHECKPOINTS / "drafter", work_dir=".train/drafter",
-                           work_help="data cache, orbax checkpoints (resume) and logs")
-    ap.add_argument("--init-from", default=None,
-                    help="start from this DFlash drafter folder (same layout), e.g. one trained for an earlier "
-                         "version of the target")
-    ap.add_argument("--loss-vocab", choices=("full", "data"), default="full",
-                    help="softmax of the training loss over the full vocabulary, or only over the tokens the "
-                         "training data contains (several times cheaper steps when the target's vocabulary is "
-                         "large and its answers use little of it; drafting always uses the full vocabulary)")
-    ap.add_argument("--loss-vocab-first-ids", type=int, default=8192,
-                    help="with --loss-vocab data, also every token id below this (a BPE vocabulary's common pieces, "
-                         "as negatives)")
-    ap.add_argument("--draft-vocab", type=int, default=0,
-                    help="the saved drafter drafts over the first N token ids only (its config's draft_vocab_size; "
-                         "0 = the whole vocabulary). Training is unchanged; the final held-out tau is measured with "
-                         "it (the periodic evaluations draft over the whole vocabulary)")
-    args = ap.parse_args(argv)
-
-    t_start = time.perf_counter()
-    resolve_target_and_tokenizer(args)
-    tok = load_training_tokenizer(args.tokenizer)
-    target = load_target(args.target, compute_dtype="float32")
-    if not 0 <= args.draft_vocab <= target.config.vocab_size:  # refused before any work
-        raise SystemExit(f"--draft-vocab {args.draft_vocab}: must be 1..{target.config.vocab_size} (0: all)")
-    cfg = shipped_drafter_config(target.config, mask_token_id(tok, args), layers=args.layers,
-                                 block_size=args.block_size, taps=args.taps, tap_ids=args.tap_ids)
-    work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    data = build_data_or_exit(target, tok, cfg, work, args)
-    eval_prompts, d7 = eval_prompts_and_length(tok, cfg, args)
-    vocab_ids = (loss_vocabulary(data, min(args.loss_vocab_first_ids, target.config.vocab_size))
-                 if args.loss_vocab == "data" else None)
-    if vocab_ids is not None:
-        print(f"loss vocabulary: {len(vocab_ids):,} of {target.config.vocab_size:,} tokens (those in the training "
-              f"data and ids < {args.loss_vocab_first_ids})", flush=True)
-    drafter, history = train_and_save(cfg, target, data, args, work, drafter_loss(cfg, target.config,
-                                                                                  vocab_ids=vocab_ids),
-                                      tau_eval_fn(target, cfg, eval_prompts, args.eval_tokens, d7, eval_eos(tok, args)),
-                                      desc="drafter", exact_warm_start=True, draft_vocab=args.draft_vocab)
-    final = measure_tau(target, drafter, eval_prompts, max_new_tokens=args.eval_tokens, draft_length=d7,
-                        eos_ids=eval_eos(tok, args))
-    report = {"command": "dflash-jax train-drafter " + " ".join(argv or []), "steps": args.steps,
-              "layers": args.layers, "batch": args.batch, "anchors_per_sequence": args.anchors,
-              "prompts": args.prompts, "new_tokens": args.new_tokens,
-              "generated_tokens": int((data["lengths"] - data["prompt_lens"]).sum()),
-              "sampled_fraction": args.sampled_fraction, "sample_temperature": args.sample_temperature,
-              "gamma": decay_gamma(args.block_size), "init_from": args.init_from,
-              "loss_vocab": len(vocab_ids) if vocab_ids is not None else target.config.vocab_size,
-              "draft_vocab": drafter.config.drafted_vocab,
-              "train_loss": history[-1]["loss"] if history else None,
-              "train_acc": history[-1].get("acc") if history else None,
-              f"tau_eval_{len(eval_prompts)}_prompts_{args.eval_tokens}_tokens_D{d7}": final["tau"],
-              "acceptance_rate_eval": final["acceptance_rate"], "seq_rep4_median_eval": final["seq_rep4_median"]}
-    write_report(args.out, report, t_start, drafter)
-
-
-if __name__ == "__main__":
-    main()

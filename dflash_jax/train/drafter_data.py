@@ -179,6 +179,9 @@ def make_batch_fn(data: dict[str, np.ndarray], target_params, *, batch: int, num
                "anchors": jnp.asarray(anchors), "keep": jnp.asarray(keep), "target": target_params}
         if data.get("features") is not None:
             out["features"] = jnp.asarray(data["features"][idx])
+        for key in ("labels", "agree"):  # the target's predictions over existing text (`train.text_data`)
+            if key in data:
+                out[key] = jnp.asarray(data[key][idx])
         return out
     return batch_fn
 

@@ -15,7 +15,8 @@ import numpy as np
 
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models.drafter import Drafter, block_pass, context_kv, embed_block, head_logits
-from dflash_jax.models.target import Target, forward_with_cache
+from dflash_jax.models.layers import decoder_layer, norm
+from dflash_jax.models.target import Target, forward_with_cache, lm_logits
 from dflash_jax.quant.nvfp4 import NVFP4Array
 from dflash_jax.train.loop import cross_entropy
 
@@ -71,13 +72,39 @@ def training_logits(params, batch, cfg: DrafterConfig, target_cfg: TargetConfig)
 
 
 def training_labels(batch, block_size: int) -> tuple[jax.Array, jax.Array]:
-    """Same-position labels: slot k of anchor a predicts x_{a+k}. Returns (labels, valid) [B, N, bs-1]."""
+    """Same-position labels: slot k of anchor a predicts x_{a+k}. Returns (labels, valid) [B, N, bs-1].
+
+    A batch of existing text carries the target's own greedy predictions (batch["labels"] [B, S]: the argmax at
+    each position given the text before it) and where they equal the text (batch["agree"]): slot k's label is then
+    the prediction at a+k, kept only when the text agrees with the predictions at a+1..a+k-1, so that every kept
+    label is the token greedy decoding from x_a would produce there."""
     tokens, lengths, anchors, keep = batch["tokens"], batch["lengths"], batch["anchors"], batch["keep"]
     B, S = tokens.shape
     label_pos = anchors[:, :, None] + jnp.arange(1, block_size, dtype=jnp.int32)[None, None, :]
     valid = keep[:, :, None] & (label_pos < lengths[:, None, None])
-    labels = jnp.take_along_axis(tokens, jnp.minimum(label_pos, S - 1).reshape(B, -1), axis=1)
-    return labels.reshape(label_pos.shape), valid
+    flat = jnp.minimum(label_pos, S - 1).reshape(B, -1)
+    labels = jnp.take_along_axis(batch.get("labels", tokens), flat, axis=1).reshape(label_pos.shape)
+    if "agree" in batch:
+        agree = jnp.take_along_axis(batch["agree"], flat, axis=1).reshape(label_pos.shape)
+        earlier = jnp.cumprod(agree.astype(jnp.int32), axis=-1)  # the text equals the predictions up to slot k
+        valid = valid & (jnp.pad(earlier, [(0, 0), (0, 0), (1, 0)], constant_values=1)[..., :-1] > 0)
+    return labels, valid
+
+
+def teacher_hidden(target: Target, last_tap: jax.Array, from_layer: int) -> jax.Array:
+    """The target's final-normed hidden states [B, S, H] from its residual stream after layer `from_layer`
+    (last_tap, the drafter's last tapped feature): the remaining layers, causal, then the final norm.
+
+    WHY recomputed and not stored: the shards hold that feature already (the last tap is layer 27 of SmolLM2's 30),
+    so the KL teacher costs 2 layers and the head rows of the loss vocabulary at the anchored positions, a fraction
+    of a step; top-k logits in the shards would mean a new data pass over every answer."""
+    cfg = target.config
+    B, S, _ = last_tap.shape
+    positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    x = last_tap.astype(cfg.dtype)
+    for layer in target.params.layers[from_layer + 1:]:
+        x, _, _ = decoder_layer(layer, x, positions, cfg, causal=True)
+    return norm(x, target.params.norm, cfg)
 
 
 def loss_vocabulary(data: dict[str, np.ndarray], first_ids: int = 0) -> np.ndarray:
@@ -100,7 +127,7 @@ def restricted_head(target: Target, vocab_ids: jax.Array) -> Target:
 
 
 def drafter_loss(cfg: DrafterConfig, target_cfg: TargetConfig, gamma: float | None = None,
-                 vocab_ids: np.ndarray | None = None):
+                 vocab_ids: np.ndarray | None = None, kl_weight: float = 0.0):
     """loss_fn(drafter_params, batch): decay-weighted CE over many blocks per sequence in one forward.
 
     vocab_ids: take the softmax over these tokens only (`loss_vocabulary`: every token the training data contains,
@@ -108,7 +135,11 @@ def drafter_loss(cfg: DrafterConfig, target_cfg: TargetConfig, gamma: float | No
     drafter (SmolLM2: 49,152 x 576 against a 4.5M-parameter drafter), and an instruct model's answers use a small
     part of its vocabulary, so this cuts the step several times. The drafter still drafts over the full head: a
     token outside the set only costs acceptance, never correctness, and held-out tau (measured by real decoding
-    over the full vocabulary) shows what the restriction costs."""
+    over the full vocabulary) shows what the restriction costs. A label outside vocab_ids (a draft vocabulary as
+    the loss vocabulary) is left out.
+
+    kl_weight: loss = (1 - w) CE + w KL(target || drafter), the target's next-token distribution at each label
+    position (over the loss vocabulary) recomputed from the last tapped feature (`teacher_hidden`)."""
     bs = cfg.block_size
     gamma = decay_gamma(bs) if gamma is None else gamma
     weights = jnp.exp(-jnp.arange(bs - 1, dtype=jnp.float32) / gamma)  # slot k=1..bs-1 -> exp(-(k-1)/gamma)
@@ -127,6 +158,8 @@ def drafter_loss(cfg: DrafterConfig, target_cfg: TargetConfig, gamma: float | No
         # as `training_logits`
         logits = head_logits(Drafter(params=params, config=cfg), target, h, full_vocabulary=True)
         ce = cross_entropy(logits, labels)
+        if kl_weight:
+            ce = (1 - kl_weight) * ce + kl_weight * _kl_to_target(target, batch, logits, cfg.target_layer_ids)
         w = weights[None, None, :] * valid
         loss = jnp.sum(w * ce) / (jnp.sum(w) + 1e-6)
         correct = (jnp.argmax(logits, axis=-1) == labels) & valid
@@ -137,5 +170,21 @@ def drafter_loss(cfg: DrafterConfig, target_cfg: TargetConfig, gamma: float | No
     return loss_fn
 
 
-__all__ = ["decay_gamma", "training_hidden", "training_logits", "training_labels", "loss_vocabulary",
+def _kl_to_target(target: Target, batch, logits: jax.Array, layer_ids) -> jax.Array:
+    """KL(p_target || q_drafter) [B, N, bs-1] at each label position a+k; the teacher is the target's distribution
+    there, read from the hidden state at a+k-1 (head over the same rows as the drafter's logits)."""
+    H, top = target.config.hidden_size, max(layer_ids)
+    i = list(layer_ids).index(top)
+    tap = batch["features"][..., i * H:(i + 1) * H]  # [B, S, H]: the deepest tap
+    h = jax.lax.stop_gradient(teacher_hidden(target, tap, top))
+    B, N, K, _ = logits.shape
+    pos = batch["anchors"][:, :, None] + jnp.arange(K, dtype=jnp.int32)[None, None, :]  # a+k-1 for k=1..bs-1
+    hk = jnp.take_along_axis(h, jnp.minimum(pos, h.shape[1] - 1).reshape(B, -1)[..., None], axis=1)
+    t_logp = jax.nn.log_softmax(lm_logits(target, hk).reshape(B, N, K, -1), axis=-1)  # [B, N, K, V or Vs]
+    # (a restricted head's logits come padded to V with -inf: the same rows, then nothing)
+    q_logp = jax.nn.log_softmax(logits[..., :t_logp.shape[-1]].astype(jnp.float32), axis=-1)
+    return jnp.sum(jnp.exp(t_logp) * (t_logp - q_logp), axis=-1)
+
+
+__all__ = ["decay_gamma", "teacher_hidden", "training_hidden", "training_logits", "training_labels", "loss_vocabulary",
            "restricted_head", "drafter_loss", "GAMMA"]

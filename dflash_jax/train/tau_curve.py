@@ -1,0 +1,92 @@
+"""The SmolLM2 drafter's experiments in one file: held-out tau at D 3 and D 7 against training CPU time and answer
+tokens, from the trainer's reports (`<out>/train_report.json`, and the long run's `report_<step>.json` per chunk),
+written to checkpoints/smollm2/drafter_curve.json, which the training notebook plots; and the held-out measure itself
+for any drafter folder, dense and NVFP4.
+
+    python -m dflash_jax.train.tau_curve measure checkpoints/smollm2/drafter [--nvfp4]
+    python -m dflash_jax.train.tau_curve collect --variant base=.train/exp/base_out ... --long .train/long \\
+        --baseline BASELINE.json --out checkpoints/smollm2/drafter_curve.json
+
+Held-out tau is the trainer's: the 8 requests `chat_prompt_ids(tok, 8, split="eval", seed=1)`, greedy, 256 new
+tokens, stopping at the answers' EOS, the float32 target, the drafter's own draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from dflash_jax.io.checkpoint import load_drafter, load_target
+from dflash_jax.io.shipped import smollm2_path
+from dflash_jax.quant.quantize import quantize_nvfp4
+from dflash_jax.train.drafter import measure_tau
+from dflash_jax.train.drafter_data import chat_prompt_ids
+from dflash_jax.train.loop import load_training_tokenizer
+
+KEYS = ("step", "cpu_s", "data_answer_tokens", "answer_tokens_seen", "train_loss", "train_acc_slot1",
+        "heldout_tau_D3", "heldout_tau", "layers", "block_size", "init", "kl_weight", "loss_vocab")
+
+
+def measure(folder, *, nvfp4: bool = False, lengths=(3, 7), prompts: int = 8, new_tokens: int = 256) -> dict:
+    """Held-out tau of the drafter in `folder` (for the packaged SmolLM2 target) at each draft length."""
+    gguf = smollm2_path()
+    tok = load_training_tokenizer(gguf)
+    target = load_target(gguf, compute_dtype="float32", param_dtype="float32")
+    drafter = load_drafter(folder, compute_dtype="float32")
+    if nvfp4:
+        drafter = quantize_nvfp4(drafter)
+    ids = chat_prompt_ids(tok, prompts, split="eval", seed=1)
+    out = {"drafter": str(folder), "nvfp4": nvfp4, "draft_vocab": drafter.config.drafted_vocab}
+    for d in lengths:
+        m = measure_tau(target, drafter, ids, max_new_tokens=new_tokens, draft_length=d, eos_ids=(tok.eos_id,))
+        out[f"tau_D{d}"] = round(m["tau"], 4)
+        out[f"position_acceptance_D{d}"] = m["position_acceptance"]
+    return out
+
+
+def row(report: dict, name: str) -> dict:
+    r = {"name": name, **{k: report.get(k) for k in KEYS}}
+    r["cpu_min"] = round(report["cpu_s"] / 60, 2) if report.get("cpu_s") is not None else None
+    r["tau_D7"], r["tau_D3"] = r.pop("heldout_tau"), r.pop("heldout_tau_D3")
+    return r
+
+
+def collect(variants: dict[str, Path], long_dir: Path | None, baseline: dict | None) -> dict:
+    out = {"heldout": "8 eval-split chat requests (seed 1), greedy, 256 new tokens, answers' EOS, float32 target",
+           "variants": [row(json.loads((Path(p) / "train_report.json").read_text()), n) for n, p in variants.items()],
+           "long": []}
+    if long_dir is not None:
+        reports = sorted(Path(long_dir).glob("report_*.json"), key=lambda p: int(p.stem.split("_")[1]))
+        out["long"] = [row(json.loads(p.read_text()), f"long@{p.stem.split('_')[1]}") for p in reports]
+    if baseline is not None:
+        out["baseline"] = baseline
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m dflash_jax.train.tau_curve", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure", help="held-out tau of a drafter folder at D 3 and D 7")
+    m.add_argument("folder", help="a drafter folder for the SmolLM2 target")
+    m.add_argument("--nvfp4", action="store_true", help="quantize it first (dflash_jax.quantize_nvfp4)")
+    c = sub.add_parser("collect", help="the experiments' reports -> one JSON file")
+    c.add_argument("--variant", action="append", default=[], help="NAME=OUT_DIR (its train_report.json)")
+    c.add_argument("--long", default=None, help="the long run's work dir (its report_<step>.json files)")
+    c.add_argument("--baseline", default=None, help="a `measure` result (JSON) of the drafter it started from")
+    c.add_argument("--out", required=True, help="the JSON file to write")
+    args = ap.parse_args(argv)
+    if args.cmd == "measure":
+        print(json.dumps(measure(args.folder, nvfp4=args.nvfp4), indent=1))
+        return 0
+    variants = dict(v.split("=", 1) for v in args.variant)
+    baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else None
+    res = collect(variants, Path(args.long) if args.long else None, baseline)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(f"{args.out}: {len(res['variants'])} variants, {len(res['long'])} long-run points")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
