@@ -43,7 +43,7 @@ DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "check
 TINY = {
     "--max-new-tokens": "6", "--new-tokens": "6", "--prompts": "2", "--steps": "2", "--batch": "2",
     "--seq-len": "32", "--long-seq-len": "48", "--max-prompt-tokens": "16", "--anchors": "4", "--reps": "2",
-    "--warmup": "1", "--budget-s": "30", "--windows": "4",
+    "--warmup": "1", "--budget-s": "30", "--windows": "4", "--rows": "2",
     "--eval-prompts": "1", "--eval-tokens": "6", "--calibration-anchors": "1",
     # Model shape, where a command builds the model it trains: the same code paths at a fraction of the compile and
     # evaluation cost (train-target's held-out evaluation alone, 64 + 16 long windows at the shipped 6-layer shape,
@@ -53,6 +53,12 @@ TINY = {
     "--batches": "1",  # the step table's batch rows (each needs that many prompts)
     "--tree-budgets": "4",  # one draft-tree row of the step table
 }
+# TINY options that only one mode reads: set only when the command runs that mode (other runs stay as other tests
+# make them, argument for argument).
+MODE_ONLY = {"--batches": "--step-table", "--tree-budgets": "--step-table", "--save-table": "--step-table"}
+# TINY options a command keeps at its documented value: a chat prompt cannot be cut to fit (datagen refuses a limit
+# no request of the split fits, and SmolLM2's chat template alone takes 44 tokens).
+KEEP = {"python -m dflash_jax.train.datagen": ("--max-prompt-tokens",)}
 # Flags that switch a command to its own small configuration (e.g. the GPU report's CPU smoke run).
 TINY_FLAGS = ("--smoke",)
 # Options that name where a command writes -> a fresh temporary path.
@@ -62,7 +68,7 @@ OUTPUTS = ("--out", "--work-dir", "--out-dir", "--output", "--output-dir", "--sa
 def _code_texts(markdown: str) -> list[str]:
     texts = []
     for block in re.findall(r"```[^\n]*\n(.*?)```", markdown, flags=re.S):
-        texts += block.splitlines()
+        texts += re.sub(r"\\\n\s*", " ", block).splitlines()  # a command continued over lines is one command
     prose = re.sub(r"```[^\n]*\n.*?```", "", markdown, flags=re.S)
     texts += re.findall(r"`([^`\n]+)`", prose)
     return texts
@@ -120,12 +126,13 @@ def _corpus_extra_installed() -> bool:
 def tiny(command: str, tmp: Path) -> tuple[object, list[str]]:
     main, args = _entry(shlex.split(command))
     accepted = _options(main, args)
+    kept = next((names for prefix, names in KEEP.items() if command.startswith(prefix)), ())
     for name, value in TINY.items():
-        if name in accepted:
+        if name in accepted and MODE_ONLY.get(name, name) in args + [name] and name not in kept:
             args = _set_option(args, name, value)
     args = args + [f for f in TINY_FLAGS if f in accepted and f not in args]
     for name in OUTPUTS:
-        if name in accepted:
+        if name in accepted and MODE_ONLY.get(name, name) in args + [name]:
             args = _set_option(args, name, str(tmp / name.strip("-")))
     if "--no-packages" in accepted and "--no-packages" not in args and not _corpus_extra_installed():
         args = args + ["--no-packages"]

@@ -82,3 +82,21 @@ def test_weight_format_changes_the_signature(pair):
     bf = target.replace(params=jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), target.params))
     assert dl.target_signature(bf) != dl.target_signature(target)
     assert dl.target_signature(target) == dl.target_signature(target)
+
+
+def test_a_tree_row_that_wins_becomes_the_default_and_an_explicit_setting_overrides_it(pair):
+    target, drafter = pair
+    rows = [StepRow(3, None, 2.0, 1.3, 0.2), StepRow(4, None, 2.9, 1.4, 0.2, tree_budget=4)]
+    d = _with(drafter, _table(target, rows))
+    assert dl.default_layout(d, target) == (4, 4)  # a tree row's draft length is its depth
+    assert dl.default_draft_length(d, target) == 3  # the best chain, for callers that need one
+    want = dj.generate_autoregressive(target, [[3, 4, 5]], max_new_tokens=12, eos_ids=()).token_lists()
+    res = dj.generate(target, d, [[3, 4, 5]], max_new_tokens=12, eos_ids=())
+    assert (res.tree_budget, res.draft_length) == (4, 4) and res.token_lists() == want
+    chain = dj.generate(target, d, [[3, 4, 5]], max_new_tokens=12, eos_ids=(), draft_length=2)
+    assert (chain.tree_budget, chain.draft_length) == (None, 2) and chain.token_lists() == want
+    # a rule a tree cannot follow keeps the default a chain (p_min cuts a chain at its first unsure draft)
+    assert dj.generate(target, d, [[3, 4, 5]], max_new_tokens=12, eos_ids=(), p_min=0.1).tree_budget is None
+    # the table's row survives the file
+    back = StepTable.from_dict(json.loads(json.dumps(_table(target, rows).to_dict())))
+    assert back.rows[1].tree_budget == 4

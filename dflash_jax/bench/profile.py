@@ -2,7 +2,7 @@
 
     python -m dflash_jax.bench.profile [--model smollm2|code-5m] [--draft-lengths 1 3 7] [--context 128] [--reps 10]
 
-Each program (one decode step, one verify of D + 1 tokens, one draft of D tokens, as `bench.speculative.
+Each program (one decode step, one verify of D + 1 tokens, one draft of D tokens, as `bench.step_costs.
 step_functions` builds them: donated caches, rolled back after each step) runs `reps` times under `jax.profiler`;
 XLA:CPU's thunk runtime records one event per executed HLO instruction (fusion, custom call, copy, ...). Each
 instruction is put in a group from the compiled HLO: the CPU kernel's custom calls by their weight's shape (the
@@ -31,7 +31,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dflash_jax.bench import speculative as bench
+from dflash_jax.bench.step_costs import step_functions
 from dflash_jax.io.shipped import load_default
 
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1,
@@ -217,7 +217,7 @@ def profile_steps(target, drafter, *, draft_lengths=(1, 3, 7), context_len: int 
     """{program: {"wall_ms": median, "groups": {group: {...}}}} for decode, verify (each D) and draft (each D)."""
     out = {}
     for D in draft_lengths:
-        fns = bench.step_functions(target, drafter, context_len=context_len, draft_length=D)
+        fns = step_functions(target, drafter, context_len=context_len, draft_length=D)
         fns.pop("_meta")
         names = {"verify_ms": f"verify D={D}", "draft_ms": f"draft D={D}"}
         if D == draft_lengths[0]:

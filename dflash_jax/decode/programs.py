@@ -121,7 +121,8 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
     cpu_loop = buckets.uses_live_length_loop(buckets.mesh_platform(mesh))
     context = execution.current().replace(
         nvfp4_backend=program_backend(*models, backend=options.nvfp4_backend), mesh=mesh,
-        live_length_loop=cpu_loop, cpu_kernel=cpu_loop)
+        # the CPU kernel takes whole weights: on a mesh of several devices it would all-gather every shard per step
+        live_length_loop=cpu_loop, cpu_kernel=cpu_loop and (mesh is None or mesh.size == 1))
     D = 0 if drafter is None else options.draft_length
     extra = 1 if drafter is None else D + 1
     prefill_static = dict(cache_len=buckets.cache_slots(int(lens.max()), out_len, extra, limit), stamp=stamp)

@@ -28,6 +28,7 @@ def read_step_table(folder: Path) -> StepTable | None:
 
 def write_step_table(folder: Path, table: StepTable) -> Path:
     f = Path(folder) / FILE_NAME
+    f.parent.mkdir(parents=True, exist_ok=True)
     f.write_text(json.dumps(table.to_dict(), indent=1) + "\n")
     return f
 

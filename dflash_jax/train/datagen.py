@@ -239,8 +239,11 @@ def main(argv=None):
     else:
         source = {"kind": "chat_prompt_ids", "split": args.split, "seed": args.prompt_seed,
                   "max_prompt_tokens": args.max_prompt_tokens, "n": args.prompts}
-        prompts = chat_queue(tok, args.prompts, split=args.split, seed=args.prompt_seed,
-                             max_prompt_tokens=args.max_prompt_tokens)
+        try:
+            prompts = chat_queue(tok, args.prompts, split=args.split, seed=args.prompt_seed,
+                                 max_prompt_tokens=args.max_prompt_tokens)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     try:
         run(target, Path(args.work_dir), spec, settings_for(spec, args), source=source, prompts=prompts,
             limit=args.limit, max_answer_tokens=args.max_answer_tokens, shard_answers=args.shard_answers,

@@ -89,9 +89,12 @@ def chat_prompt_ids(tok, n: int, *, split: str, seed: int, max_prompt_tokens: in
     extra = 0
     while len(ids) < n:
         requests = instructions.instruction_requests(n + extra, split=split, seed=seed)
-        ids = [p for p in instructions.chat_prompts(tok, requests)
-               if max_prompt_tokens is None or len(p) <= max_prompt_tokens][:n]
-        extra += max(8, n // 8)
+        prompts = instructions.chat_prompts(tok, requests)
+        ids = [p for p in prompts if max_prompt_tokens is None or len(p) <= max_prompt_tokens][:n]
+        if not ids:  # more requests cannot help: each draw re-reads the split, so say it at once
+            raise ValueError(f"max_prompt_tokens {max_prompt_tokens}: none of {len(prompts)} {split} requests fits "
+                             f"through the chat template (the shortest takes {min(map(len, prompts))} tokens)")
+        extra = max(8, n // 8) if not extra else 2 * extra  # doubling: a few draws even when most prompts are long
     return ids
 
 

@@ -168,7 +168,7 @@ def train_drafter(args, argv) -> dict:
 
     if shards_dir is None:
         cached = make_batch_fn(data, tparams, batch=args.batch, num_anchors=args.anchors, seed=args.seed)
-        batch_fn = (lambda step: {k: (np.asarray(v) if k != "target" else v) for k, v in cached(step).items()}
+        batch_fn = ((lambda step: {k: (np.asarray(v) if k != "target" else v) for k, v in cached(step).items()})
                     if placement is not None else cached)
     else:
         def batch_fn(step):
