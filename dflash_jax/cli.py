@@ -60,26 +60,33 @@ def _generate(args):
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_ids=(tok.eos_id,),
               seed=args.seed, prefill_timing="rerun")
     if args.no_compare:  # the text alone: one speculative run, nothing timed
-        sp = generate(target, drafter, [ids], draft_length=args.draft_length, **kw)
+        sp = generate(target, drafter, [ids], draft_length=args.draft_length, tree_budget=args.tree_budget, **kw)
         print(show(sp.token_lists()[0]))
         print("-" * 72)
         print(f"{int(sp.num_tokens[0])} tokens in {sp.num_steps} steps: tau {sp.tau:.2f} (tokens per draft+verify "
-              f"step, incl. bonus), acceptance rate {100 * sp.acceptance_rate:.1f}% of {sp.draft_length} drafted")
+              f"step, incl. bonus), acceptance rate {100 * sp.acceptance_rate:.1f}% of {_drafted(sp)}")
         return
     # Each program runs once before it is timed: a first execution pays one-time costs (allocations, thread pools).
     for _ in range(2):
         ar = generate_autoregressive(target, [ids], **kw)
-        sp = generate(target, drafter, [ids], draft_length=args.draft_length, **kw)
+        sp = generate(target, drafter, [ids], draft_length=args.draft_length, tree_budget=args.tree_budget, **kw)
     print(show(sp.token_lists()[0]))
     print("-" * 72)
     same = "identical to" if sp.token_lists() == ar.token_lists() else "differs from (sampling)"
     print(f"{'DFlash2' if args.kind == 'dflash2' else 'DFlash'} output {same} autoregressive output; "
           f"{int(sp.num_tokens[0])} tokens, {sp.num_steps} steps")
     print(f"tau {sp.tau:.2f} (tokens per draft+verify step, incl. bonus), acceptance rate "
-          f"{100 * sp.acceptance_rate:.1f}% of {sp.draft_length} drafted per step")
+          f"{100 * sp.acceptance_rate:.1f}% of {_drafted(sp)} per step")
     print(f"decode tokens/s: DFlash {sp.decode_tokens_per_second:.1f} vs autoregressive "
           f"{ar.decode_tokens_per_second:.1f} -> {sp.decode_tokens_per_second / ar.decode_tokens_per_second:.2f}x"
           f"  (prefill {1e3 * sp.timings['prefill_s']:.1f} ms; compile and first run excluded)")
+
+
+def _drafted(res) -> str:
+    """What a step drafted: a chain of D tokens, or a draft tree (its depth bounds what a step accepts)."""
+    if res.tree_budget:
+        return f"depth {res.draft_length} (a draft tree of {res.tree_budget} nodes)"
+    return f"{res.draft_length} drafted"
 
 
 def _bench(args):
@@ -135,7 +142,10 @@ def main(argv=None):
                                   "continue (code-5m, or --raw)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     g.add_argument("--draft-length", type=int, default=None,
-                   help="tokens drafted per step, 1..block_size-1 (default: block_size-1)")
+                   help="tokens drafted per step, 1..block_size-1 (default: the best row of the drafter's step table "
+                        "for this pair and platform, a chain or a draft tree; without one block_size-1)")
+    g.add_argument("--tree-budget", type=int, default=None,
+                   help="draft a tree of N nodes per step instead of a chain (one choice with --draft-length)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (output identical to autoregressive); > 0 = lossless rejection sampling")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")

@@ -89,6 +89,7 @@ def compare(*, prompts: int = 4, new_tokens: int = 128, threads: int = 2, llama_
            "ar_tokens_per_s": med(r.decode_tokens_per_second for r in ours_ar),
            "speculative_tokens_per_s": med(r.decode_tokens_per_second for r in ours_sp),
            "tau": med(r.tau for r in ours_sp), "draft_length": ours_sp[0].draft_length,
+           "tree_budget": ours_sp[0].tree_budget,
            "first_tokens_identical_with_llama_cpp": agree}
     out["ar_vs_llama_cpp"] = out["ar_tokens_per_s"] / out["llama_cpp_tokens_per_s"]
     out["speculative_vs_llama_cpp"] = out["speculative_tokens_per_s"] / out["llama_cpp_tokens_per_s"]
@@ -107,9 +108,10 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     r = compare(prompts=args.prompts, new_tokens=args.new_tokens, threads=args.threads,
                 llama_python=args.llama_python, draft_length=args.draft_length)
+    layout = f"tree of {r['tree_budget']}" if r["tree_budget"] else f"D {r['draft_length']}"
     print(f"llama.cpp {r['llama_cpp_version']} ({r['threads']} threads): {r['llama_cpp_tokens_per_s']:.1f} tok/s | "
           f"dflash-jax autoregressive: {r['ar_tokens_per_s']:.1f} tok/s ({r['ar_vs_llama_cpp']:.2f}x) | speculative "
-          f"D {r['draft_length']}: {r['speculative_tokens_per_s']:.1f} tok/s ({r['speculative_vs_llama_cpp']:.2f}x of "
+          f"{layout}: {r['speculative_tokens_per_s']:.1f} tok/s ({r['speculative_vs_llama_cpp']:.2f}x of "
           f"llama.cpp, {r['speculative_vs_ar']:.2f}x of autoregressive, tau {r['tau']:.2f}); medians over "
           f"{r['prompts']} prompts x {r['new_tokens']} tokens; greedy tokens identical to llama.cpp's for the first "
           f"{r['first_tokens_identical_with_llama_cpp']} ({time.perf_counter() - t0:.0f} s)")
