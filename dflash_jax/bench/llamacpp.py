@@ -63,7 +63,7 @@ def compare(*, prompts: int = 4, new_tokens: int = 128, threads: int = 2, llama_
             draft_length: int | None = None, seed: int = 0) -> dict:
     """Greedy tokens/s of llama.cpp, this project's autoregressive decoding and its speculative decoding (the default
     pair), on the same held-out chat requests, each tool warmed up on the first prompt first."""
-    target, drafter, tok = shipped.load_default()
+    target, drafter, tok = shipped.load_default(model="smollm2")  # the model whose GGUF llama.cpp reads
     ids = chat_prompt_ids(tok, prompts, split="eval", seed=1 + seed)
     eos = (tok.eos_id,)
     gguf = str(shipped.smollm2_path())
