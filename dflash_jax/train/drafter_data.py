@@ -18,6 +18,7 @@ import numpy as np
 from dflash_jax.config import DrafterConfig
 from dflash_jax.decode.programs import generate_autoregressive
 from dflash_jax.models.target import Target, forward_with_cache
+from dflash_jax.quant import ggml
 from dflash_jax.train import corpus, instructions
 from dflash_jax.train.loop import batch_rng
 
@@ -76,7 +77,11 @@ def target_fingerprint(target: Target) -> str:
     changed = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                if f.default is dataclasses.MISSING or getattr(cfg, f.name) != f.default}
     h = hashlib.sha256(repr(sorted(changed.items())).encode())
-    for leaf in jax.tree.leaves(target.params):
+    # GGML blocks enter as the float32 values they hold: a GGUF target kept in blocks and the same file loaded as
+    # float32 are one target (the same values, the same data), whichever way it was loaded when the data was made
+    values = jax.tree.map(lambda x: ggml.dequantize(x) if isinstance(x, ggml.GGMLArray) else x, target.params,
+                          is_leaf=lambda x: isinstance(x, ggml.GGMLArray))
+    for leaf in jax.tree.leaves(values):
         h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
     return h.hexdigest()[:16]
 
