@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
+from dflash_jax.train.drafter_data import target_fingerprint
 from dflash_jax.io.gguf import GGUFFile
 from dflash_jax.params import named_leaves
 from dflash_jax.quant import cpu_kernel, ggml
@@ -149,6 +150,8 @@ def test_gguf_target_keeps_its_blocks_and_decodes_exactly(tmp_path):
     assert kinds["layers.0.self_attn.v_proj"] == "ArrayImpl" and not any(
         isinstance(v, GGMLArray) for v in named_leaves(dense.params).values())
     assert dj.load_target(path, param_dtype="gguf").config == blocks.config
+    # one target however it was loaded: training data made with either is read with the other
+    assert target_fingerprint(blocks) == target_fingerprint(dense) != target_fingerprint(target)
     tokens = np.arange(40, dtype=np.int32).reshape(2, 20) % 96
     a, b = dj.target_forward(blocks, tokens)[0], dj.target_forward(dense, tokens)[0]
     assert float(jnp.max(jnp.abs(a - b))) <= 1e-4 * float(jnp.max(jnp.abs(b)))

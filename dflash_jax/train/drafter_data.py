@@ -82,7 +82,10 @@ def target_fingerprint(target: Target) -> str:
     values = jax.tree.map(lambda x: ggml.dequantize(x) if isinstance(x, ggml.GGMLArray) else x, target.params,
                           is_leaf=lambda x: isinstance(x, ggml.GGMLArray))
     for leaf in jax.tree.leaves(values):
-        h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+        arr = np.asarray(leaf)
+        if arr.dtype.kind not in "iub":  # -0.0 and +0.0 are one value (a Q4_0 block decoded as (q - 8) * d gives -0.0)
+            arr = np.where(arr == 0, np.zeros_like(arr), arr)
+        h.update(np.ascontiguousarray(arr).tobytes())
     return h.hexdigest()[:16]
 
 
