@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
+
 from dflash_jax.bench import llamacpp
 from dflash_jax.io import shipped
 
@@ -29,6 +31,7 @@ def test_the_command_runs_both_sides_on_the_same_prompts(tmp_path, capsys):
     assert child["gguf"] == str(shipped.smollm2_path()) and child["threads"] == 2 and child["new"] == 6
     assert len(child["prompts"]) == 3 and child["prompts"][0] == child["prompts"][1]  # a warm-up run first
     assert out["llama_cpp_version"] == "stand-in" and out["llama_cpp_tokens_per_s"] == 50.0
-    assert abs(out["ar_vs_llama_cpp"] - out["ar_tokens_per_s"] / 50.0) < 1e-9
+    # (a 6-token decode on a busy machine can time as nan: prefill's rerun outlasting the loop; the ratio follows)
+    np.testing.assert_allclose(out["ar_vs_llama_cpp"], out["ar_tokens_per_s"] / 50.0)
     printed = capsys.readouterr().out
     assert "llama.cpp stand-in (2 threads): 50.0 tok/s" in printed and "of autoregressive" in printed
