@@ -138,27 +138,6 @@ inline void decode(const Weight& w, int64_t n, int64_t b, Vec& w0, Vec& w1) {
   }
 }
 
-template <Format F, int T>
-void tile(const Weight& w, const float* x, float* y, int64_t m0, int64_t n0, int64_t n1) {
-  const int64_t K = w.K, nb = (K + kBlock - 1) / kBlock;
-  const float* xt = x + m0 * K;
-  for (int64_t n = n0; n < n1; ++n) {
-    Vec acc[T];
-    for (int i = 0; i < T; ++i) acc[i] = vzero();
-    for (int64_t b = 0; b < nb; ++b) {
-      Vec w0, w1;
-      decode<F>(w, n, b, w0, w1);
-      const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
-      for (int i = 0; i < T; ++i) {
-        const float* xm = xt + i * K + b * kBlock;
-        acc[i] = vfma(w0, vload(xm, valid), acc[i]);
-        acc[i] = vfma(w1, vload(xm + 16, valid - 16), acc[i]);
-      }
-    }
-    for (int i = 0; i < T; ++i) y[(m0 + i) * w.N + n] = vsum(acc[i]) * w.tensor_scale;
-  }
-}
-
 #else  // portable C++: the same chains (16 lanes, block order, one fixed reduction), left to the compiler
 
 struct Vec { float v[16]; };
@@ -196,6 +175,20 @@ inline float weight_at(const Weight& w, int64_t n, int64_t k) {
   }
 }
 
+// The 32 weights of block b of row n, as two vectors (elements 0..15 and 16..31); zero past K.
+template <Format F>
+inline void decode(const Weight& w, int64_t n, int64_t b, Vec& w0, Vec& w1) {
+  const int valid = int(std::min<int64_t>(kBlock, w.K - b * kBlock));
+  w0 = vzero();
+  w1 = vzero();
+  for (int l = 0; l < 16; ++l) {
+    if (l < valid) w0.v[l] = weight_at(w, n, b * kBlock + l);
+    if (l + 16 < valid) w1.v[l] = weight_at(w, n, b * kBlock + 16 + l);
+  }
+}
+#endif
+
+// One pass over weight rows [n0, n1) for T rows of x, in either build (the vector type and `decode` above).
 template <Format F, int T>
 void tile(const Weight& w, const float* x, float* y, int64_t m0, int64_t n0, int64_t n1) {
   const int64_t K = w.K, nb = (K + kBlock - 1) / kBlock;
@@ -204,12 +197,9 @@ void tile(const Weight& w, const float* x, float* y, int64_t m0, int64_t n0, int
     Vec acc[T];
     for (int i = 0; i < T; ++i) acc[i] = vzero();
     for (int64_t b = 0; b < nb; ++b) {
-      Vec w0 = vzero(), w1 = vzero();
+      Vec w0, w1;
+      decode<F>(w, n, b, w0, w1);
       const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
-      for (int l = 0; l < 16; ++l) {
-        if (l < valid) w0.v[l] = weight_at(w, n, b * kBlock + l);
-        if (l + 16 < valid) w1.v[l] = weight_at(w, n, b * kBlock + 16 + l);
-      }
       for (int i = 0; i < T; ++i) {
         const float* xm = xt + i * K + b * kBlock;
         acc[i] = vfma(w0, vload(xm, valid), acc[i]);
@@ -219,7 +209,6 @@ void tile(const Weight& w, const float* x, float* y, int64_t m0, int64_t n0, int
     for (int i = 0; i < T; ++i) y[(m0 + i) * w.N + n] = vsum(acc[i]) * w.tensor_scale;
   }
 }
-#endif
 
 template <Format F>
 void rows_of(const Weight& w, const float* x, float* y, int64_t M, int64_t n0, int64_t n1) {
