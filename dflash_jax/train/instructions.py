@@ -97,9 +97,9 @@ def _signature(fn: ast.FunctionDef) -> str | None:
     return f"{fn.name}({', '.join(args)})"
 
 
-def function_requests(texts: Sequence[str]) -> list[tuple[str, str]]:
-    """(signature, clause) for every public function with a usable docstring in `texts` (files that do not parse
-    are skipped), in file order, deduplicated by signature."""
+def documented_functions(texts: Sequence[str]) -> list[tuple[str, str, str, ast.FunctionDef]]:
+    """(signature, clause, its file's text, the function's node) for every public function with a usable docstring
+    in `texts` (files that do not parse are skipped), in file order, deduplicated by signature."""
     seen, out = set(), []
     for text in texts:
         try:
@@ -114,8 +114,13 @@ def function_requests(texts: Sequence[str]) -> list[tuple[str, str]]:
             what = _first_sentence(doc) if sig else None
             if what and sig not in seen:
                 seen.add(sig)
-                out.append((sig, what))
+                out.append((sig, what, text, node))
     return out
+
+
+def function_requests(texts: Sequence[str]) -> list[tuple[str, str]]:
+    """(signature, clause) for every public function with a usable docstring in `texts` (`documented_functions`)."""
+    return [(sig, what) for sig, what, _, _ in documented_functions(texts)]
 
 
 def general_requests(split: str = "train") -> list[str]:

@@ -25,22 +25,8 @@ from dflash_jax.train import corpus, instructions
 
 def function_sources(texts, n: int, seed: int) -> list[tuple[str, str, str]]:
     """(signature, first docstring sentence, source) of `n` public functions of `texts`, drawn with `seed`."""
-    out, seen = [], set()
-    for text in texts:
-        try:
-            tree = ast.parse(text)
-        except (SyntaxError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node)
-            sig = instructions._signature(node) if doc else None
-            what = instructions._first_sentence(doc) if sig else None
-            src = ast.get_source_segment(text, node) if what else None
-            if src and sig not in seen:
-                seen.add(sig)
-                out.append((sig, what, src))
+    out = [(sig, what, src) for sig, what, text, node in instructions.documented_functions(texts)
+           if (src := ast.get_source_segment(text, node))]
     rng = np.random.default_rng(seed)
     return [out[i] for i in rng.choice(len(out), size=min(n, len(out)), replace=False)]
 
