@@ -188,8 +188,8 @@ def main(argv=None):
                    help="with --step-table: batch sizes (rows per generate call; default 1)")
     b.add_argument("--save-table", nargs="?", const="", default=None, metavar="FOLDER",
                    help="with --step-table: write the table as step_table.json into FOLDER (default: the shipped "
-                        "drafter's folder), where loading the drafter picks it up: generate's default draft length "
-                        "is then its best row for the running pair")
+                        "drafter's folder), where loading the drafter picks it up: generate's default (a chain of D "
+                        "drafts or a draft tree) is then its best row for the running pair")
     b.add_argument("--tree-budgets", type=int, nargs="*", default=[4, 8, 16, 32],
                    help="with --step-table: draft-tree rows, one per budget (nodes per step besides the root; "
                         "default 4 8 16 32; none: chains only)")

@@ -26,6 +26,20 @@ from dflash_jax.quant.linear import set_default_backend
 
 # The package re-exports the *function* as `dflash_jax.quant.linear`, shadowing the submodule.
 linear_mod = importlib.import_module("dflash_jax.quant.linear")
+programs_mod = importlib.import_module("dflash_jax.decode.programs")  # the package re-exports `generate` by that name
+
+
+@pytest.fixture
+def no_work():
+    """Asserts that the call under test neither traced nor compiled anything (a refusal before any work). Test modules
+    take it with `from helpers import no_work`."""
+    traces, held = dict(programs_mod.TRACE_COUNTS), programs_mod.compiled_counts()
+    yield
+    # A trace is what a compile starts with; the jit caches may drop an entry meanwhile (a collected weak key), never
+    # gain one without a trace.
+    assert dict(programs_mod.TRACE_COUNTS) == traces, "work was done before the error"
+    assert all(n <= held[k] for k, n in programs_mod.compiled_counts().items()), ("work was done before the error",
+                                                                                   held)
 
 
 def tiny_qwen3(**kw) -> TargetConfig:

@@ -27,7 +27,7 @@ import pytest
 import dflash_jax as dj
 from random_models import make_drafter, make_target
 from helpers import (COPY_MAX_NEW, COPY_PROMPTS, FLAW, PBS, PMASK, PV, SETUPS, assert_same, build_copy_pair, cycle_next,
-                     cycle_prompt, host_ops, pad_to, primitives, prompt_batches, reference_acceptance)
+                     cycle_prompt, host_ops, no_work, pad_to, primitives, prompt_batches, reference_acceptance)
 import report  # tests/report.py
 
 G = importlib.import_module("dflash_jax.decode.programs")  # the package re-exports the function under the same name
@@ -388,17 +388,6 @@ def test_prefill_timing_survives_callback_on_another_thread(sampled_runs):
 
 
 # -- 5. bad input: a clear ValueError before any work ------------------------------------------------------------------
-
-@pytest.fixture
-def no_work():
-    """Asserts that the call under test neither traced nor compiled anything."""
-    traces, held = dict(G.TRACE_COUNTS), G.compiled_counts()
-    yield
-    # A trace is what a compile starts with; the jit caches may drop an entry meanwhile (a collected weak key), never
-    # gain one without a trace.
-    assert dict(G.TRACE_COUNTS) == traces, "work was done before the error"
-    assert all(n <= held[k] for k, n in G.compiled_counts().items()), ("work was done before the error", held)
-
 
 @pytest.fixture(scope="module")
 def pair():

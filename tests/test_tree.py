@@ -33,6 +33,7 @@ import pytest
 
 import dflash_jax as dj
 import helpers as H
+from helpers import no_work  # noqa: F401 (a fixture)
 import stats
 import test_sampling as ts
 from dflash_jax.decode import loop as decode_loop
@@ -485,14 +486,6 @@ def test_zz_false_alarm_budget():
 
 
 # -- 5. bad input, programs, lowering --------------------------------------------------------------------------------
-
-@pytest.fixture
-def no_work():
-    traces, held = dict(G.TRACE_COUNTS), G.compiled_counts()
-    yield
-    assert dict(G.TRACE_COUNTS) == traces, "work was done before the error"
-    assert all(n <= held[k] for k, n in G.compiled_counts().items()), ("work was done before the error", held)
-
 
 @pytest.fixture(scope="module")
 def pair():
