@@ -22,7 +22,7 @@ from dflash_jax.io.gguf import GGUFFile
 from dflash_jax.params import named_leaves
 from dflash_jax.quant import cpu_kernel, ggml
 from dflash_jax.quant.ggml import GGMLArray
-from dflash_jax.quant.linear import cpu_kernel_scope, embedding_rows, linear
+from dflash_jax.quant.linear import cpu_kernel_scope, embedding_rows, linear, linear_many
 from dflash_jax.quant.nvfp4 import quantize
 from gguf_files import write_target_gguf
 from helpers import tiny_qwen3
@@ -85,6 +85,43 @@ def test_out_rows_is_the_prefix_of_the_full_product():
         np.testing.assert_array_equal(np.asarray(_kernel_linear(x, w, out_rows=17)), full[:, :17], err_msg=name)
     with pytest.raises(ValueError, match="out_rows 60 outside 1..50"):
         _kernel_linear(x, _weights(50, 64)["q8_0"], out_rows=60)
+
+
+def test_linear_many_is_one_call_with_each_weights_own_values():
+    """Several weights sharing x (q / k / v, gate / up) in one kernel call: every output equals `linear` with that
+    weight alone bit for bit, formats and row counts mixed, at 1 and 9 rows; the compiled program holds one call;
+    derivatives are the separate products'; where a weight cannot run through the kernel, each runs alone."""
+    K = 64
+    ws = _weights(40, K, seed=6)
+    group = (ws["q4_1"], _weights(24, K, seed=7)["q8_0"], ws["nvfp4"], _weights(8, K, seed=8)["float32"],
+             ws["bfloat16"])
+    for M in (1, 9):
+        x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.float32)
+        with cpu_kernel_scope(True):
+            many = jax.jit(lambda x, ws: linear_many(x, ws))
+            ys = many(x, group)
+            hlo = many.lower(x, group).as_text()
+        assert hlo.count(f"custom_call_target=\"{cpu_kernel.TARGET_NAME}\"") + hlo.count(
+            f"stablehlo.custom_call @{cpu_kernel.TARGET_NAME}") == 1
+        for w, y in zip(group, ys):
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(_kernel_linear(x, w)))
+
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((3, K)), jnp.float32)
+
+    def loss(x, ws, on):
+        with cpu_kernel_scope(on):
+            return sum(jnp.sum(jnp.tanh(y) * (i + 1)) for i, y in enumerate(linear_many(x, ws)))
+    np.testing.assert_allclose(np.asarray(jax.grad(loss)(x, group, True)), np.asarray(jax.grad(loss)(x, group, False)),
+                               rtol=1e-4, atol=1e-5)
+    dense = (ws["float32"], _weights(8, K, seed=8)["float32"])
+    gw = jax.grad(loss, argnums=1)(x, dense, True)
+    gw_ref = jax.grad(loss, argnums=1)(x, dense, False)
+    for a, b in zip(gw, gw_ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    # outside the kernel scope dense weights take XLA's dot: one `linear` each, same values as before
+    ys = jax.jit(lambda x, ws: linear_many(x, ws))(x, dense)
+    for w, y in zip(dense, ys):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(linear)(x, w)))
 
 
 def test_derivative_is_the_dense_products():

@@ -138,20 +138,30 @@ def _computations(text: str) -> dict[str, list[str]]:
     return out
 
 
+def kernel_rows(text: str) -> list[int]:
+    """The output rows of each weight of one kernel call (its `n_rows` attribute: `dense<[576, 192, 192]>`, or one
+    value `dense<1536> : tensor<2xi64>` that every weight shares)."""
+    m = re.search(r"n_rows = dense<\[?([\d, ]+)\]?>(?: : tensor<(\d+)xi64>)?", text)
+    if m is None:
+        return []
+    values = [int(v) for v in m.group(1).split(",")]
+    count = int(m.group(2)) if m.group(2) else len(values)
+    return values * count if len(values) == 1 else values
+
+
 def kernel_group(instr: Instruction, hlo: dict[str, Instruction], cfg) -> str:
-    """A CPU-kernel matmul's group, from its weight's shape: [N, K] with N = n_rows."""
-    n = re.search(r"n_rows = (\d+)", instr.text)
-    x = hlo.get(instr.operands[0]) if instr.operands else None
+    """A CPU-kernel matmul's group, from its weights' shapes: [N_i, K] with N_i = n_rows (q / k / v or gate / up
+    share one call)."""
+    ns = kernel_rows(instr.text)
     k_match = re.search(r"operand_layout_constraints=\{\w+\[([\d,]+)\]", instr.text)
-    N = int(n.group(1)) if n else 0
+    N = sum(ns)
     K = int(k_match.group(1).split(",")[-1]) if k_match else 0
-    del x
     if cfg is None:
         return "matmuls"
     H, I = cfg.hidden_size, cfg.intermediate_size
-    if K == H and N > max(I, 4 * H):
+    if K == H and len(ns) == 1 and N > max(I, 4 * H):
         return "LM head"
-    if K == I or (N == I and K == H):
+    if K == I or (I in ns and K == H):
         return "MLP matmuls"
     return "attention projections"
 
@@ -204,7 +214,7 @@ def profile_table(events, hlo_text: str, steps: int, cfg) -> dict[str, dict]:
         r["count"] += 1 / steps
         r["mb"] += (instr.out_bytes + sum(hlo[o].out_bytes for o in instr.operands if o in hlo)) / 1e6 / steps
         if instr.opcode == "custom-call" and "dflash_block_matmul" in instr.text:
-            n = int(re.search(r"n_rows = (\d+)", instr.text).group(1))
+            n = sum(kernel_rows(instr.text))
             xs = re.search(r"operand_layout_constraints=\{\w+\[([\d,]+)\]", instr.text).group(1).split(",")
             r["gflop"] += 2.0 * math.prod(int(d) for d in xs) * n / 1e9 / steps
         else:

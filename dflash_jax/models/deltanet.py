@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.params import GatedDeltaNet
-from dflash_jax.quant.linear import linear
+from dflash_jax.quant.linear import linear, linear_many
 
 CHUNK = 64  # tokens per chunk of the chunked form (HF's default); fewer tokens make one chunk of their own length
 
@@ -220,7 +220,8 @@ def _inputs(p: GatedDeltaNet, h: jax.Array, conv: jax.Array, cfg: TargetConfig, 
     B, T, _ = h.shape
     nK, nV, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
-    mixed = linear(h, p.in_proj_qkv)  # [B, T, C]
+    # the four input projections share h: one kernel call on CPU (`linear_many`)
+    mixed, b_raw, a, z = linear_many(h, (p.in_proj_qkv, p.in_proj_b, p.in_proj_a, p.in_proj_z))  # [B, T, C], ...
     xin = jnp.concatenate([conv.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
     mixed = (causal_conv(xin, p.conv1d) if taps is None else tree_conv(xin, p.conv1d, taps)).astype(jnp.float32)
     # channels grouped by key head (params.linear_qkv_order): [q_h | k_h | v of the nV / nK value heads reading h]
@@ -232,10 +233,10 @@ def _inputs(p: GatedDeltaNet, h: jax.Array, conv: jax.Array, cfg: TargetConfig, 
     k = l2norm(k)
     if nV != nK:  # each key head serves nV / nK consecutive value heads
         q, k = (jnp.repeat(x, nV // nK, axis=2) for x in (q, k))
-    beta = jax.nn.sigmoid(linear(h, p.in_proj_b).astype(jnp.float32))  # [B, T, nV]
-    a = linear(h, p.in_proj_a).astype(jnp.float32)
+    beta = jax.nn.sigmoid(b_raw.astype(jnp.float32))  # [B, T, nV]
+    a = a.astype(jnp.float32)
     g = -jnp.exp(p.A_log.astype(jnp.float32)) * jax.nn.softplus(a + p.dt_bias.astype(jnp.float32))
-    z = linear(h, p.in_proj_z).reshape(B, T, nV, dv)
+    z = z.reshape(B, T, nV, dv)
     return DeltaInputs(xin=xin, q=q, k=k, v=v, g=g, beta=beta), z
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from dflash_jax.models.attention import attention
 from dflash_jax.config import TargetConfig
-from dflash_jax.quant.linear import linear
+from dflash_jax.quant.linear import linear, linear_many
 from dflash_jax.models.deltanet import deltanet, deltanet_tree
 from dflash_jax.params import MLP, Attention, DecoderLayer, LinearAttnLayer
 from dflash_jax.parallel.sharding import constrain_kv
@@ -80,13 +80,13 @@ def rope(x: jax.Array, positions: jax.Array, cfg: TargetConfig) -> jax.Array:
     return jnp.concatenate(parts, axis=-1).astype(x.dtype)
 
 
-def _project(h: jax.Array, weight, bias, heads: int, cfg: TargetConfig) -> jax.Array:
-    """h [B, T, H] -> [B, T, heads, hd]: the one `linear`, then the bias where the family has one (Qwen2)."""
-    B, T, _ = h.shape
+def _heads(y: jax.Array, bias, heads: int, cfg: TargetConfig) -> jax.Array:
+    """A projection's `linear` output y [B, T, heads*hd] -> [B, T, heads, hd], plus the bias where the family has one
+    (Qwen2)."""
+    B, T, _ = y.shape
     if (bias is not None) != cfg.attention_bias:  # params built for another family than the config says
         raise ValueError(f"config attention_bias={cfg.attention_bias} but the layer's params "
                          f"{'have' if bias is not None else 'have no'} q/k/v biases")
-    y = linear(h, weight)  # [B, T, heads*hd]
     if bias is not None:
         chex.assert_shape(bias, (heads * cfg.head_dim,))
         y = y + bias.astype(y.dtype)
@@ -100,28 +100,33 @@ def _qk_norm(x: jax.Array, weight, cfg: TargetConfig) -> jax.Array:
     return norm(x, weight, cfg) if cfg.qk_norm else x
 
 
-def project_kv(attn: Attention, h: jax.Array, positions: jax.Array, cfg: TargetConfig):
-    """Keys (normed where the family has q/k norm, rotated) and values of h [B, T, H] -> ([B, T, nKV, hd] x2)."""
-    k = _project(h, attn.k_proj, getattr(attn, "k_bias", None), cfg.num_key_value_heads, cfg)
+def project_kv(attn: Attention, h: jax.Array, positions: jax.Array, cfg: TargetConfig, *, projected=None):
+    """Keys (normed where the family has q/k norm, rotated) and values of h [B, T, H] -> ([B, T, nKV, hd] x2).
+    projected: the (k, v) `linear` outputs when the caller computed them already (`decoder_layer`'s one call)."""
+    ky, vy = linear_many(h, (attn.k_proj, attn.v_proj)) if projected is None else projected
+    k = _heads(ky, getattr(attn, "k_bias", None), cfg.num_key_value_heads, cfg)
     k = rope(_qk_norm(k, attn.k_norm, cfg), positions, cfg)
-    v = _project(h, attn.v_proj, getattr(attn, "v_bias", None), cfg.num_key_value_heads, cfg)
+    v = _heads(vy, getattr(attn, "v_bias", None), cfg.num_key_value_heads, cfg)
     return constrain_kv(k, v, cfg)  # placed as the KV cache on a mesh (parallel.sharding); identity otherwise
 
 
-def project_q(attn: Attention, h: jax.Array, positions: jax.Array, cfg: TargetConfig) -> jax.Array:
-    """Queries [B, T, nH, hd]; with an output gate (Qwen3.5) (queries, gate [B, T, nH * hd])."""
+def project_q(attn: Attention, h: jax.Array, positions: jax.Array, cfg: TargetConfig, *, projected=None):
+    """Queries [B, T, nH, hd]; with an output gate (Qwen3.5) (queries, gate [B, T, nH * hd]).
+    projected: the q `linear` output when the caller computed it already."""
+    y = linear(h, attn.q_proj) if projected is None else projected
     if cfg.attn_output_gate:
         B, T, _ = h.shape
         nH, hd = cfg.num_attention_heads, cfg.head_dim
-        y = linear(h, attn.q_proj).reshape(B, T, nH, 2 * hd)  # per head: the query's hd, then the gate's hd
+        y = y.reshape(B, T, nH, 2 * hd)  # per head: the query's hd, then the gate's hd
         q, gate = y[..., :hd], y[..., hd:].reshape(B, T, nH * hd)
         return rope(_qk_norm(q, attn.q_norm, cfg), positions, cfg), gate
-    q = _project(h, attn.q_proj, getattr(attn, "q_bias", None), cfg.num_attention_heads, cfg)
+    q = _heads(y, getattr(attn, "q_bias", None), cfg.num_attention_heads, cfg)
     return rope(_qk_norm(q, attn.q_norm, cfg), positions, cfg)
 
 
 def mlp(p: MLP, x: jax.Array) -> jax.Array:
-    return linear(jax.nn.silu(linear(x, p.gate_proj)) * linear(x, p.up_proj), p.down_proj)
+    gate, up = linear_many(x, (p.gate_proj, p.up_proj))  # one kernel call for both (same input)
+    return linear(jax.nn.silu(gate) * up, p.down_proj)
 
 
 def _identity(y: jax.Array) -> jax.Array:
@@ -156,9 +161,11 @@ def decoder_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cfg: 
     hook: what runs around each sublayer (`SublayerHook`; DFlash2's convolution), nothing by default.
     """
     h, finish = hook("attention", norm(x, layer.input_layernorm, cfg))
-    q = project_q(layer.self_attn, h, positions, cfg)
+    attn = layer.self_attn
+    qy, ky, vy = linear_many(h, (attn.q_proj, attn.k_proj, attn.v_proj))  # one kernel call for all three
+    q = project_q(attn, h, positions, cfg, projected=qy)
     q, gate = q if cfg.attn_output_gate else (q, None)
-    k, v = project_kv(layer.self_attn, h, positions, cfg)
+    k, v = project_kv(attn, h, positions, cfg, projected=(ky, vy))
     if write:
         k, v = write_rows(cache_k, k, positions), write_rows(cache_v, v, positions)
         a = attention(q, positions, cache_k=k, cache_v=v, cache_len=cache_len, causal=causal, window=window,

@@ -8,8 +8,9 @@ machine builds anew and concurrent processes never read a half-written library (
 compiler is found or the build fails, `available()` is False with the reason in `unavailable_reason()`, and callers
 fall back to XLA's own dot (slower, same values up to summation order). `DFLASH_JAX_CPU_KERNEL=0` switches it off.
 
-`matmul` is the only entry point, and `quant/linear.py` its only caller: x [..., K] (any float dtype; computed in
-float32) times a weight given as its raw arrays and a format code, -> float32 [..., n_rows]. Its derivative is the
+`matmul` and `matmul_many` are the entry points, and `quant/linear.py` their only caller: x [..., K] (any float
+dtype; computed in float32) times a weight given as its raw arrays and a format code, -> float32 [..., n_rows];
+`matmul_many` does several weights that share x (q / k / v, gate / up) in one call. Its derivative is the
 plain XLA product with the dequantized weight (`dequantized`), so gradients and transposes work like a dense dot.
 """
 
@@ -122,40 +123,57 @@ _NONE = np.zeros((1,), np.uint8)  # stands for an absent scale / mins operand
 _ONE = np.ones((1,), np.float32)
 
 
-def _call(x2: jax.Array, codes, scale, mins, tensor_scale, fmt: int, n_rows: int) -> jax.Array:
-    out = jax.ShapeDtypeStruct((x2.shape[0], n_rows), jnp.float32)
-    return jax.ffi.ffi_call(TARGET_NAME, out, vmap_method="sequential")(
-        x2, codes, _NONE if scale is None else scale, _NONE if mins is None else mins,
-        _ONE if tensor_scale is None else jnp.reshape(tensor_scale, (1,)).astype(jnp.float32),
-        format=np.int64(fmt), n_rows=np.int64(n_rows))
+def _call(x2: jax.Array, weights: tuple, fmts: tuple[int, ...], n_rows: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    outs = tuple(jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32) for n in n_rows)
+    operands = []
+    for codes, scale, mins, tensor_scale in weights:
+        operands += [codes, _NONE if scale is None else scale, _NONE if mins is None else mins,
+                     _ONE if tensor_scale is None else jnp.reshape(tensor_scale, (1,)).astype(jnp.float32)]
+    return tuple(jax.ffi.ffi_call(TARGET_NAME, outs, vmap_method="sequential")(
+        x2, *operands, formats=np.asarray(fmts, np.int64), n_rows=np.asarray(n_rows, np.int64)))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
-def _matmul(fmt: int, n_rows: int, dequantized: Callable, x, codes, scale, mins, tensor_scale):
+def _matmul(fmts: tuple[int, ...], n_rows: tuple[int, ...], dequantized: tuple[Callable, ...], x, weights):
     K = x.shape[-1]
-    y = _call(x.reshape(-1, K).astype(jnp.float32), codes, scale, mins, tensor_scale, fmt, n_rows)
-    return y.reshape(*x.shape[:-1], n_rows)
+    ys = _call(x.reshape(-1, K).astype(jnp.float32), weights, fmts, n_rows)
+    return tuple(y.reshape(*x.shape[:-1], n) for y, n in zip(ys, n_rows))
 
 
 @_matmul.defjvp
-def _matmul_jvp(fmt, n_rows, dequantized, primals, tangents):
-    # The product is linear in x and in the weight's values: the tangent is the XLA product with the dequantized
+def _matmul_jvp(fmts, n_rows, dequantized, primals, tangents):
+    # Each product is linear in x and in its weight's values: the tangent is the XLA product with the dequantized
     # weight, plus (dense formats) x times the weight's own tangent; quantized codes and scales carry none.
-    x, codes = primals[0], primals[1]
-    tx, tcodes = tangents[0], tangents[1]
+    x, weights = primals
+    tx, tweights = tangents
     dims = (((x.ndim - 1,), (1,)), ((), ()))
-    t = jax.lax.dot_general(jnp.asarray(tx, jnp.float32), dequantized(*primals[1:]), dims,
-                            preferred_element_type=jnp.float32)
-    if fmt in (FORMATS["float32"], FORMATS["bfloat16"]) and not isinstance(tcodes, jax.custom_derivatives.SymbolicZero):
-        tw = jnp.asarray(tcodes, jnp.float32)[:n_rows]
-        t = t + jax.lax.dot_general(x.astype(jnp.float32), tw, dims, preferred_element_type=jnp.float32)
-    return _matmul(fmt, n_rows, dequantized, *primals), t
+    out = []
+    for fmt, n, dense, arrays, tarrays in zip(fmts, n_rows, dequantized, weights, tweights):
+        t = jax.lax.dot_general(jnp.asarray(tx, jnp.float32), dense(*arrays), dims,
+                                preferred_element_type=jnp.float32)
+        tcodes = tarrays[0]
+        if fmt in (FORMATS["float32"], FORMATS["bfloat16"]) and not isinstance(
+                tcodes, jax.custom_derivatives.SymbolicZero):
+            tw = jnp.asarray(tcodes, jnp.float32)[:n]
+            t = t + jax.lax.dot_general(x.astype(jnp.float32), tw, dims, preferred_element_type=jnp.float32)
+        out.append(t)
+    return _matmul(fmts, n_rows, dequantized, *primals), tuple(out)
+
+
+def matmul_many(x: jax.Array, weights: list[tuple]) -> tuple[jax.Array, ...]:
+    """x [..., K] @ W_i[:n_i].T -> float32 [..., n_i] for each weight, in ONE kernel call; each weight given as
+    (fmt (a FORMATS name), codes, scale, mins, tensor_scale, n_i, dequantized) with `dequantized(codes, scale, mins,
+    tensor_scale)` -> float32 [n_i, K] (for derivatives only). Every output equals `matmul` with that weight alone,
+    bit for bit (a row's chain depends on nothing else in the call)."""
+    if not available():
+        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
+    fmts = tuple(FORMATS[w[0]] for w in weights)
+    n_rows = tuple(int(w[5]) for w in weights)
+    return _matmul(fmts, n_rows, tuple(w[6] for w in weights), x, tuple(tuple(w[1:5]) for w in weights))
 
 
 def matmul(x: jax.Array, fmt: str, codes, scale, mins, tensor_scale, n_rows: int,
            dequantized: Callable) -> jax.Array:
     """x [..., K] @ W[:n_rows].T -> float32 [..., n_rows]; W given by its arrays in format `fmt` (FORMATS);
     `dequantized(codes, scale, mins, tensor_scale)` -> float32 [n_rows, K] (for derivatives only)."""
-    if not available():
-        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
-    return _matmul(FORMATS[fmt], int(n_rows), dequantized, x, codes, scale, mins, tensor_scale)
+    return matmul_many(x, [(fmt, codes, scale, mins, tensor_scale, n_rows, dequantized)])[0]

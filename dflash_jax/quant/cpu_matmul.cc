@@ -14,11 +14,21 @@
 // with NVFP4's tensor scale applied to the float32 result as the portable backend does.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -82,6 +92,7 @@ using Vec = __m512;
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 // x elements [k, k + 16) of one row, zero past `valid` (a dense weight's ragged last block)
 inline Vec vload(const float* p, int valid) {
   return valid >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(__mmask16((1u << std::max(valid, 0)) - 1), p);
@@ -150,6 +161,7 @@ inline float vsum(const Vec& a) {
   return t[0];
 }
 inline Vec vload(const float* p, int valid) { Vec r; for (int l = 0; l < 16; ++l) r.v[l] = l < valid ? p[l] : 0.f; return r; }
+inline Vec vadd(const Vec& a, const Vec& b) { Vec r; for (int l = 0; l < 16; ++l) r.v[l] = a.v[l] + b.v[l]; return r; }
 
 inline float weight_at(const Weight& w, int64_t n, int64_t k) {
   const int64_t K = w.K, b = k / kBlock, j = k % kBlock;
@@ -194,19 +206,21 @@ void tile(const Weight& w, const float* x, float* y, int64_t m0, int64_t n0, int
   const int64_t K = w.K, nb = (K + kBlock - 1) / kBlock;
   const float* xt = x + m0 * K;
   for (int64_t n = n0; n < n1; ++n) {
-    Vec acc[T];
-    for (int i = 0; i < T; ++i) acc[i] = vzero();
+    // two accumulators per row (each block's first and second halves): a 1-row product waits on one FMA per block,
+    // not two; combined as lo + hi for every row whatever T
+    Vec lo[T], hi[T];
+    for (int i = 0; i < T; ++i) lo[i] = hi[i] = vzero();
     for (int64_t b = 0; b < nb; ++b) {
       Vec w0, w1;
       decode<F>(w, n, b, w0, w1);
       const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
       for (int i = 0; i < T; ++i) {
         const float* xm = xt + i * K + b * kBlock;
-        acc[i] = vfma(w0, vload(xm, valid), acc[i]);
-        acc[i] = vfma(w1, vload(xm + 16, valid - 16), acc[i]);
+        lo[i] = vfma(w0, vload(xm, valid), lo[i]);
+        hi[i] = vfma(w1, vload(xm + 16, valid - 16), hi[i]);
       }
     }
-    for (int i = 0; i < T; ++i) y[(m0 + i) * w.N + n] = vsum(acc[i]) * w.tensor_scale;
+    for (int i = 0; i < T; ++i) y[(m0 + i) * w.N + n] = vsum(vadd(lo[i], hi[i])) * w.tensor_scale;
   }
 }
 
@@ -236,60 +250,174 @@ void rows(const Weight& w, const float* x, float* y, int64_t M, int64_t n0, int6
   }
 }
 
-// Output rows [0, N) in chunks, claimed by the calling thread and by tasks on XLA's intra-op pool. The caller never
-// waits on a chunk nobody has claimed (a pool that runs tasks late, or never, cannot stall it); a late task finds
-// no chunk left and touches only the shared counters it co-owns.
-template <typename Body>
-void parallel_rows(ffi::ThreadPool& pool, int64_t N, int64_t chunk, const Body& body) {
-  struct Counters { std::atomic<int64_t> next{0}, done{0}; };
-  const int64_t chunks = (N + chunk - 1) / chunk;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks - 1);
-  auto counters = std::make_shared<Counters>();
-  const Body* f = &body;
-  auto work = [counters, chunks, chunk, N, f]() {
-    for (int64_t i; (i = counters->next.fetch_add(1)) < chunks;) {
-      (*f)(i * chunk, std::min(N, (i + 1) * chunk));
-      counters->done.fetch_add(1, std::memory_order_release);
+// The kernel's own worker threads. A decode step makes ~120 short calls (a 576 x 576 Q4_1 product is ~200 KB,
+// ~12 us of memory traffic), and handing half of one to a thread of XLA's pool costs more than the half: the pool
+// thread is usually asleep and takes tens of microseconds to wake (measured: 120 chained calls 3.3-4.4 ms through
+// the pool, 2.6 ms on the calling thread alone, 1.3 ms for the same bytes as one call). So, as llama.cpp does, the
+// workers here spin for a short while after each job, and a step's next call finds them awake. A worker sleeps on a
+// condition variable after kSpinMicros without work, so an idle process costs nothing.
+//
+// One job at a time: a call that finds the workers busy (XLA may run two independent custom calls at once) does its
+// rows alone on its own thread. Results never depend on who ran a chunk (see Exactness above).
+class Workers {
+ public:
+  static Workers& get() {
+    static Workers* w = new Workers();  // never destroyed: threads outlive static destruction order safely
+    return *w;
+  }
+
+  // Runs body(i) for i in [0, n), split over the calling thread and the workers; returns when all n are done.
+  template <typename Body>
+  void run(int64_t n, const Body& body) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock() || threads_.empty() || n < 2) {
+      for (int64_t i = 0; i < n; ++i) body(i);
+      return;
+    }
+    auto job = std::make_shared<Job>();
+    job->n = n;
+    job->body = [&body](int64_t i) { body(i); };
+    {
+      std::lock_guard<std::mutex> lock(slot_mutex_);
+      slot_ = job;
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> lock(sleep_mutex_);
+      wake_.notify_all();
+    }
+    job->work();
+    // Only chunks a worker is running remain: spin (they are short), yielding now and then in case that worker
+    // was descheduled on a loaded machine.
+    for (int spins = 0; job->done.load(std::memory_order_acquire) < n; ++spins) {
+      if (spins % 4096 == 4095) std::this_thread::yield();
+      else pause();
+    }
+    std::lock_guard<std::mutex> lock(slot_mutex_);
+    slot_.reset();  // a late worker holding `job` finds no index left and never calls `body` (gone with this frame)
+  }
+
+ private:
+  struct Job {
+    int64_t n = 0;
+    std::function<void(int64_t)> body;
+    std::atomic<int64_t> next{0}, done{0};
+    void work() {
+      for (int64_t i; (i = next.fetch_add(1)) < n;) {
+        body(i);
+        done.fetch_add(1, std::memory_order_release);
+      }
     }
   };
-  for (int64_t h = 0; h < helpers; ++h) {
-    auto task = work;
-    pool.Schedule(std::move(task));
-  }
-  work();
-  // Only chunks another thread is running remain: spin briefly, then yield (on a loaded machine that thread may be
-  // descheduled, and spinning would take the core it needs).
-  for (int spins = 0; counters->done.load(std::memory_order_acquire) < chunks; ++spins) {
-    if (spins < 2000) {
-#if defined(__AVX512F__)
-      _mm_pause();
+
+  static constexpr int64_t kSpinMicros = 300;
+  static constexpr int kPauseSpins = 2000;  // ~10-20 us of pause instructions
+
+  static void pause() {
+#if defined(__x86_64__) || defined(_M_X64)
+    __builtin_ia32_pause();
 #endif
-    } else {
-      std::this_thread::yield();
+  }
+
+  static int threads_wanted() {
+    if (const char* env = std::getenv("DFLASH_JAX_KERNEL_THREADS")) {
+      const int t = std::atoi(env);
+      if (t >= 1) return std::min(t, 64);
+    }
+#if defined(__linux__)
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, std::min(CPU_COUNT(&set), 32));
+#endif
+    return std::max(1u, std::min(std::thread::hardware_concurrency(), 32u));
+  }
+
+  Workers() {
+    for (int t = 1; t < threads_wanted(); ++t) threads_.emplace_back([this] { loop(); });
+    for (auto& t : threads_) t.detach();
+  }
+
+  void loop() {
+    uint64_t seen = generation_.load();
+    for (;;) {
+      auto start = std::chrono::steady_clock::now();
+      for (int spins = 0; generation_.load(std::memory_order_acquire) == seen; ++spins) {
+        // Spin on the core for the gap between two calls of a step; past it, yield between checks, so a thread of
+        // XLA's own pool (its parallel fusions) that wants this core gets it; then sleep.
+        if (spins < kPauseSpins) pause();
+        else std::this_thread::yield();
+        if (spins % 64 == 63 &&
+            std::chrono::steady_clock::now() - start > std::chrono::microseconds(kSpinMicros)) {
+          std::unique_lock<std::mutex> lock(sleep_mutex_);
+          sleepers_.fetch_add(1);
+          wake_.wait(lock, [&] { return generation_.load() != seen; });
+          sleepers_.fetch_sub(1);
+        }
+      }
+      std::shared_ptr<Job> job;
+      {
+        std::lock_guard<std::mutex> lock(slot_mutex_);
+        job = slot_;
+        seen = generation_.load();
+      }
+      if (job) job->work();
     }
   }
-}
 
-ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
-                           ffi::AnyBuffer scale, ffi::AnyBuffer mins, ffi::Buffer<ffi::F32> tensor_scale,
-                           ffi::ResultBuffer<ffi::F32> y, int64_t format, int64_t n_rows) {
-  if (format < kF32 || format > kNVFP4) return ffi::Error::InvalidArgument("unknown weight format");
-  Weight w;
-  w.format = Format(format);
-  w.K = x.dimensions().back();
-  w.N = n_rows;
-  w.codes = reinterpret_cast<const uint8_t*>(codes.untyped_data());
-  w.scale = scale.untyped_data();
-  w.mins = mins.untyped_data();
-  w.tensor_scale = tensor_scale.typed_data()[0];
-  if ((w.format == kQ4_1 || w.format == kQ8_0) && w.K % 32) return ffi::Error::InvalidArgument("K % 32 != 0");
-  if (w.format == kNVFP4 && w.K % 16) return ffi::Error::InvalidArgument("K % 16 != 0");
-  const int64_t M = w.K ? x.element_count() / w.K : 0;
+  std::mutex busy_, slot_mutex_, sleep_mutex_;
+  std::condition_variable wake_;
+  std::shared_ptr<Job> slot_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> sleepers_{0};
+  std::vector<std::thread> threads_;
+};
+
+// One call computes the products of one x with several weights (a layer's q / k / v, or gate / up: the same input),
+// so the per-call cost (the custom call, waking the pool, the final wait) is paid once for all of them. Operands:
+// x, then 4 per weight (codes, scale, mins, tensor scale [1]); results: one per weight. Each output row is computed
+// exactly as a call with that weight alone would compute it (the chains above), so fusing changes no value.
+ffi::Error BlockMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                           ffi::RemainingRets rets, ffi::Span<const int64_t> formats,
+                           ffi::Span<const int64_t> n_rows) {
+  const size_t n_weights = formats.size();
+  if (n_weights == 0 || n_rows.size() != n_weights || args.size() != 4 * n_weights || rets.size() != n_weights)
+    return ffi::Error::InvalidArgument("operands: x, then codes, scale, mins, tensor scale per weight; one result each");
+  const int64_t K = x.dimensions().back();
+  const int64_t M = K ? x.element_count() / K : 0;
+  std::vector<Weight> ws(n_weights);
+  std::vector<float*> ys(n_weights);
+  int64_t total = 0;
+  for (size_t i = 0; i < n_weights; ++i) {
+    auto codes = args.get<ffi::AnyBuffer>(4 * i), scale = args.get<ffi::AnyBuffer>(4 * i + 1),
+         mins = args.get<ffi::AnyBuffer>(4 * i + 2);
+    auto tensor_scale = args.get<ffi::Buffer<ffi::F32>>(4 * i + 3);
+    auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
+    if (!codes || !scale || !mins || !tensor_scale || !y) return ffi::Error::InvalidArgument("operand types");
+    if (formats[i] < kF32 || formats[i] > kNVFP4) return ffi::Error::InvalidArgument("unknown weight format");
+    Weight& w = ws[i];
+    w.format = Format(formats[i]);
+    w.K = K;
+    w.N = n_rows[i];
+    w.codes = reinterpret_cast<const uint8_t*>(codes->untyped_data());
+    w.scale = scale->untyped_data();
+    w.mins = mins->untyped_data();
+    w.tensor_scale = tensor_scale->typed_data()[0];
+    if ((w.format == kQ4_1 || w.format == kQ8_0) && K % 32) return ffi::Error::InvalidArgument("K % 32 != 0");
+    if (w.format == kNVFP4 && K % 16) return ffi::Error::InvalidArgument("K % 16 != 0");
+    ys[i] = (*y)->typed_data();
+    total += w.N;
+  }
+  // ~64 chunks per call over all the weights' rows: enough to balance two to a few threads, few enough that claiming
+  // one costs nothing. Chunk c is rows [c * chunk, ...) of the weights laid end to end, cut at weight boundaries.
+  const int64_t chunk = std::max<int64_t>(16, (total + 63) / 64);
+  struct Piece { int32_t weight; int64_t n0, n1; };
+  std::vector<Piece> pieces;
+  for (size_t i = 0; i < n_weights; ++i)
+    for (int64_t n0 = 0; n0 < ws[i].N; n0 += chunk)
+      pieces.push_back({int32_t(i), n0, std::min(ws[i].N, n0 + chunk)});
   const float* xp = x.typed_data();
-  float* yp = y->typed_data();
-  // ~64 chunks per call: enough to balance two to a few threads, few enough that claiming one costs nothing
-  const int64_t chunk = std::max<int64_t>(16, (n_rows + 63) / 64);
-  parallel_rows(pool, n_rows, chunk, [&](int64_t n0, int64_t n1) { rows(w, xp, yp, M, n0, n1); });
+  Workers::get().run(int64_t(pieces.size()), [&](int64_t p) {
+    rows(ws[pieces[p].weight], xp, ys[pieces[p].weight], M, pieces[p].n0, pieces[p].n1);
+  });
   return ffi::Error::Success();
 }
 
@@ -297,14 +425,10 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashBlockMatmul, BlockMatmulImpl,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [..., K]
-                                  .Arg<ffi::AnyBuffer>()         // codes
-                                  .Arg<ffi::AnyBuffer>()         // scale
-                                  .Arg<ffi::AnyBuffer>()         // mins
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // tensor scale [1]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [..., n_rows]
-                                  .Attr<int64_t>("format")
-                                  .Attr<int64_t>("n_rows"));
+                                  .RemainingArgs()               // per weight: codes, scale, mins, tensor scale [1]
+                                  .RemainingRets()               // per weight: y [..., n_rows]
+                                  .Attr<ffi::Span<const int64_t>>("formats")
+                                  .Attr<ffi::Span<const int64_t>>("n_rows"));
 
-extern "C" int dflash_kernel_abi_version() { return 1; }
+extern "C" int dflash_kernel_abi_version() { return 2; }

@@ -316,6 +316,22 @@ def embedding_rows(table: Any, ids: jax.Array, dtype) -> jax.Array:
     return jnp.take(table, ids, axis=0).astype(dtype)
 
 
+def linear_many(x: jax.Array, weights: tuple, *, backend: str | None = None) -> tuple[jax.Array, ...]:
+    """(linear(x, w) for w in weights), the same values bit for bit, as ONE CPU kernel call where every weight runs
+    through the kernel: a layer's q / k / v or gate / up share their input, and a decode step is short enough that
+    the per-call cost of ~90 extra calls shows (`docs/cpu-step.md`). Elsewhere, one `linear` per weight."""
+    forms = [_kernel_form(x, w, backend) for w in weights]
+    if len(weights) < 2 or any(f is None for f in forms):
+        return tuple(linear(x, w, backend=backend) for w in weights)
+    recorder = execution.current().input_recorder
+    if recorder is not None:
+        for w in weights:
+            recorder(x, w)
+    ys = cpu_kernel.matmul_many(x, [(fmt, *arrays, w.shape[0], dense)
+                                    for w, (fmt, arrays, dense) in zip(weights, forms)])
+    return tuple(y.astype(x.dtype) for y in ys)
+
+
 def linear(x: jax.Array, w: Any, *, backend: str | None = None, out_rows: int | None = None) -> jax.Array:
     """y = x @ w.T for w [out, in] (dense array, NVFP4Array or GGMLArray); returns [..., out] in x.dtype.
 
