@@ -14,9 +14,10 @@ interaction.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from dflash_jax.models import selector
-from dflash_jax.models.drafter import Drafter, block_hidden, head_logits, propose_from_hidden
+from dflash_jax.models.drafter import Drafter, block_hidden, head_logits, pad_vocabulary, propose_from_hidden
 from dflash_jax.decode.sampling import SamplingParams, _draw, sample_tokens
 from dflash_jax.models.cache import KVCache
 from dflash_jax.models.target import Target
@@ -30,7 +31,10 @@ def draft_step(drafter: Drafter, target: Target, block: jax.Array, cache: KVCach
     D = num_slots
     h = block_hidden(drafter, target, block, cache)[:, 1:1 + D]  # [B, D, H]
     if not drafter.config.is_dflash2:
-        logits = head_logits(drafter, target, h)
+        drafted = head_logits(drafter, target, h, padded=False)  # [B, D, n]: the draft vocabulary's logits
+        logits = pad_vocabulary(drafted, drafter.config.model.vocab_size)  # [B, D, V]
+        if sp.greedy or sp.draft_sampling == "greedy":  # the same ids as over the padded row, at a fraction of it
+            return jnp.argmax(drafted, axis=-1).astype(jnp.int32), logits, None, keys
         drafts, keys = sample_tokens(logits, keys, sp, draft=True)
         return drafts, logits, None, keys
     B = block.shape[0]

@@ -124,7 +124,7 @@ def _tree_step(target: Target, drafter: Drafter, s: LoopState, sampling: Samplin
     dcache = append_context(drafter, s.pending, s.n_pending, s.dcache)
     block = jnp.full((B, dcfg.block_size), dcfg.mask_token_id, jnp.int32).at[:, 0].set(s.last)
     h = block_hidden(drafter, target, block, dcache)[:, 1:1 + D]  # [B, D, H]: one draft pass, as the chain's
-    d_logits = head_logits(drafter, target, h)  # [B, D, V]
+    d_logits = head_logits(drafter, target, h, padded=False)  # [B, D, n]: ids past a draft vocabulary never nodes
     tr = tree.build(tree.draft_scores(d_logits, sampling), s.last, N)
     kernel = tcfg.linear_conv_kernel_dim if tcfg.is_hybrid else 1
     anc = tree.ancestors(tr, max(D, kernel - 1))  # [B, 1 + N, >= D + 1]

@@ -116,13 +116,24 @@ def embed_block(drafter: Drafter, target: Target, block: jax.Array) -> jax.Array
     return x if scale == 1.0 else x * jnp.asarray(scale, x.dtype)
 
 
-def head_logits(drafter: Drafter, target: Target, h: jax.Array, *, full_vocabulary: bool = False) -> jax.Array:
+def pad_vocabulary(logits: jax.Array, vocab_size: int) -> jax.Array:
+    """Logits over a draft vocabulary's first n ids [.., n] -> [.., vocab_size], -inf past n (impossible drafts)."""
+    if logits.shape[-1] == vocab_size:
+        return logits
+    return jnp.pad(logits, [(0, 0)] * (logits.ndim - 1) + [(0, vocab_size - logits.shape[-1])],
+                   constant_values=-jnp.inf)
+
+
+def head_logits(drafter: Drafter, target: Target, h: jax.Array, *, full_vocabulary: bool = False,
+                padded: bool = True) -> jax.Array:
     """Draft logits [.., V] f32 of final hidden states h [.., H]: the target's lm_head, times output_multiplier,
     then cap * tanh(logits / cap) when final_logit_softcapping is set (z-lab `compute_logits`).
 
     With a draft vocabulary (config.draft_vocab_size = n) only the head's first n rows are computed and ids >= n get
     -inf: argmax, sampling and rejection sampling then treat them as impossible drafts (probability 0) with no other
-    change. full_vocabulary: all V logits regardless (training, whose loss vocabulary is its own choice)."""
+    change. full_vocabulary: all V logits regardless (training, whose loss vocabulary is its own choice).
+    padded=False: only the n computed logits [.., n] (`pad_vocabulary` makes them [.., V]); an argmax or a top-k of
+    them is the same ids as of the padded row, without writing and reading V - n entries of -inf per position."""
     dcfg = drafter.config
     V = dcfg.model.vocab_size
     n = None if full_vocabulary else dcfg.draft_vocab_size
@@ -133,10 +144,7 @@ def head_logits(drafter: Drafter, target: Target, h: jax.Array, *, full_vocabula
     if dcfg.final_logit_softcapping is not None:
         cap = dcfg.final_logit_softcapping
         logits = jnp.tanh(logits / cap) * cap
-    if logits.shape[-1] != V:
-        logits = jnp.pad(logits, [(0, 0)] * (logits.ndim - 1) + [(0, V - logits.shape[-1])],
-                         constant_values=-jnp.inf)  # [.., V]
-    return logits
+    return pad_vocabulary(logits, V) if padded else logits  # [.., V] or [.., n]
 
 
 def block_hidden(drafter: Drafter, target: Target, block: jax.Array, cache: KVCache) -> jax.Array:

@@ -53,9 +53,15 @@ def row(report: dict, name: str) -> dict:
     return r
 
 
+def _report_file(path) -> Path:
+    """A trainer's report: `<out>/train_report.json`, or a report file kept elsewhere (checkpoints/.../experiments)."""
+    path = Path(path)
+    return path if path.suffix == ".json" else path / "train_report.json"
+
+
 def collect(variants: dict[str, Path], long_dir: Path | None, baseline: dict | None) -> dict:
     out = {"heldout": "8 eval-split chat requests (seed 1), greedy, 256 new tokens, answers' EOS, float32 target",
-           "variants": [row(json.loads((Path(p) / "train_report.json").read_text()), n) for n, p in variants.items()],
+           "variants": [row(json.loads(_report_file(p).read_text()), n) for n, p in variants.items()],
            "long": []}
     if long_dir is not None:
         reports = sorted(Path(long_dir).glob("report_*.json"), key=lambda p: int(p.stem.split("_")[1]))
@@ -72,7 +78,7 @@ def main(argv=None):
     m.add_argument("folder", help="a drafter folder for the SmolLM2 target")
     m.add_argument("--nvfp4", action="store_true", help="quantize it first (dflash_jax.quantize_nvfp4)")
     c = sub.add_parser("collect", help="the experiments' reports -> one JSON file")
-    c.add_argument("--variant", action="append", default=[], help="NAME=OUT_DIR (its train_report.json)")
+    c.add_argument("--variant", action="append", default=[], help="NAME=OUT_DIR (its train_report.json) or NAME=REPORT.json")
     c.add_argument("--long", default=None, help="the long run's work dir (its report_<step>.json files)")
     c.add_argument("--baseline", default=None, help="a `measure` result (JSON) of the drafter it started from")
     c.add_argument("--out", required=True, help="the JSON file to write")
