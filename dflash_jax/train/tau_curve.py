@@ -59,13 +59,30 @@ def _report_file(path) -> Path:
     return path if path.suffix == ".json" else path / "train_report.json"
 
 
-def collect(variants: dict[str, Path], long_dir: Path | None, baseline: dict | None) -> dict:
+def collect(variants: dict[str, Path], long_dir, baseline: dict | None) -> dict:
+    """The curve file's contents. long_dir: the long run's work dir, or its legs' work dirs in order."""
     out = {"heldout": "8 eval-split chat requests (seed 1), greedy, 256 new tokens, answers' EOS, float32 target",
            "variants": [row(json.loads(_report_file(p).read_text()), n) for n, p in variants.items()],
            "long": []}
-    if long_dir is not None:
-        reports = sorted(Path(long_dir).glob("report_*.json"), key=lambda p: int(p.stem.split("_")[1]))
-        out["long"] = [row(json.loads(p.read_text()), f"long@{p.stem.split('_')[1]}") for p in reports]
+    # Legs of one long run (each leg --init-from the previous leg's result, its own schedule and work dir): a leg's
+    # steps, CPU time and tokens read continue from where the previous leg ended.
+    legs = [] if long_dir is None else [long_dir] if isinstance(long_dir, (str, Path)) else list(long_dir)
+    offset = {"step": 0, "cpu_s": 0.0, "answer_tokens_seen": 0}
+    for leg, leg_dir in enumerate(legs):
+        reports = sorted(Path(leg_dir).glob("report_*.json"), key=lambda p: int(p.stem.split("_")[1]))
+        rows = []
+        for p in reports:
+            r = row(json.loads(p.read_text()), "")
+            for k, base in offset.items():
+                if r.get(k) is not None:
+                    r[k] = r[k] + base
+            r["name"], r["leg"] = f"long@{r['step']}", leg + 1
+            if r.get("cpu_s") is not None:
+                r["cpu_min"] = round(r["cpu_s"] / 60, 2)
+            rows.append(r)
+        out["long"] += rows
+        if rows:
+            offset = {k: rows[-1][k] or 0 for k in offset}
     if baseline is not None:
         out["baseline"] = baseline
     return out
@@ -79,7 +96,8 @@ def main(argv=None):
     m.add_argument("--nvfp4", action="store_true", help="quantize it first (dflash_jax.quantize_nvfp4)")
     c = sub.add_parser("collect", help="the experiments' reports -> one JSON file")
     c.add_argument("--variant", action="append", default=[], help="NAME=OUT_DIR (its train_report.json) or NAME=REPORT.json")
-    c.add_argument("--long", default=None, help="the long run's work dir (its report_<step>.json files)")
+    c.add_argument("--long", nargs="+", default=None,
+                   help="the long run's work dir (its report_<step>.json files), or its legs' work dirs in order")
     c.add_argument("--baseline", default=None, help="a `measure` result (JSON) of the drafter it started from")
     c.add_argument("--out", required=True, help="the JSON file to write")
     args = ap.parse_args(argv)
@@ -88,7 +106,7 @@ def main(argv=None):
         return 0
     variants = dict(v.split("=", 1) for v in args.variant)
     baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else None
-    res = collect(variants, Path(args.long) if args.long else None, baseline)
+    res = collect(variants, [Path(d) for d in args.long] if args.long else None, baseline)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(f"{args.out}: {len(res['variants'])} variants, {len(res['long'])} long-run points")
     return 0
