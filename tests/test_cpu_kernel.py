@@ -216,3 +216,21 @@ def test_smollm2_blocks_are_its_dequantized_weights():
     tokens = np.asarray([[1, 504, 3458, 30, 2209, 1380, 14]], np.int32)
     a, b = dj.target_forward(blocks, tokens)[0], dj.target_forward(dense, tokens)[0]
     assert float(jnp.max(jnp.abs(a - b))) <= 2e-5 * float(jnp.max(jnp.abs(b)))
+
+
+def test_concurrent_calls_from_several_threads_agree():
+    """The kernel's worker threads take one call at a time; a call that finds them busy runs alone on its own thread.
+    Several Python threads running kernel programs at once (XLA runs each on its own) all get the exact values."""
+    import concurrent.futures
+
+    K = 576
+    w = _weights(1536, K, seed=11)["q4_1"]
+    xs = [jnp.asarray(np.random.default_rng(20 + i).standard_normal((1 + i % 3, K)), jnp.float32) for i in range(6)]
+    f = jax.jit(lambda x, w: linear(x, w))
+    expected = [np.asarray(f(x, w)) for x in xs]
+
+    def run(i):
+        return all(np.array_equal(np.asarray(f(xs[i % 6], w)), expected[i % 6]) for _ in range(15))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(run, range(12)))
