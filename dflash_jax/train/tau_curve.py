@@ -3,9 +3,9 @@ tokens, from the trainer's reports (`<out>/train_report.json`, and the long run'
 written to checkpoints/smollm2/drafter_curve.json, which the training notebook plots; and the held-out measure itself
 for any drafter folder, dense and NVFP4.
 
-    python -m dflash_jax.train.tau_curve measure checkpoints/smollm2/drafter [--nvfp4]
-    python -m dflash_jax.train.tau_curve collect --variant base=.train/exp/base_out ... --long .train/long \\
-        --baseline BASELINE.json --out checkpoints/smollm2/drafter_curve.json
+    python -m dflash_jax.train.tau_curve measure checkpoints/smollm2/drafter [--nvfp4] [--out FILE]
+    python -m dflash_jax.train.tau_curve collect --variant base=.train/exp/base_out ... \\
+        --long LEG1_WORK_DIR [LEG2_WORK_DIR ...] --baseline BASELINE.json --out checkpoints/smollm2/drafter_curve.json
 
 Held-out tau is the trainer's: the 8 requests `chat_prompt_ids(tok, 8, split="eval", seed=1)`, greedy, 256 new
 tokens, stopping at the answers' EOS, the float32 target, the drafter's own draft vocabulary.
@@ -53,6 +53,12 @@ def row(report: dict, name: str) -> dict:
     return r
 
 
+def _out_file(path, name: str) -> Path:
+    """--out: a JSON file, or a folder to write `name` into."""
+    path = Path(path)
+    return path / name if path.is_dir() else path
+
+
 def _report_file(path) -> Path:
     """A trainer's report: `<out>/train_report.json`, or a report file kept elsewhere (checkpoints/.../experiments)."""
     path = Path(path)
@@ -94,21 +100,28 @@ def main(argv=None):
     m = sub.add_parser("measure", help="held-out tau of a drafter folder at D 3 and D 7")
     m.add_argument("folder", help="a drafter folder for the SmolLM2 target")
     m.add_argument("--nvfp4", action="store_true", help="quantize it first (dflash_jax.quantize_nvfp4)")
+    m.add_argument("--prompts", type=int, default=8, help="held-out requests (default 8, the trainer's)")
+    m.add_argument("--new-tokens", type=int, default=256, help="new tokens per request (default 256, the trainer's)")
+    m.add_argument("--out", default=None, help="also write the result (JSON) here")
     c = sub.add_parser("collect", help="the experiments' reports -> one JSON file")
     c.add_argument("--variant", action="append", default=[], help="NAME=OUT_DIR (its train_report.json) or NAME=REPORT.json")
     c.add_argument("--long", nargs="+", default=None,
                    help="the long run's work dir (its report_<step>.json files), or its legs' work dirs in order")
     c.add_argument("--baseline", default=None, help="a `measure` result (JSON) of the drafter it started from")
-    c.add_argument("--out", required=True, help="the JSON file to write")
+    c.add_argument("--out", required=True, help="the JSON file to write (or a folder: drafter_curve.json in it)")
     args = ap.parse_args(argv)
     if args.cmd == "measure":
-        print(json.dumps(measure(args.folder, nvfp4=args.nvfp4), indent=1))
+        res = measure(args.folder, nvfp4=args.nvfp4, prompts=args.prompts, new_tokens=args.new_tokens)
+        print(json.dumps(res, indent=1))
+        if args.out:
+            _out_file(args.out, "drafter_tau.json").write_text(json.dumps(res, indent=1) + "\n")
         return 0
     variants = dict(v.split("=", 1) for v in args.variant)
     baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else None
     res = collect(variants, [Path(d) for d in args.long] if args.long else None, baseline)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(f"{args.out}: {len(res['variants'])} variants, {len(res['long'])} long-run points")
+    out = _out_file(args.out, "drafter_curve.json")
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"{out}: {len(res['variants'])} variants, {len(res['long'])} long-run points")
     return 0
 
 
