@@ -59,6 +59,12 @@ def _out_file(path, name: str) -> Path:
     return path / name if path.is_dir() else path
 
 
+def _variant_name(path: str) -> str:
+    """A variant given as a bare path is named after it: its folder, or its report file without `_report`."""
+    p = Path(path)
+    return p.stem.removesuffix("_report") if p.suffix == ".json" else p.name
+
+
 def _report_file(path) -> Path:
     """A trainer's report: `<out>/train_report.json`, or a report file kept elsewhere (checkpoints/.../experiments)."""
     path = Path(path)
@@ -104,7 +110,9 @@ def main(argv=None):
     m.add_argument("--new-tokens", type=int, default=256, help="new tokens per request (default 256, the trainer's)")
     m.add_argument("--out", default=None, help="also write the result (JSON) here")
     c = sub.add_parser("collect", help="the experiments' reports -> one JSON file")
-    c.add_argument("--variant", action="append", default=[], help="NAME=OUT_DIR (its train_report.json) or NAME=REPORT.json")
+    c.add_argument("--variant", action="append", default=[],
+                   help="[NAME=]OUT_DIR (its train_report.json) or [NAME=]REPORT.json (named after the path when "
+                        "NAME= is left out)")
     c.add_argument("--long", nargs="+", default=None,
                    help="the long run's work dir (its report_<step>.json files), or its legs' work dirs in order")
     c.add_argument("--baseline", default=None, help="a `measure` result (JSON) of the drafter it started from")
@@ -116,7 +124,7 @@ def main(argv=None):
         if args.out:
             _out_file(args.out, "drafter_tau.json").write_text(json.dumps(res, indent=1) + "\n")
         return 0
-    variants = dict(v.split("=", 1) for v in args.variant)
+    variants = dict(v.split("=", 1) if "=" in v else (_variant_name(v), v) for v in args.variant)
     baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else None
     res = collect(variants, [Path(d) for d in args.long] if args.long else None, baseline)
     out = _out_file(args.out, "drafter_curve.json")
