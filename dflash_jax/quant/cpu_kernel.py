@@ -8,9 +8,9 @@ machine builds anew and concurrent processes never read a half-written library (
 compiler is found or the build fails, `available()` is False with the reason in `unavailable_reason()`, and callers
 fall back to XLA's own dot (slower, same values up to summation order). `DFLASH_JAX_CPU_KERNEL=0` switches it off.
 
-`matmul` and `matmul_many` are the entry points, and `quant/linear.py` their only caller: x [..., K] (any float
-dtype; computed in float32) times a weight given as its raw arrays and a format code, -> float32 [..., n_rows];
-`matmul_many` does several weights that share x (q / k / v, gate / up) in one call. Its derivative is the
+`matmul_many` is the only entry point, and `quant/linear.py` its only caller: x [..., K] (any float dtype; computed
+in float32) times one or several weights sharing x (q / k / v, gate / up), each given as its raw arrays and a format
+code, -> float32 [..., n_rows] per weight, in one call. Its derivative is the
 plain XLA product with the dequantized weight (`dequantized`), so gradients and transposes work like a dense dot.
 """
 
@@ -163,17 +163,10 @@ def _matmul_jvp(fmts, n_rows, dequantized, primals, tangents):
 def matmul_many(x: jax.Array, weights: list[tuple]) -> tuple[jax.Array, ...]:
     """x [..., K] @ W_i[:n_i].T -> float32 [..., n_i] for each weight, in ONE kernel call; each weight given as
     (fmt (a FORMATS name), codes, scale, mins, tensor_scale, n_i, dequantized) with `dequantized(codes, scale, mins,
-    tensor_scale)` -> float32 [n_i, K] (for derivatives only). Every output equals `matmul` with that weight alone,
+    tensor_scale)` -> float32 [n_i, K] (for derivatives only). Every output equals the call with that weight alone,
     bit for bit (a row's chain depends on nothing else in the call)."""
     if not available():
         raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
     fmts = tuple(FORMATS[w[0]] for w in weights)
     n_rows = tuple(int(w[5]) for w in weights)
     return _matmul(fmts, n_rows, tuple(w[6] for w in weights), x, tuple(tuple(w[1:5]) for w in weights))
-
-
-def matmul(x: jax.Array, fmt: str, codes, scale, mins, tensor_scale, n_rows: int,
-           dequantized: Callable) -> jax.Array:
-    """x [..., K] @ W[:n_rows].T -> float32 [..., n_rows]; W given by its arrays in format `fmt` (FORMATS);
-    `dequantized(codes, scale, mins, tensor_scale)` -> float32 [n_rows, K] (for derivatives only)."""
-    return matmul_many(x, [(fmt, codes, scale, mins, tensor_scale, n_rows, dequantized)])[0]

@@ -323,12 +323,18 @@ def linear_many(x: jax.Array, weights: tuple, *, backend: str | None = None) -> 
     forms = [_kernel_form(x, w, backend) for w in weights]
     if len(weights) < 2 or any(f is None for f in forms):
         return tuple(linear(x, w, backend=backend) for w in weights)
+    return _kernel_products(x, weights, forms, [w.shape[0] for w in weights])
+
+
+def _kernel_products(x: jax.Array, weights, forms, rows) -> tuple[jax.Array, ...]:
+    """The CPU kernel's products of x with each weight (its `_kernel_form`), the first `rows` outputs of each, in one
+    call; [..., rows_i] in x.dtype. The calibration recorder sees every (x, weight) pair as `linear` would."""
     recorder = execution.current().input_recorder
     if recorder is not None:
         for w in weights:
             recorder(x, w)
-    ys = cpu_kernel.matmul_many(x, [(fmt, *arrays, w.shape[0], dense)
-                                    for w, (fmt, arrays, dense) in zip(weights, forms)])
+    ys = cpu_kernel.matmul_many(x, [(fmt, *arrays, n, lambda *a, dense=dense, n=n: dense(*a)[:n])
+                                    for (fmt, arrays, dense), n in zip(forms, rows)])
     return tuple(y.astype(x.dtype) for y in ys)
 
 
@@ -344,13 +350,10 @@ def linear(x: jax.Array, w: Any, *, backend: str | None = None, out_rows: int | 
     recorder = execution.current().input_recorder  # calibration (quantize.collect_linear_inputs), eager only
     kernel = _kernel_form(x, w, backend)
     if kernel is not None:
-        if recorder is not None:
-            recorder(x, w)
         n = w.shape[0] if out_rows is None else out_rows
         if not 1 <= n <= w.shape[0]:
             raise ValueError(f"linear: out_rows {n} outside 1..{w.shape[0]} (the weight has {w.shape[0]} output rows)")
-        fmt, arrays, dense = kernel
-        return cpu_kernel.matmul(x, fmt, *arrays, n, lambda *a: dense(*a)[:n]).astype(x.dtype)
+        return _kernel_products(x, (w,), (kernel,), (n,))[0]
     if isinstance(w, GGMLArray):  # no kernel here: the XLA product with the dequantized values
         if recorder is not None:
             recorder(x, w)

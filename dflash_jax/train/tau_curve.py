@@ -84,14 +84,9 @@ def collect(variants: dict[str, Path], long_dir, baseline: dict | None) -> dict:
         reports = sorted(Path(leg_dir).glob("report_*.json"), key=lambda p: int(p.stem.split("_")[1]))
         rows = []
         for p in reports:
-            r = row(json.loads(p.read_text()), "")
-            for k, base in offset.items():
-                if r.get(k) is not None:
-                    r[k] = r[k] + base
-            r["name"], r["leg"] = f"long@{r['step']}", leg + 1
-            if r.get("cpu_s") is not None:
-                r["cpu_min"] = round(r["cpu_s"] / 60, 2)
-            rows.append(r)
+            report = json.loads(p.read_text())
+            report.update({k: report[k] + base for k, base in offset.items() if report.get(k) is not None})
+            rows.append({**row(report, f"long@{report['step']}"), "leg": leg + 1})
         out["long"] += rows
         if rows:
             offset = {k: rows[-1][k] or 0 for k in offset}
