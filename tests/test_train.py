@@ -190,6 +190,33 @@ def test_warm_start_copies_a_drafter_of_the_same_layout_and_names_a_misfit(tiny_
         td.warm_start(wider, dj.init_drafter(wider, jax.random.key(7)).params, drafter, exact=True)
 
 
+def test_grow_starts_a_deeper_drafter_as_exactly_the_source_and_trains_the_added_layer(tiny_pair):
+    """train-drafter --init-from X --grow: X's layers fill the bottom, each added layer starts as the identity, so the
+    grown drafter drafts exactly what X drafts; its added layer still gets gradients (zero residual outputs only)."""
+    target, drafter = tiny_pair
+    cfg = drafter.config
+    have = cfg.model.num_hidden_layers
+    deeper = cfg.replace(model=cfg.model.replace(num_hidden_layers=have + 1))
+    grown = dj.Drafter(params=td.warm_start(deeper, dj.init_drafter(deeper, jax.random.key(7)).params, drafter,
+                                            exact=True, grow=True), config=deeper)
+    chex.assert_trees_all_equal(grown.params.layers[:have], drafter.params.layers)
+    assert not np.any(np.asarray(grown.params.layers[have].self_attn.o_proj))
+    assert np.any(np.asarray(grown.params.layers[have].self_attn.q_proj))  # the rest is fresh, not zero
+    tokens = np.asarray(jax.random.randint(jax.random.key(3), (1, 12), 0, target.config.vocab_size))
+    _, feats = dj.target_forward(target, tokens, cfg.target_layer_ids)
+    block = np.full((1, cfg.block_size), cfg.mask_token_id)
+    block[0, 0] = tokens[0, 8]
+    np.testing.assert_allclose(np.asarray(dj.draft_logits(target, grown, feats[:, :8], block)),
+                               np.asarray(dj.draft_logits(target, drafter, feats[:, :8], block)), rtol=1e-6, atol=1e-6)
+
+    def loss(params):
+        return jnp.sum(dj.draft_logits(target, grown.replace(params=params), feats[:, :8], block)[..., :7] ** 2)
+    g = jax.grad(loss)(grown.params)
+    assert np.any(np.asarray(g.layers[have].self_attn.o_proj)) and np.any(np.asarray(g.layers[have].mlp.down_proj))
+    with pytest.raises(ValueError, match="not fewer than --layers"):
+        td.warm_start(cfg, dj.init_drafter(cfg, jax.random.key(7)).params, drafter, exact=True, grow=True)
+
+
 def test_target_fingerprint_names_weights_and_config(tiny_pair):
     """The data cache's target stamp: equal for the same target, different when a weight or a config value differs."""
     target, _ = tiny_pair

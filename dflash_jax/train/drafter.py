@@ -58,10 +58,13 @@ def measure_tau(target: Target, drafter: Drafter, prompts: list[list[int]], *, m
             "position_acceptance": [round(float(x), 4) for x in res.position_acceptance]}
 
 
-def warm_start(cfg: DrafterConfig, fresh, source: Drafter, *, exact: bool = False):
+def warm_start(cfg: DrafterConfig, fresh, source: Drafter, *, exact: bool = False, grow: bool = False):
     """`fresh` params with every tensor of the `source` drafter copied in (a DFlash drafter into a DFlash2 one
     fills the layers they share). exact: `source` must have every tensor `fresh` has (a warm start of the same
-    kind). A tensor that does not fit is named."""
+    kind). grow: `source` may have fewer layers than `fresh`; its layers fill the bottom of the stack and each added
+    layer on top starts as the identity (its o_proj and down_proj zero, so both residual branches add nothing), so
+    the grown drafter starts as exactly `source`'s function and training only adds to it. A tensor that does not
+    fit is named."""
     named = dict(named_leaves(fresh))
     theirs = named_leaves(source.params)
     for name, leaf in theirs.items():
@@ -69,9 +72,18 @@ def warm_start(cfg: DrafterConfig, fresh, source: Drafter, *, exact: bool = Fals
             raise ValueError(f"--init-from: tensor {name} {tuple(leaf.shape)} does not fit this "
                              f"{cfg.kind} drafter")
         named[name] = jnp.asarray(leaf, named[name].dtype)
+    if grow:
+        have, want = source.config.model.num_hidden_layers, cfg.model.num_hidden_layers
+        if have >= want:
+            raise ValueError(f"--grow: the --init-from drafter has {have} layers, not fewer than --layers {want}")
+        added = [name for name in named if name.startswith("layers.") and int(name.split(".")[1]) >= have]
+        for name in added:
+            if name.endswith(("self_attn.o_proj", "mlp.down_proj")):
+                named[name] = jnp.zeros_like(named[name])
+        theirs = {**theirs, **{name: None for name in added}}
     if exact and set(theirs) != set(named):
         raise ValueError(f"--init-from: the drafter lacks {sorted(set(named) - set(theirs))[:4]} "
-                         f"(it is not a {cfg.kind} drafter of this layout)")
+                         f"(it is not a {cfg.kind} drafter of this layout{'' if grow else '; --grow adds layers'})")
     return from_named(abstract_drafter(cfg), named)
 
 

@@ -123,6 +123,8 @@ def train_drafter(args, argv) -> dict:
         raise SystemExit(f"error: {e}") from None
     vocab_ids = loss_vocab_ids(args, work, data if data is not None else first, target.config.vocab_size)
 
+    if args.grow and not args.init_from:
+        raise SystemExit("error: --grow needs --init-from (the drafter to grow)")
     record = {"kind": "dflash", "block_size": cfg.block_size, "layers": args.layers,
               "target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id,
               "target": fingerprint, "vocabulary": vocab_fp, "vocab_size": target.config.vocab_size,
@@ -130,7 +132,7 @@ def train_drafter(args, argv) -> dict:
                                                                     else "cached continuations"),
               "max_data_tokens": args.max_data_tokens, "loss_vocab": args.loss_vocab, "kl_weight": args.kl_weight,
               "steps": args.steps, "lr": args.lr, "batch": args.batch, "anchors": args.anchors, "seed": args.seed,
-              "init": args.init_from or args.init}
+              "init": args.init_from or args.init, **({"grow": True} if args.grow else {})}
     try:
         if lead:
             check_or_record(work, record, resuming=_resuming(work))
@@ -141,7 +143,7 @@ def train_drafter(args, argv) -> dict:
     if args.init == "target":
         params = init_from_target(cfg, params, target)
     if args.init_from:
-        params = warm_start(cfg, params, load_drafter(args.init_from), exact=True)
+        params = warm_start(cfg, params, load_drafter(args.init_from), exact=True, grow=args.grow)
     tparams = trimmed_target_params(target, cfg, keep_top=bool(args.kl_weight))
     placement = None
     if mesh is not None:
@@ -242,6 +244,9 @@ def main(argv=None):
     ap.add_argument("--init-from", default=None,
                     help="start from this DFlash drafter folder (same layout), e.g. one trained for an earlier "
                          "version of the target")
+    ap.add_argument("--grow", action="store_true",
+                    help="with --init-from: that drafter may have fewer layers than --layers; its layers fill the "
+                         "bottom and each added layer starts as the identity (zero o_proj and down_proj)")
     ap.add_argument("--init", choices=("random", "target"), default="random",
                     help="fresh weights: random (std 0.02), or the target's own layers after the deepest tap "
                          "(`init_from_target`)")
