@@ -190,9 +190,10 @@ def main(argv=None):
                    help="with --step-table: write the table as step_table.json into FOLDER (default: the shipped "
                         "drafter's folder), where loading the drafter picks it up: generate's default (a chain of D "
                         "drafts or a draft tree) is then its best row for the running pair")
-    b.add_argument("--tree-budgets", type=int, nargs="*", default=[4, 8, 16, 32],
+    b.add_argument("--tree-budgets", type=int, nargs="*", default=None,
                    help="with --step-table: draft-tree rows, one per budget (nodes per step besides the root; "
-                        "default 4 8 16 32; none: chains only)")
+                        "default 4 8 16 32; none: chains only); with --pair-table: tree rows instead of the chains "
+                        "(beside them with --draft-length)")
     b.add_argument("--draft-vocab", type=int, default=None,
                    help="draft over the first N token ids only (0: the whole vocabulary; default: the drafter's "
                         "config)")

@@ -109,10 +109,15 @@ def test_pair_goals_read_the_right_cells():
     out = bench.format_pair_goals(rows)
     assert "tau at 1024 / tau at 128 tokens, greedy, D 7: 0.75" in out
     assert "speedup, greedy, D 7: 1.50x / 1.20x at 128 / 1024 tokens" in out
-    assert "speedup at T 0.7, D 7, 128 tokens: 1.10x" in out
+    assert "speedup at T 0.7, D 7: 1.10x / 0.50x at 128 / 1024 tokens" in out
     assert "identical to autoregressive: 22/24 runs" in out  # greedy rows only: 4+3+4 per drafter, 2 drafters
     table = bench.format_pair_table(rows, ("dense", "nvfp4"))
     assert len(table.splitlines()) == 2 + len(rows) and " - " in table.splitlines()[-1] + " "
+    trees = [dict(row(0.0, 2, n, 1.8, s), tree_budget=2) for n, s in ((128, 1.4), (1024, 1.25))]
+    out = bench.format_pair_goals(rows + trees)
+    assert "speedup, greedy, tree 2: 1.40x / 1.25x at 128 / 1024 tokens" in out  # not read as the chain D 2
+    assert "speedup, greedy, D 7: 1.50x / 1.20x" in out
+    assert "tree 2" in bench.format_pair_table(trees, ("dense", "nvfp4")).splitlines()[-1]
 
 
 def test_gguf_goals_quote_the_acceptance_rate_beside_tau():
@@ -200,7 +205,11 @@ def test_bench_tables_take_their_draft_lengths_from_the_drafter(monkeypatch, tmp
     assert [(line[:16].strip(), int(line[16:20])) for line in table] == [("dense", 3)], table
     cli.main(["bench", "--pair-table", "--temperature", "0", "--prompts", "1", "--new-tokens", "4"])
     out = capsys.readouterr().out
-    assert [line.split()[:2] for line in out.splitlines() if line.startswith(" 0.0 ")] == [["0.0", "3"]], out
+    assert [line.split()[:3] for line in out.splitlines() if line.startswith(" 0.0 ")] == [["0.0", "D", "3"]], out
+    cli.main(["bench", "--pair-table", "--temperature", "0", "--prompts", "1", "--new-tokens", "4",
+              "--tree-budgets", "2"])
+    out = capsys.readouterr().out
+    assert [line.split()[:3] for line in out.splitlines() if line.startswith(" 0.0 ")] == [["0.0", "tree", "2"]], out
     cli.main(["bench", "--nvfp4"] + small)
     assert "draft length 3 (block 4)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"--draft-length 7: the drafter's block holds 4 tokens .*so 1\.\.3"):

@@ -45,6 +45,8 @@ from dflash_jax.quant.quantize import (ATTENTION_PROJECTIONS, DFLASH2_PROJECTION
 from dflash_jax.train import corpus
 from dflash_jax.train.drafter_data import chat_prompt_ids
 
+TREE_BUDGETS = (4, 8, 16, 32)  # --step-table's draft-tree rows unless --tree-budgets names others
+
 
 def draft_lengths(drafters, preferred: tuple[int, ...]) -> tuple[int, ...]:
     """The `preferred` draft lengths every drafter's block holds, or, when none fits, the longest all of them hold."""
@@ -96,7 +98,8 @@ def step_table(args, target, drafter, prompts):
         raise SystemExit(f"--batches {bad}: each batch must be in 1..--prompts ({len(prompts)})")
     rows = bench.step_table(target, drafter, prompts, draft_lengths=lengths, draft_vocabs=vocabs,
                             batches=tuple(args.batches), max_new_tokens=args.new_tokens[0], reps=args.reps)
-    budgets = tuple(args.tree_budgets) if not drafter.config.is_dflash2 else ()
+    budgets = tuple(TREE_BUDGETS if args.tree_budgets is None else args.tree_budgets)
+    budgets = budgets if not drafter.config.is_dflash2 else ()
     rows += tree_bench.tree_rows(target, drafter, prompts, budgets=budgets, max_new_tokens=args.new_tokens[0],
                                  reps=args.reps)
     print(f"{len(prompts)} held-out prompts, {args.new_tokens[0]} new tokens, greedy, batches {args.batches} (draft "
@@ -216,8 +219,12 @@ def pair_table(args, target, drafter, prompts):
     print(f"embedded pair, {len(prompts)} held-out prompts, batch 1, dense and NVFP4 (RTN) DFlash drafter; decode "
           f"tokens/s exclude prefill and compile; speedup = median drafter tok/s / median AR tok/s, same run; at T > 0 "
           f"rejection sampling (output not expected to equal the AR sample)")
+    budgets = () if args.tree_budgets is None or drafter.config.is_dflash2 else tuple(args.tree_budgets)
+    if budgets and not args.draft_length:
+        lengths = ()  # --tree-budgets alone: the tree rows only
     rows = bench.pair_table(target, {"dense": drafter, "nvfp4": quantize_nvfp4(drafter)}, prompts,
-                            new_tokens=args.new_tokens, draft_lengths=lengths, temperatures=temps, seed=args.seed)
+                            new_tokens=args.new_tokens, draft_lengths=lengths, temperatures=temps, seed=args.seed,
+                            tree_budgets=budgets)
     print(bench.format_pair_table(rows, ("dense", "nvfp4")))
     print(bench.format_pair_goals(rows))
 

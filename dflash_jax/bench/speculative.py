@@ -239,19 +239,26 @@ def format_tau_table(rows: list[dict]) -> str:
 
 
 def pair_table(target: Target, drafters: dict, prompts: Sequence[Sequence[int]], *, new_tokens=(128, 512, 1024),
-               draft_lengths=(7, 15), temperatures=(0.0, 0.7), seed: int = 0) -> list[dict]:
-    """The shipped pair's summary grid: for each temperature and draft length, `compare` at every output length
-    with all `drafters` (e.g. dense and NVFP4) on the same prompts; one autoregressive baseline per cell."""
+               draft_lengths=(7, 15), temperatures=(0.0, 0.7), seed: int = 0, tree_budgets=()) -> list[dict]:
+    """The shipped pair's summary grid: for each temperature and setting (a chain of each draft length, then a draft
+    tree of each budget), `compare` at every output length with all `drafters` (e.g. dense and NVFP4) on the same
+    prompts; one autoregressive baseline per cell."""
     (first, d0), *rest = drafters.items()
+    settings = [dict(draft_length=D) for D in draft_lengths] + [dict(tree_budget=b) for b in tree_budgets]
     rows = []
     for temperature in temperatures:
-        for D in draft_lengths:
+        for spec in settings:
             for n in new_tokens:
-                r = compare(target, d0, prompts, max_new_tokens=n, draft_length=D, drafters=dict(rest),
-                            temperature=temperature, seed=seed)
+                r = compare(target, d0, prompts, max_new_tokens=n, drafters=dict(rest), temperature=temperature,
+                            seed=seed, **spec)
                 r[first] = r.pop("dflash")  # `compare` names its first drafter "dflash"
                 rows.append(r)
     return rows
+
+
+def setting_label(row: dict) -> str:
+    """'D 7' for a chain of 7 drafts, 'tree 4' for a draft tree of 4 nodes."""
+    return f"tree {row['tree_budget']}" if row.get("tree_budget") else f"D {row['draft_length']}"
 
 
 def format_pair_table(rows: list[dict], names: Sequence[str]) -> str:
@@ -261,32 +268,35 @@ def format_pair_table(rows: list[dict], names: Sequence[str]) -> str:
         return f" | {x['tau']:>12.2f} {x['speedup']:>6.2f}x {exact:>6}"
 
     return _drafter_table(
-        rows, names, f"{'T':>4} {'D':>3} {'new tok':>8} {'AR tok/s':>9}",
-        lambda r: (f"{r['temperature']:>4.1f} {r['draft_length']:>3} {r['max_new_tokens']:>8} "
+        rows, names, f"{'T':>4} {'draft':>7} {'new tok':>8} {'AR tok/s':>9}",
+        lambda r: (f"{r['temperature']:>4.1f} {setting_label(r):>7} {r['max_new_tokens']:>8} "
                    f"{r['ar_tokens_per_s']:>9.1f}"),
         lambda n: f" | {n + ' tau':>12} {'speedup':>7} {'exact':>6}", cell)
 
 
 def format_pair_goals(rows: list[dict], name: str = "nvfp4") -> str:
-    """The shipped pair's goal figures from one pair-table run (tau at the longest / shortest output, greedy speedups,
-    the T 0.7 speedup and greedy exactness; same run, medians over prompts)."""
-    def cell(T, D, n):
-        return next((r for r in rows if r["temperature"] == T and r["draft_length"] == D
+    """The shipped pair's goal figures from one pair-table run, per setting (chain length or tree budget): tau at the
+    longest / shortest output, greedy speedups, the T 0.7 speedup; and greedy exactness (same run, medians over
+    prompts)."""
+    def cell(T, label, n):
+        return next((r for r in rows if r["temperature"] == T and setting_label(r) == label
                      and r["max_new_tokens"] == n), None)
 
     lines = [f"pair goals ({name} drafter, this run):"]
     lengths = sorted({r["max_new_tokens"] for r in rows})
-    lo, hi = cell(0.0, 7, lengths[0]), cell(0.0, 7, lengths[-1])
-    if lo and hi:
-        lines.append(f"  tau at {lengths[-1]} / tau at {lengths[0]} tokens, greedy, D 7: "
-                     f"{hi[name]['tau'] / lo[name]['tau']:.2f} (goal >= 0.80)")
-    greedy7 = [cell(0.0, 7, n) for n in lengths]
-    if all(greedy7):
-        lines.append("  speedup, greedy, D 7: " + " / ".join(f"{r[name]['speedup']:.2f}x" for r in greedy7)
-                     + f" at {' / '.join(map(str, lengths))} tokens (goal >= 1.3 each)")
-    warm = cell(0.7, 7, lengths[0])
-    if warm:
-        lines.append(f"  speedup at T 0.7, D 7, {lengths[0]} tokens: {warm[name]['speedup']:.2f}x (goal > 1.0)")
+    for label in dict.fromkeys(setting_label(r) for r in rows):
+        lo, hi = cell(0.0, label, lengths[0]), cell(0.0, label, lengths[-1])
+        if lo and hi and len(lengths) > 1:
+            lines.append(f"  tau at {lengths[-1]} / tau at {lengths[0]} tokens, greedy, {label}: "
+                         f"{hi[name]['tau'] / lo[name]['tau']:.2f} (goal >= 0.80)")
+        greedy = [cell(0.0, label, n) for n in lengths]
+        if all(greedy):
+            lines.append(f"  speedup, greedy, {label}: " + " / ".join(f"{r[name]['speedup']:.2f}x" for r in greedy)
+                         + f" at {' / '.join(map(str, lengths))} tokens (goal >= 1.3 each)")
+        warm = [r for r in (cell(0.7, label, n) for n in lengths) if r]
+        if warm:
+            lines.append(f"  speedup at T 0.7, {label}: " + " / ".join(f"{r[name]['speedup']:.2f}x" for r in warm)
+                         + f" at {' / '.join(str(r['max_new_tokens']) for r in warm)} tokens (goal >= 1.1)")
     same, runs = exact_counts([r for r in rows if r["temperature"] == 0])
     if runs:
         lines.append(f"  greedy output identical to autoregressive: {same}/{runs} runs (goal 100%)")
