@@ -22,6 +22,15 @@ def test_pyproject_pins_exactly_the_corpus_packages():
     assert _corpus_extra_pins() == corpus.CORPUS_PACKAGES
 
 
+def test_pyproject_pins_exactly_the_prompt_packages_and_they_are_not_corpus_packages():
+    from dflash_jax.train import prompt_sources
+
+    text = (ROOT / "pyproject.toml").read_text()
+    block = re.search(r"^prompts = \[(.*?)^\]", text, re.S | re.M).group(1)
+    assert dict(re.findall(r'"([A-Za-z0-9_.\-]+)==([^"]+)"', block)) == prompt_sources.PROMPT_PACKAGES
+    assert not set(prompt_sources.PROMPT_PACKAGES) & set(corpus.CORPUS_PACKAGES)  # one pin per package
+
+
 def test_missing_package_says_how_to_install():
     with pytest.raises(corpus.CorpusError, match=r"not installed.*pip install -e '\.\[corpus\]'"):
         corpus.package_sources({"surely-not-an-installed-distribution": "1.0"})
