@@ -599,13 +599,15 @@ plt.show()
 """,
 ]
 
+# models: the shipped models whose files a notebook's record fingerprints (`fingerprint`), so a notebook goes stale
+# when, and only when, a model it shows changes.
 NOTEBOOKS = {
-    "quickstart": dict(cells=QUICKSTART, figures=2),
-    "nvfp4_drafter": dict(cells=NVFP4, figures=3),
-    "acceptance_vs_length": dict(cells=ACCEPTANCE_VS_LENGTH, figures=1),
-    "draft_trees": dict(cells=DRAFT_TREES, figures=1),
-    "training": dict(cells=TRAINING, figures=3),
-    "sharding": dict(cells=SHARDING, figures=1),
+    "quickstart": dict(cells=QUICKSTART, figures=2, models=("code-5m",)),
+    "nvfp4_drafter": dict(cells=NVFP4, figures=3, models=("code-5m",)),
+    "acceptance_vs_length": dict(cells=ACCEPTANCE_VS_LENGTH, figures=1, models=("code-5m",)),
+    "draft_trees": dict(cells=DRAFT_TREES, figures=1, models=("code-5m", "smollm2")),
+    "training": dict(cells=TRAINING, figures=3, models=("code-5m", "smollm2")),
+    "sharding": dict(cells=SHARDING, figures=1, models=("code-5m",)),
 }
 
 
@@ -671,14 +673,21 @@ def key_numbers(nb) -> dict:
     return keys
 
 
-def fingerprint() -> str:
-    """sha256 over the shipped models, tokenizer and training logs/reports: the notebooks' inputs."""
+def fingerprint(models=("code-5m",)) -> str:
+    """sha256 over the notebook's inputs among the shipped files: code-5m = the tokenizer, target and drafter with
+    their training logs and reports; smollm2 = its drafter folder (weights, report, step table) and its tau curve (the
+    SmolLM2 target itself is the packaged GGUF)."""
     from dflash_jax.io.shipped import checkpoints_dir
 
     root = checkpoints_dir()
     h = hashlib.sha256()
-    files = [root / "tokenizer.json"] + sorted(p for d in ("target", "drafter") for p in (root / d).rglob("*")
-                                               if p.is_file())
+    files = []
+    if "code-5m" in models:
+        files += [root / "tokenizer.json"] + sorted(p for d in ("target", "drafter") for p in (root / d).rglob("*")
+                                                    if p.is_file())
+    if "smollm2" in models:
+        files += sorted(p for p in (root / "smollm2" / "drafter").rglob("*") if p.is_file())
+        files += [root / "smollm2" / "drafter_curve.json"]
     for p in files:
         h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
     return h.hexdigest()[:16]
@@ -758,7 +767,7 @@ def make(name: str, *, run: bool) -> dict | None:
     if got != want:
         raise RuntimeError(f"{name}: {got} figures, the notebook promises {want}")
     keys = key_numbers(nb)
-    record = {"notebook": f"{name}.ipynb", "figures": got, "models": fingerprint(),
+    record = {"notebook": f"{name}.ipynb", "figures": got, "models": fingerprint(NOTEBOOKS[name]["models"]),
               "executed_in_s": round(wall, 1), **keys}
     nbformat.write(nb, HERE / f"{name}.ipynb")
     (HERE / f"{name}.json").write_text(dump_record(record))
