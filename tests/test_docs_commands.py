@@ -97,21 +97,34 @@ def _entry(argv: list[str]):
     return module.main, argv[3:]
 
 
-def _options(main, args) -> set[str]:
-    """The options the command accepts, read from its own --help."""
+def _help(main, args) -> str:
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), pytest.raises(SystemExit):
         main(list(args) + ["--help"])
-    return set(re.findall(r"(?<![\w-])(--[a-z][\w-]*)", buf.getvalue()))
+    return buf.getvalue()
 
 
-def _set_option(args: list[str], name: str, value: str) -> list[str]:
-    """Replace the value(s) of `name` in args, or append it."""
+def _options(help_text: str) -> set[str]:
+    """The options the command accepts, read from its own --help."""
+    return set(re.findall(r"(?<![\w-])(--[a-z][\w-]*)", help_text))
+
+
+def _multi_valued(help_text: str) -> set[str]:
+    """The options that take several values (argparse's usage shows them as `--name X [X ...]` or `--name [X ...]`)."""
+    return {m.group(1) for m in re.finditer(r"(--[a-z][\w-]*) (?:\w+ )?\[\w+ \.\.\.\]", " ".join(help_text.split()))}
+
+
+def _set_option(args: list[str], name: str, value: str, multi: bool = False) -> list[str]:
+    """Replace the value of `name` in args (all its values when it takes several), or append it. A single-valued
+    option's one value is replaced, so a positional argument written after it (a prompt) stays."""
     if name not in args:
         return args + [name, value]
     i = args.index(name)
     j = i + 1
-    while j < len(args) and not args[j].startswith("-"):
+    if multi:
+        while j < len(args) and not args[j].startswith("-"):
+            j += 1
+    elif j < len(args) and not args[j].startswith("-"):
         j += 1
     return args[:i + 1] + [value] + args[j:]
 
@@ -126,15 +139,16 @@ def _corpus_extra_installed() -> bool:
 
 def tiny(command: str, tmp: Path) -> tuple[object, list[str]]:
     main, args = _entry(shlex.split(command))
-    accepted = _options(main, args)
+    help_text = _help(main, args)
+    accepted, multi = _options(help_text), _multi_valued(help_text)
     kept = next((names for prefix, names in KEEP.items() if command.startswith(prefix)), ())
     for name, value in TINY.items():
         if name in accepted and MODE_ONLY.get(name, name) in args + [name] and name not in kept:
-            args = _set_option(args, name, value)
+            args = _set_option(args, name, value, name in multi)
     args = args + [f for f in TINY_FLAGS if f in accepted and f not in args]
     for name in OUTPUTS:
         if name in accepted and MODE_ONLY.get(name, name) in args + [name]:
-            args = _set_option(args, name, str(tmp / name.strip("-")))
+            args = _set_option(args, name, str(tmp / name.strip("-")), name in multi)
     if "--no-packages" in accepted and "--no-packages" not in args and not _corpus_extra_installed():
         args = args + ["--no-packages"]
     # The command runs in a temporary folder: an input that names a path of the repository (checkpoints/target_v3)
@@ -272,9 +286,16 @@ def test_commands_that_add_options_run_elsewhere_are_the_same_run_plus_those():
 
 
 def test_budget_overrides_are_generic():
-    args = _set_option(["bench", "--new-tokens", "128", "512", "--nvfp4"], "--new-tokens", "6")
+    args = _set_option(["bench", "--new-tokens", "128", "512", "--nvfp4"], "--new-tokens", "6", multi=True)
     assert args == ["bench", "--new-tokens", "6", "--nvfp4"]
     assert _set_option(["x"], "--steps", "2") == ["x", "--steps", "2"]
+    # a single-valued option keeps the positional written after it (the prompt of `generate --max-new-tokens 64 P`)
+    args = _set_option(["generate", "--max-new-tokens", "64", "a prompt"], "--max-new-tokens", "4")
+    assert args == ["generate", "--max-new-tokens", "4", "a prompt"]
+    from dflash_jax import cli
+    text = _help(cli.main, ["bench"])
+    assert {"--new-tokens", "--batches", "--tree-budgets"} <= _multi_valued(text)
+    assert not {"--prompts", "--draft-length", "--seed"} & _multi_valued(text)
 
 
 @functools.cache
