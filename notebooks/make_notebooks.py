@@ -523,13 +523,14 @@ plt.show()
 `checkpoints/smollm2/drafter_curve.json` (`python -m dflash_jax.train.tau_curve collect`): held-out tau at draft
 lengths 3 and 7 (8 eval-split requests, greedy, 256 new tokens) against the training CPU time and the answer tokens
 read, for the variants compared at equal small budgets (points) and the long run on the growing data set (line),
-which started from the drafter shipped before it (the dashed level).""",
+which started from the drafter shipped before it (the dashed level); squares: runs that branch off the long run with
+another recipe (e.g. the drafter grown to 2 layers) beside its last leg.""",
     """
 curve_file = root / "smollm2" / "drafter_curve.json"
 fig, axs = plt.subplots(1, 2, figsize=(12, 3.8))
 if curve_file.exists():
     curve = json.loads(curve_file.read_text())
-    long = curve["long"]
+    long, branches = curve["long"], curve.get("branches", [])
     base = curve.get("baseline") or {}
     for ax, xkey, scale, label in ((axs[0], "cpu_s", 3600, "training CPU-hours"),
                                    (axs[1], "answer_tokens_seen", 1e6, "answer tokens read (millions)")):
@@ -539,6 +540,10 @@ if curve_file.exists():
                         label=f"long run, D {d}")
             if base.get(f"tau_D{d}"):
                 ax.axhline(base[f"tau_D{d}"], color=color, ls="--", lw=0.8, label=f"shipped before, D {d}")
+            for name in dict.fromkeys(b["branch"] for b in branches):
+                pts = [b for b in branches if b["branch"] == name]
+                ax.plot([b[xkey] / scale for b in pts], [b[f"tau_D{d}"] for b in pts], "s", color=color, mfc="none",
+                        label=f"{name} (after leg {pts[0]['after_leg']}), D {d}")
             for v in curve["variants"]:
                 ax.plot([v[xkey] / scale], [v[f"tau_D{d}"]], "x" if d == 7 else "+", color=color, ms=8)
                 if d == 7:
@@ -547,11 +552,12 @@ if curve_file.exists():
         ax.set(xlabel=label, ylabel="held-out tau")
     axs[0].legend(fontsize=7)
     keep(curve_variants={v["name"]: [v["tau_D3"], v["tau_D7"]] for v in curve["variants"]},
-         curve_long=[[r["step"], r["tau_D3"], r["tau_D7"]] for r in long])
+         curve_long=[[r["step"], r["tau_D3"], r["tau_D7"]] for r in long],
+         curve_branches={b["name"]: [b["tau_D3"], b["tau_D7"]] for b in branches})
 else:
     for ax in axs:
         ax.text(0.5, 0.5, "no checkpoints/smollm2/drafter_curve.json", transform=ax.transAxes, ha="center")
-    keep(curve_variants=None, curve_long=None)
+    keep(curve_variants=None, curve_long=None, curve_branches=None)
 plt.show()
 """,
 ]

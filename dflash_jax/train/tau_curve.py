@@ -5,7 +5,8 @@ for any drafter folder, dense and NVFP4.
 
     python -m dflash_jax.train.tau_curve measure checkpoints/smollm2/drafter [--nvfp4] [--out FILE]
     python -m dflash_jax.train.tau_curve collect --variant base=.train/exp/base_out ... \\
-        --long LEG1_WORK_DIR [LEG2_WORK_DIR ...] --baseline BASELINE.json --out checkpoints/smollm2/drafter_curve.json
+        --long LEG1_WORK_DIR [LEG2_WORK_DIR ...] [--branch NAME=WORK_DIR ...] --baseline BASELINE.json \\
+        --out checkpoints/smollm2/drafter_curve.json
 
 Held-out tau is the trainer's: the 8 requests `chat_prompt_ids(tok, 8, split="eval", seed=1)`, greedy, 256 new
 tokens, stopping at the answers' EOS, the float32 target, the drafter's own draft vocabulary.
@@ -71,8 +72,11 @@ def _report_file(path) -> Path:
     return path if path.suffix == ".json" else path / "train_report.json"
 
 
-def collect(variants: dict[str, Path], long_dir, baseline: dict | None) -> dict:
-    """The curve file's contents. long_dir: the long run's work dir, or its legs' work dirs in order."""
+def collect(variants: dict[str, Path], long_dir, baseline: dict | None, branches: dict | None = None,
+            branch_after: int | None = None) -> dict:
+    """The curve file's contents. long_dir: the long run's work dir, or its legs' work dirs in order. branches:
+    {name: work dir} of runs that continue from the end of leg `branch_after` (default: the leg before the last)
+    instead of the last leg (another recipe at the same point, e.g. the drafter grown to 2 layers), offset alike."""
     out = {"heldout": "8 eval-split chat requests (seed 1), greedy, 256 new tokens, answers' EOS, float32 target",
            "variants": [row(json.loads(_report_file(p).read_text()), n) for n, p in variants.items()],
            "long": []}
@@ -80,6 +84,7 @@ def collect(variants: dict[str, Path], long_dir, baseline: dict | None) -> dict:
     # steps, CPU time and tokens read continue from where the previous leg ended.
     legs = [] if long_dir is None else [long_dir] if isinstance(long_dir, (str, Path)) else list(long_dir)
     offset = {"step": 0, "cpu_s": 0.0, "answer_tokens_seen": 0}
+    ends = []  # ends[i]: the offsets when leg i + 1 starts (the end of leg i)
     for leg, leg_dir in enumerate(legs):
         reports = sorted(Path(leg_dir).glob("report_*.json"), key=lambda p: int(p.stem.split("_")[1]))
         rows = []
@@ -88,8 +93,21 @@ def collect(variants: dict[str, Path], long_dir, baseline: dict | None) -> dict:
             report.update({k: report[k] + base for k, base in offset.items() if report.get(k) is not None})
             rows.append({**row(report, f"long@{report['step']}"), "leg": leg + 1})
         out["long"] += rows
+        ends.append(dict(offset))
         if rows:
             offset = {k: rows[-1][k] or 0 for k in offset}
+    if branches:
+        after = len(legs) - 1 if branch_after is None else branch_after
+        if not 0 <= after <= len(legs):
+            raise ValueError(f"--branch-after {after}: the long run has legs 1..{len(legs)} (0 = before the first)")
+        start = ends[after] if after < len(ends) else offset  # the offsets at the end of leg `after`
+        out["branches"] = []
+        for name, branch_dir in branches.items():
+            for p in sorted(Path(branch_dir).glob("report_*.json"), key=lambda p: int(p.stem.split("_")[1])):
+                report = json.loads(p.read_text())
+                report.update({k: report[k] + base for k, base in start.items() if report.get(k) is not None})
+                out["branches"].append({**row(report, f"{name}@{report['step'] - start['step']}"),
+                                        "branch": name, "after_leg": after})
     if baseline is not None:
         out["baseline"] = baseline
     return out
@@ -110,6 +128,11 @@ def main(argv=None):
                         "NAME= is left out)")
     c.add_argument("--long", nargs="+", default=None,
                    help="the long run's work dir (its report_<step>.json files), or its legs' work dirs in order")
+    c.add_argument("--branch", action="append", default=[],
+                   help="NAME=WORK_DIR: a run (its report_<step>.json files) that continues from the end of leg "
+                        "--branch-after instead of the last leg")
+    c.add_argument("--branch-after", type=int, default=None,
+                   help="the leg the branches continue (default: the one before the last --long leg)")
     c.add_argument("--baseline", default=None, help="a `measure` result (JSON) of the drafter it started from")
     c.add_argument("--out", required=True, help="the JSON file to write (or a folder: drafter_curve.json in it)")
     args = ap.parse_args(argv)
@@ -121,10 +144,16 @@ def main(argv=None):
         return 0
     variants = dict(v.split("=", 1) if "=" in v else (_variant_name(v), v) for v in args.variant)
     baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else None
-    res = collect(variants, [Path(d) for d in args.long] if args.long else None, baseline)
+    branches = dict(b.split("=", 1) for b in args.branch)
+    try:
+        res = collect(variants, [Path(d) for d in args.long] if args.long else None, baseline, branches,
+                      args.branch_after)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     out = _out_file(args.out, "drafter_curve.json")
     out.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"{out}: {len(res['variants'])} variants, {len(res['long'])} long-run points")
+    print(f"{out}: {len(res['variants'])} variants, {len(res['long'])} long-run points, "
+          f"{len(res.get('branches', []))} branch points")
     return 0
 
 
