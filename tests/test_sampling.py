@@ -790,3 +790,24 @@ def test_greedy_exact_with_and_without_pmin(models):
 def test_zz_false_alarm_budget():
     """This module's checks under the null stay within its share of the run's false-alarm budget (tests/stats.py)."""
     stats.assert_within_budget(MODULE)
+
+
+def test_first_argmax_is_argmax_index_for_index():
+    """The greedy token is `first_argmax` (two vectorisable reductions instead of argmax's (value, index) reduce):
+    the same index as jnp.argmax everywhere, ties (the first), -inf rows, +-0, NaN (the first NaN) and the padded
+    draft rows included, in rows of every rank."""
+    from dflash_jax.models.layers import first_argmax
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 5, 257)).astype(np.float32)
+    x[0, 0, [7, 100]] = 9.0                          # a tie: the first
+    x[0, 1, :] = -np.inf                             # nothing finite: index 0
+    x[0, 2, [3, 4]] = np.nan                         # NaN wins, the first one
+    x[0, 3, :] = 0.0
+    x[0, 3, 5] = -0.0                                # +0 == -0: the first
+    x[1, :, 200:] = -np.inf                          # a padded vocabulary
+    x[2] = np.round(x[2])                            # many ties
+    for a in (x, x[0], x[0, 0], x.astype(jnp.bfloat16)):
+        got, want = jax.jit(first_argmax)(a), jnp.argmax(a, axis=-1)
+        assert got.dtype == jnp.int32 and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

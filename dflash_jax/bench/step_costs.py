@@ -23,6 +23,7 @@ from dflash_jax.decode.prefill import prefill
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.models.attention import live_length_loop
 from dflash_jax.models.drafter import Drafter, append_context, empty_draft_cache
+from dflash_jax.models.layers import first_argmax
 from dflash_jax.models.target import KVCache, Target, commit_states, forward_with_cache
 from dflash_jax.quant.linear import backend_scope, cpu_kernel_scope, program_backend
 
@@ -130,7 +131,7 @@ def _decode_rolled_back(target, tcache, tok, backend):
     """One decode step (1 token) on a donated cache whose lengths are rolled back, as a rejected step does."""
     with _as_in_the_loop(backend):
         logits, _, c = forward_with_cache(target, tok, tcache)
-    return jnp.argmax(logits, -1), c.replace(lengths=tcache.lengths)
+    return first_argmax(logits), c.replace(lengths=tcache.lengths)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4), donate_argnums=(1,))
@@ -142,7 +143,7 @@ def _verify_rolled_back(target, tcache, toks, layer_ids, backend):
         logits, feats, c = forward_with_cache(target, toks, tcache, layer_ids, defer_states=hybrid)
         if hybrid:
             c = commit_states(c, jnp.ones(toks.shape[:1], jnp.int32), target.config)
-    return (jnp.argmax(logits, -1), feats), c.replace(lengths=tcache.lengths)
+    return (first_argmax(logits), feats), c.replace(lengths=tcache.lengths)
 
 
 @functools.partial(jax.jit, static_argnums=(5, 6), donate_argnums=(2,))
@@ -181,7 +182,7 @@ def draft_costs(target: Target, drafters: dict, *, context_len: int = 64, draft_
     def decode(target, tcache, tok):
         with _as_in_the_loop(program_backend(target)):
             logits, _, c = forward_with_cache(target, tok, tcache)
-        return jnp.argmax(logits, -1), c.lengths
+        return first_argmax(logits), c.lengths
 
     calls = {"decode": (decode, (target, tcache, prompt[:, -1:]))}
     for name, d in drafters.items():

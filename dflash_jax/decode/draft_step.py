@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from dflash_jax.models import selector
 from dflash_jax.models.drafter import Drafter, block_hidden, head_logits, pad_vocabulary, propose_from_hidden
+from dflash_jax.models.layers import first_argmax
 from dflash_jax.decode.sampling import SamplingParams, _draw, sample_tokens
 from dflash_jax.models.cache import KVCache
 from dflash_jax.models.target import Target
@@ -34,7 +35,7 @@ def draft_step(drafter: Drafter, target: Target, block: jax.Array, cache: KVCach
         drafted = head_logits(drafter, target, h, padded=False)  # [B, D, n]: the draft vocabulary's logits
         logits = pad_vocabulary(drafted, drafter.config.model.vocab_size)  # [B, D, V]
         if sp.greedy or sp.draft_sampling == "greedy":  # the same ids as over the padded row, at a fraction of it
-            return jnp.argmax(drafted, axis=-1).astype(jnp.int32), logits, None, keys
+            return first_argmax(drafted), logits, None, keys
         drafts, keys = sample_tokens(logits, keys, sp, draft=True)
         return drafts, logits, None, keys
     B = block.shape[0]

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.models.layers import first_argmax
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +132,7 @@ def _categorical(u: jax.Array, probs: jax.Array) -> jax.Array:
 def sample_tokens(logits: jax.Array, keys: jax.Array, sp: SamplingParams, draft: bool = False):
     """logits [B, V] or [B, D, V] -> (tokens [B] or [B, D], keys). Greedy at temperature 0 or for greedy drafts."""
     if sp.greedy or (draft and sp.draft_sampling == "greedy"):
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), keys
+        return first_argmax(logits), keys
     probs = processed_probs(logits, sp)
     keys, u = _draw(keys, probs[0].size // probs.shape[-1])  # one uniform per row and slot
     return _categorical(u.reshape(probs.shape[:-1]), probs), keys
@@ -180,7 +182,7 @@ def accept_block(d_logits: jax.Array, drafts: jax.Array, v_logits: jax.Array, ke
         draft_probs, candidates = draft_probs  # [B, D, k] each
     proposed = _pmin_mask(d_logits, sp, draft_probs)  # [B, D]
     if sp.greedy:
-        post = jnp.argmax(v_logits, axis=-1).astype(jnp.int32)  # [B, D+1]
+        post = first_argmax(v_logits)  # [B, D+1]
         ok = (drafts == post[:, :D]) & proposed
         n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
         return n_acc, post, keys  # accepted drafts equal post there, and post[n_acc] is the bonus

@@ -26,7 +26,7 @@ from dflash_jax.models import block_conv, selector
 from dflash_jax import execution
 from dflash_jax.config import DrafterConfig, check_pair
 from dflash_jax.frozen import Replaceable
-from dflash_jax.models.layers import decoder_layer, norm, project_kv, write_rows
+from dflash_jax.models.layers import decoder_layer, first_argmax, norm, project_kv, write_rows
 from dflash_jax.quant.linear import embedding_rows, linear, program_backend
 from dflash_jax.params import (DFlash2Params, DrafterParams, abstract_drafter, committed, init_from_abstract,
                                static_field)
@@ -186,7 +186,7 @@ def propose_from_hidden(drafter: Drafter, target: Target, h: jax.Array, anchor: 
     """
     logits = head_logits(drafter, target, h)
     if not drafter.config.is_dflash2:
-        return Proposal(tokens=jnp.argmax(logits, axis=-1).astype(jnp.int32), logits=logits)
+        return Proposal(tokens=first_argmax(logits), logits=logits)
     tokens, cand, scores = selector.select(drafter.params.candidate_selector, h, logits, anchor,
                                            drafter.config.selector_top_k, temperature=temperature, uniforms=uniforms)
     return Proposal(tokens=tokens, logits=logits, scores=scores, candidates=cand)

@@ -23,6 +23,16 @@ from dflash_jax.params import MLP, Attention, DecoderLayer, LinearAttnLayer
 from dflash_jax.parallel.sharding import constrain_kv
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax(x, axis=-1) as int32, the same index (the first maximum; the first NaN where there is one), as two
+    plain reductions: XLA:CPU runs argmax's (value, index) reduce element by element (~5 ns per logit: 2.5 ms of an
+    8-token verify's 49,152-wide rows, 10% of the step), a max and a min it vectorises (measured 1.0 -> 0.2 ms)."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == m) | (jnp.isnan(x) & jnp.isnan(m))
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, iota, x.shape[-1]), axis=-1)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, zero_centered: bool = False) -> jax.Array:
     """RMSNorm with its statistics in f32 whatever the activation dtype (as HF Qwen3RMSNorm does): y * w, cast to
     x.dtype first; zero_centered: Qwen3.5's `Qwen3_5RMSNorm`, y * (1 + w) all in float32, then cast."""

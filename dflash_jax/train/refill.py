@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.decode.sampling import SamplingParams, sample_tokens
+from dflash_jax.models.layers import first_argmax
 from dflash_jax.models.target import KVCache, Target, forward_with_cache
 
 
@@ -143,7 +144,7 @@ def choose(logits: jax.Array, keys: jax.Array, temp: jax.Array) -> tuple[jax.Arr
     sampled = temp > 0
     sp = SamplingParams(temperature=jnp.where(sampled, temp, 1.0)[:, None], greedy=False)
     drawn, new_keys = sample_tokens(logits, keys, sp)
-    tokens = jnp.where(sampled, drawn, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    tokens = jnp.where(sampled, drawn, first_argmax(logits))
     return tokens, jnp.where(sampled[:, None], new_keys, keys)
 
 
