@@ -72,6 +72,7 @@ def warm_start(cfg: DrafterConfig, fresh, source: Drafter, *, exact: bool = Fals
             raise ValueError(f"--init-from: tensor {name} {tuple(leaf.shape)} does not fit this "
                              f"{cfg.kind} drafter")
         named[name] = jnp.asarray(leaf, named[name].dtype)
+    covered = set(theirs)  # the tensors whose start is decided: copied, or an added layer's
     if grow:
         have, want = source.config.model.num_hidden_layers, cfg.model.num_hidden_layers
         if have >= want:
@@ -80,9 +81,9 @@ def warm_start(cfg: DrafterConfig, fresh, source: Drafter, *, exact: bool = Fals
         for name in added:
             if name.endswith(("self_attn.o_proj", "mlp.down_proj")):
                 named[name] = jnp.zeros_like(named[name])
-        theirs = {**theirs, **{name: None for name in added}}
-    if exact and set(theirs) != set(named):
-        raise ValueError(f"--init-from: the drafter lacks {sorted(set(named) - set(theirs))[:4]} "
+        covered |= set(added)
+    if exact and covered != set(named):
+        raise ValueError(f"--init-from: the drafter lacks {sorted(set(named) - covered)[:4]} "
                          f"(it is not a {cfg.kind} drafter of this layout{'' if grow else '; --grow adds layers'})")
     return from_named(abstract_drafter(cfg), named)
 

@@ -85,6 +85,8 @@ def _sync(name: str) -> None:
 
 
 def train_drafter(args, argv) -> dict:
+    if args.grow and not args.init_from:  # refused before any work
+        raise SystemExit("error: --grow needs --init-from (the drafter to grow)")
     t_start = time.perf_counter()
     dp.init_distributed(args)  # before anything touches a device
     lead = jax.process_index() == 0
@@ -123,8 +125,6 @@ def train_drafter(args, argv) -> dict:
         raise SystemExit(f"error: {e}") from None
     vocab_ids = loss_vocab_ids(args, work, data if data is not None else first, target.config.vocab_size)
 
-    if args.grow and not args.init_from:
-        raise SystemExit("error: --grow needs --init-from (the drafter to grow)")
     record = {"kind": "dflash", "block_size": cfg.block_size, "layers": args.layers,
               "target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id,
               "target": fingerprint, "vocabulary": vocab_fp, "vocab_size": target.config.vocab_size,

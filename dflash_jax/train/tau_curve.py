@@ -72,6 +72,17 @@ def _report_file(path) -> Path:
     return path if path.suffix == ".json" else path / "train_report.json"
 
 
+def _offset_reports(run_dir, offset: dict) -> list[dict]:
+    """A run's `report_<step>.json` files in step order, each's step, CPU time and tokens read moved on by `offset`
+    (where the run started in the long run's count)."""
+    reports = []
+    for p in sorted(Path(run_dir).glob("report_*.json"), key=lambda p: int(p.stem.split("_")[1])):
+        report = json.loads(p.read_text())
+        report.update({k: report[k] + base for k, base in offset.items() if report.get(k) is not None})
+        reports.append(report)
+    return reports
+
+
 def collect(variants: dict[str, Path], long_dir, baseline: dict | None, branches: dict | None = None,
             branch_after: int | None = None) -> dict:
     """The curve file's contents. long_dir: the long run's work dir, or its legs' work dirs in order. branches:
@@ -86,12 +97,7 @@ def collect(variants: dict[str, Path], long_dir, baseline: dict | None, branches
     offset = {"step": 0, "cpu_s": 0.0, "answer_tokens_seen": 0}
     ends = []  # ends[i]: the offsets when leg i + 1 starts (the end of leg i)
     for leg, leg_dir in enumerate(legs):
-        reports = sorted(Path(leg_dir).glob("report_*.json"), key=lambda p: int(p.stem.split("_")[1]))
-        rows = []
-        for p in reports:
-            report = json.loads(p.read_text())
-            report.update({k: report[k] + base for k, base in offset.items() if report.get(k) is not None})
-            rows.append({**row(report, f"long@{report['step']}"), "leg": leg + 1})
+        rows = [{**row(r, f"long@{r['step']}"), "leg": leg + 1} for r in _offset_reports(leg_dir, offset)]
         out["long"] += rows
         ends.append(dict(offset))
         if rows:
@@ -103,11 +109,8 @@ def collect(variants: dict[str, Path], long_dir, baseline: dict | None, branches
         start = ends[after] if after < len(ends) else offset  # the offsets at the end of leg `after`
         out["branches"] = []
         for name, branch_dir in branches.items():
-            for p in sorted(Path(branch_dir).glob("report_*.json"), key=lambda p: int(p.stem.split("_")[1])):
-                report = json.loads(p.read_text())
-                report.update({k: report[k] + base for k, base in start.items() if report.get(k) is not None})
-                out["branches"].append({**row(report, f"{name}@{report['step'] - start['step']}"),
-                                        "branch": name, "after_leg": after})
+            out["branches"] += [{**row(r, f"{name}@{r['step'] - start['step']}"), "branch": name, "after_leg": after}
+                                for r in _offset_reports(branch_dir, start)]
     if baseline is not None:
         out["baseline"] = baseline
     return out
