@@ -52,3 +52,19 @@ def test_microbench_small_run(capsys):
     hlo = out["hlo"]
     assert hlo[(microbench.BASELINE, 4)].weight_source == "argument"
     assert hlo[("nvfp4 W . f32 x", 4)].weight_source in ("fused", "materialised")
+
+
+def test_profile_puts_decode_against_its_weight_bytes_at_the_measured_stream_rate():
+    """`bench.profile`'s bandwidth line: a decode's wall time against (the target's weight bytes) / (GB/s of a large
+    float32 sum measured in the same run); the bytes are every parameter leaf's, GGML blocks counted as stored."""
+    import jax
+    import numpy as np
+    from dflash_jax.bench import profile
+    from dflash_jax.io.shipped import load_default
+
+    target, _, _ = load_default(model="code-5m")
+    want = sum(np.asarray(a).nbytes for a in jax.tree_util.tree_leaves(target.params)) / 1e6
+    assert abs(profile.weight_megabytes(target) - want) < 1e-9
+    line = profile.bandwidth_line(13.0, 96.6, 20.0)  # 96.6 MB at 20 GB/s = 4.83 ms
+    assert "4.83 ms: 2.69x" in line and "goal <= 1.3x" in line
+    assert profile.stream_gbps(megabytes=8.0, reps=3) > 0.1

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.bench.step_costs import step_functions
@@ -253,6 +254,33 @@ def profile_steps(target, drafter, *, draft_lengths=(1, 3, 7), context_len: int 
     return out
 
 
+def weight_megabytes(target) -> float:
+    """MB a decode step reads of the target's weights: every parameter leaf (GGML blocks or dense), the tied
+    embedding once as the LM head (its lookup reads one row); norms are noise."""
+    leaves = jax.tree_util.tree_leaves(target.params)
+    return sum(int(getattr(a, "nbytes", 0)) for a in leaves) / 1e6
+
+
+def stream_gbps(megabytes: float = 256.0, reps: int = 10) -> float:
+    """GB/s at which XLA streams a float32 array much larger than the caches through one sum, all cores (median)."""
+    x = jnp.ones((int(megabytes * 1e6 / 4),), jnp.float32)
+    f = jax.jit(jnp.sum)
+    jax.block_until_ready(f(x))
+    walls = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        walls.append(time.perf_counter() - t0)
+    return x.nbytes / statistics.median(walls) / 1e9
+
+
+def bandwidth_line(decode_ms: float, weights_mb: float, gbps: float) -> str:
+    floor_ms = weights_mb / gbps
+    return (f"decode {decode_ms:.2f} ms vs its {weights_mb:.1f} MB of weights at this run's streaming rate "
+            f"({gbps:.1f} GB/s, a float32 sum over 256 MB) = {floor_ms:.2f} ms: {decode_ms / floor_ms:.2f}x "
+            f"(goal <= 1.3x)")
+
+
 def format_table(profile: dict) -> str:
     lines = []
     for label, p in profile.items():
@@ -281,8 +309,12 @@ def main(argv=None) -> dict:
     Ds = tuple(args.draft_lengths or sorted({1, min(3, bs - 1), bs - 1}))
     prof = profile_steps(target, drafter, draft_lengths=Ds, context_len=args.context, reps=args.reps)
     print(format_table(prof))
+    bandwidth = {}
+    if "decode" in prof:
+        bandwidth = {"weights_mb": weight_megabytes(target), "stream_gbps": stream_gbps()}
+        print("\n" + bandwidth_line(prof["decode"]["wall_ms"], bandwidth["weights_mb"], bandwidth["stream_gbps"]))
     if args.json:
-        args.json.write_text(json.dumps(prof, indent=1))
+        args.json.write_text(json.dumps({**prof, **({"bandwidth": bandwidth} if bandwidth else {})}, indent=1))
     return prof
 
 
