@@ -4,7 +4,8 @@ A row holds, for one draft length D and draft vocabulary, the held-out acceptanc
 and the step's cost in decode steps: r = verify (D + 1 tokens) / decode, c = draft / decode. A step commits tau
 tokens for r + c decode steps' time, so tau / (r + c) is the speedup it predicts, and `generate`'s default draft
 length (or draft tree, for a tree row: N nodes verified in one pass) is the row that maximises it for the drafter's
-own draft vocabulary (`decode.draft_length`). The table is
+own draft vocabulary (`decode.draft_length`), rows within NOISE_MARGIN of the top counting as a tie that the
+narrowest verify wins (`StepTable.best`). The table is
 measured by `dflash-jax bench --step-table --save-table` and ships as `step_table.json` beside the drafter's
 weights; it names the platform and the target it was measured with, and a table that does not match the pair being
 run is ignored with a warning, never silently applied.
@@ -15,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 
 from dflash_jax.frozen import Replaceable
+
+NOISE_MARGIN = 0.05  # predicted speedups this close (relative) are a tie on a shared CPU (`StepTable.best`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +34,11 @@ class StepRow(Replaceable):
     def predicted_speedup(self) -> float:
         return self.tau / (self.r + self.c)
 
+    @property
+    def verify_width(self) -> int:
+        """Tokens per row in one target pass: the tree's nodes or the chain's drafts, plus the last committed one."""
+        return (self.tree_budget or self.draft_length) + 1
+
 
 @dataclasses.dataclass(frozen=True)
 class StepTable(Replaceable):
@@ -39,12 +47,21 @@ class StepTable(Replaceable):
     rows: tuple[StepRow, ...]
     note: str = ""  # how it was measured (command, prompts, date)
 
-    def best(self, draft_vocab: int | None, batch: int = 1, trees: bool = True) -> StepRow | None:
-        """The row with the highest predicted speedup for this draft vocabulary and batch (chains only unless
-        `trees`), or None."""
+    def best(self, draft_vocab: int | None, batch: int = 1, trees: bool = True,
+             margin: float = NOISE_MARGIN) -> StepRow | None:
+        """The row to run for this draft vocabulary and batch (chains only unless `trees`), or None: among the rows
+        whose predicted speedup is within `margin` (relative) of the highest, the one with the narrowest verify
+        (fewest tokens per target pass), then the highest prediction. Why the margin: r and c come from one run on a
+        shared machine, and two re-measurements of the SmolLM2 table ten minutes apart ranked a tree of 4 (predicted
+        1.04x, measured 0.85x) and a tree of 2 (1.12x, measured 1.10x) first; rows a few percent apart are a tie, and
+        the narrower verify is the cheaper bet."""
         rows = [r for r in self.rows if r.draft_vocab == draft_vocab and r.batch == batch
                 and (trees or r.tree_budget is None)]
-        return max(rows, key=lambda r: r.predicted_speedup, default=None)
+        if not rows:
+            return None
+        top = max(r.predicted_speedup for r in rows)
+        tied = [r for r in rows if r.predicted_speedup >= top * (1.0 - margin)]
+        return min(tied, key=lambda r: (r.verify_width, -r.predicted_speedup))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -60,4 +77,4 @@ class StepTable(Replaceable):
                              "(each with draft_length, draft_vocab, tau, r, c)") from None
 
 
-__all__ = ["StepRow", "StepTable"]
+__all__ = ["StepRow", "StepTable", "NOISE_MARGIN"]

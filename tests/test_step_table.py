@@ -100,3 +100,21 @@ def test_a_tree_row_that_wins_becomes_the_default_and_an_explicit_setting_overri
     # the table's row survives the file
     back = StepTable.from_dict(json.loads(json.dumps(_table(target, rows).to_dict())))
     assert back.rows[1].tree_budget == 4
+
+
+def test_rows_within_the_noise_margin_are_a_tie_won_by_the_narrower_verify():
+    """The two SmolLM2 tables of 2026-12-05 (third session): a noisy one put a tree of 4 at 1.04x, D 1 at 1.03x and a
+    tree of 2 at 1.00x (measured 0.85x / 1.07x / 1.02x); within 5% of the top they are a tie and the narrowest verify
+    (D 1: 2 tokens) runs. A row that wins by more than the margin runs whatever its width; margin 0 is the plain
+    maximum."""
+    noisy = StepTable(platform="cpu", target="t", rows=(
+        StepRow(1, 8192, 1.40, 1.13, 0.23), StepRow(4, 8192, 1.86, 1.48, 0.30, tree_budget=4),
+        StepRow(2, 8192, 1.65, 1.36, 0.30, tree_budget=2), StepRow(7, 8192, 1.59, 2.12, 0.30)))
+    assert [round(r.predicted_speedup, 2) for r in noisy.rows] == [1.03, 1.04, 0.99, 0.66]
+    assert noisy.best(8192).draft_length == 1 and noisy.best(8192).tree_budget is None
+    assert noisy.best(8192, margin=0.0).tree_budget == 4
+    quiet = StepTable(platform="cpu", target="t", rows=(
+        StepRow(1, 8192, 1.40, 1.09, 0.25), StepRow(2, 8192, 1.65, 1.21, 0.26, tree_budget=2),
+        StepRow(4, 8192, 1.86, 1.54, 0.29, tree_budget=4)))
+    assert quiet.best(8192).tree_budget == 2  # 1.12x beats D 1's 1.04x by more than 5%
+    assert quiet.best(None) is None
