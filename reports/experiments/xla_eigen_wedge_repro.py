@@ -8,9 +8,9 @@ debugger can attach from outside (from inside, gdb deadlocked):
     XLA_FLAGS="" python reports/experiments/xla_eigen_wedge_repro.py 40
     # shell 2: for f in reports/experiments/hung_*; do gdb -p ${f##*_} -batch -ex "thread apply all bt"; rm $f; done
 
-With XLA_FLAGS=--xla_cpu_multi_thread_eigen=false (what tests/conftest.py sets) it should not stall; that arm had
-no stall in 31 x 40 here, but neither had the default arm on the same quiet machine, so the evidence for the flag is
-PyAutoFit's (issues #1528 / #1530), not yet ours.
+XLA_FLAGS=--xla_cpu_multi_thread_eigen=false (single-threaded Eigen, which ended a similar stall for PyAutoFit,
+issues #1528 / #1530) did not end this one: a fresh-clone CI run with the suite under that flag stalled in
+tests/test_hybrid.py's sampled test all the same (2026-12-05). The cause is still open.
 """
 import itertools
 import os
