@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,42 @@ def test_chunked_and_recurrent_forms_agree():
     np.testing.assert_array_equal(s_keep[0], s0[0])
     np.testing.assert_array_equal(s_keep[1], dn.recurrent_rule(q[1:, :5], k[1:, :5], v[1:, :5], g[1:, :5],
                                                                beta[1:, :5], s0[1:])[1][0])
+
+
+
+def test_unit_lower_inverse_is_the_inverse():
+    """The UT transform's inverse by the nilpotent series equals float64 inversion of I + strictly_lower(a), for
+    chunk sizes that are and are not powers of two; a's diagonal and upper part are ignored, and zeros (a tree's
+    non-ancestors) stay exact zeros."""
+    rng = np.random.default_rng(1)
+    for C in (1, 2, 5, 8, 37, 64):
+        a = rng.standard_normal((3, C, C)).astype(np.float32) * 0.3
+        want = np.linalg.inv(np.tril(a.astype(np.float64), -1) + np.eye(C))
+        got = np.asarray(dn.unit_lower_inverse(jnp.asarray(a)))
+        np.testing.assert_allclose(got, want, atol=1e-5 * max(1.0, np.abs(want).max()), err_msg=f"C={C}")
+        np.testing.assert_array_equal(np.triu(got, 1), 0.0)
+        np.testing.assert_array_equal(np.diagonal(got, axis1=-2, axis2=-1), 1.0)
+    # a tree: node 3's parent is 0, so it must not couple to nodes 1, 2 (another branch)
+    a = np.full((4, 4), 0.5, np.float32)
+    a[3, 1:3] = 0.0
+    got = np.asarray(dn.unit_lower_inverse(jnp.asarray(a)))
+    np.testing.assert_array_equal(got[3, 1:3], 0.0)
+
+
+def test_the_delta_rule_runs_without_a_lapack_call(target):
+    """The chunked and tree forms compile to XLA ops alone on CPU: no triangular solve, whose LAPACK kernel (jaxlib's
+    trsm FFI call) waits inside XLA's thread pool, and two at once stalled a 2-core run (`dn.unit_lower_inverse`)."""
+    ids = jnp.zeros((2, 9), jnp.int32)
+    programs_ = {"forward": jax.jit(lambda t, x: dj.target_forward(t, x)[0]).lower(target, ids)}
+    B, T, nV, dk, dv = 2, 5, 2, 4, 4
+    x = jnp.zeros((B, T, nV, dk), jnp.float32)
+    programs_["tree_rule"] = jax.jit(dn.tree_rule).lower(x, x, jnp.zeros((B, T, nV, dv)), jnp.zeros((B, T, nV)),
+                                                         jnp.zeros((B, T, nV)), jnp.zeros((B, nV, dk, dv)),
+                                                         jnp.tril(jnp.ones((B, T, T), bool)))
+    for name, lowered in programs_.items():
+        hlo = lowered.compile().as_text()
+        calls = re.findall(r'custom_call_target="([^"]+)"', hlo)
+        assert " triangular-solve(" not in hlo and not [c for c in calls if "trsm" in c or "lapack" in c], (name, calls)
 
 
 # -- rollback at every acceptance length ----------------------------------------------------------------------------

@@ -125,10 +125,30 @@ def recurrent_state(k, v, g, beta, state, keep: jax.Array | None = None) -> jax.
     return state
 
 
+def unit_lower_inverse(a: jax.Array) -> jax.Array:
+    """(I + strictly_lower(a))^-1 for a [..., C, C] (a's diagonal and upper part ignored), by the nilpotent series:
+    with N = -strictly_lower(a), N^C = 0, so (I - N)^-1 = I + N + ... + N^(C-1) = (I + N)(I + N^2)(I + N^4)...,
+    ceil(log2 C) - 1 squarings. A zero of a (a non-ancestor in `tree_rule`) stays an exact zero of the inverse.
+
+    Matmuls, not `lax.linalg.triangular_solve`: on CPU that is LAPACK's trsm through an FFI call that splits its batch
+    over XLA's intra-op thread pool and waits inside a pool thread; two such solves scheduled at once on a 2-thread
+    pool left both threads waiting for work neither could run (the test suite's rare stall of 2026-12-04/05; the
+    stacks: reports/experiments/README.md)."""
+    C = a.shape[-1]
+    hi = jax.lax.Precision.HIGHEST  # squarings compound rounding: no reduced-precision (TF32) passes on GPU
+    n = -jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), a, 0)
+    inv, power, covered = jnp.eye(C, dtype=a.dtype) + n, n, 2  # inv = I + N + ... + N^(covered-1)
+    while covered < C:
+        power = jnp.matmul(power, power, precision=hi)
+        inv = inv + jnp.matmul(inv, power, precision=hi)
+        covered *= 2
+    return inv
+
+
 def chunked_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     """The gated delta rule over chunks of `chunk` tokens (HF's `torch_chunk_gated_delta_rule`): inside a chunk a
-    UT transform turns the sequential delta updates into triangular solves and matmuls; a `lax.scan` over the static
-    number of chunks carries the state. Same arguments and result as `recurrent_rule` (without keep: a token whose
+    UT transform turns the sequential delta updates into a unit-lower-triangular inverse and matmuls; a `lax.scan`
+    over the static number of chunks carries the state. Same arguments and result as `recurrent_rule` (without keep: a token whose
     beta and g are 0 changes nothing, which is how padding is left out)."""
     B, T, nV, dk = q.shape
     dv = v.shape[-1]
@@ -151,7 +171,8 @@ def chunked_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     ut = jnp.einsum("bhnik,bhnjk->bhnij", k_beta, k) * pair
     intra = jnp.einsum("bhnik,bhnjk->bhnij", q, k) * pair
     # (I + strictly_lower(ut))^-1 applied to v_beta and to the decayed k_beta (unit diagonal: ut's own is ignored)
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(ut, rhs, left_side=True, lower=True, unit_diagonal=True)
+    inverse = unit_lower_inverse(ut)  # [B, nV, n, C, C]
+    solve = lambda rhs: jnp.matmul(inverse, rhs, precision=jax.lax.Precision.HIGHEST)
     new_v = solve(v_beta)  # [B, nV, n, C, dv]
     k_cum = solve(k_beta * jnp.exp(cum)[..., None])  # [B, nV, n, C, dk]
     q_dec = q * jnp.exp(cum)[..., None]
@@ -178,7 +199,7 @@ def tree_rule(q, k, v, g, beta, state, mask: jax.Array) -> jax.Array:
 
     `chunked_rule`'s one-chunk form with the chain's order replaced by the tree's: the cumulative log decay runs
     along each node's path (a sum over its ancestors), and the UT transform's pairs are kept only between a node and
-    its ancestors. Its triangular solve then couples a node only to its ancestors, which are exactly the earlier
+    its ancestors. Its triangular inverse then couples a node only to its ancestors, which are exactly the earlier
     tokens of its path, so each node gets its path's sequence result. Same arguments as `recurrent_rule` (plus the
     mask); returns o [B, T, nV, dv]. The state after the accepted path is `commit_path`'s, not this."""
     B, T, nV, dk = q.shape
@@ -193,7 +214,8 @@ def tree_rule(q, k, v, g, beta, state, mask: jax.Array) -> jax.Array:
     pair = jnp.exp(jnp.where(sees, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [B, nV, T, T]
     ut = jnp.einsum("bhik,bhjk->bhij", k_beta, k) * pair
     intra = jnp.einsum("bhik,bhjk->bhij", q, k) * pair
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(ut, rhs, left_side=True, lower=True, unit_diagonal=True)
+    inverse = unit_lower_inverse(ut)  # [B, nV, T, T]
+    solve = lambda rhs: jnp.matmul(inverse, rhs, precision=jax.lax.Precision.HIGHEST)
     new_v = solve(v_beta)  # [B, nV, T, dv]
     k_cum = solve(k_beta * jnp.exp(cum)[..., None])  # [B, nV, T, dk]
     v_new = new_v - jnp.einsum("bhck,bhkv->bhcv", k_cum, state)

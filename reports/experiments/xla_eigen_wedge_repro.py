@@ -10,7 +10,11 @@ debugger can attach from outside (from inside, gdb deadlocked):
 
 XLA_FLAGS=--xla_cpu_multi_thread_eigen=false (single-threaded Eigen, which ended a similar stall for PyAutoFit,
 issues #1528 / #1530) did not end this one: a fresh-clone CI run with the suite under that flag stalled in
-tests/test_hybrid.py's sampled test all the same (2026-12-05). The cause is still open.
+tests/test_hybrid.py's sampled test all the same (2026-12-05).
+
+Cause (2026-12-05, fourth session; README.md beside this file): two LAPACK trsm FFI calls of the delta rule, each
+waiting inside XLA's 2-thread intra-op pool for tasks it had queued on that pool. Since `deltanet.unit_lower_inverse`
+replaced them, this script no longer stalls on the current code; check out a commit before that to reproduce.
 """
 import itertools
 import os
