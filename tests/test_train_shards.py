@@ -213,3 +213,38 @@ def test_kept_labels_over_existing_text_are_what_greedy_decoding_produces():
                     kept += 1
                     assert labels[b, n, k - 1] == greedy[k - 1]
     assert 12 < kept < 4 * 3 * (bs - 1)  # slot 1 always, deeper slots only sometimes
+
+
+def test_a_warm_start_on_its_source_data_and_seed_is_warned_of(setup, straight, capsys):
+    """--init-from a drafter trained on the same shards with the same --seed: the run says its first batches replay
+    the source run's (the shard stream's order depends on the seed only); with another seed it says nothing."""
+    tmp, _, _ = setup
+    source = tmp / "straight_out"
+    _train(setup, "warm_same_seed", steps=2, extra=["--init-from", str(source)])
+    out = capsys.readouterr().out
+    assert f"--init-from {source} was trained on {tmp / 'data'} with --seed 0" in out
+    assert "re-reading the " in out and "give another --seed" in out
+    _train(setup, "warm_other_seed", steps=2, extra=["--init-from", str(source), "--seed", "1"])
+    assert "warning: --init-from" not in capsys.readouterr().out
+
+
+def test_the_replay_warning_reads_older_reports(tmp_path):
+    """Reports written before "seed" was recorded: the seed comes from their command line, else the default 0; other
+    data or no report at all: no warning."""
+    from dflash_jax.train.drafter import replayed_batches_warning
+
+    def source(report):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        (folder / "train_report.json").write_text(json.dumps(report))
+        return folder
+
+    data = tmp_path / "data"
+    plain = source({"command": "dflash-jax train-drafter --data-dir x", "data": str(data)})
+    assert "--seed 0" in replayed_batches_warning(plain, data, 0)
+    assert replayed_batches_warning(plain, data, 2) is None
+    seeded = source({"command": "dflash-jax train-drafter --seed 2", "data": str(data), "answer_tokens_seen": 1234})
+    assert "re-reading the 1,234 answer tokens" in replayed_batches_warning(seeded, data, 2)
+    assert replayed_batches_warning(seeded, tmp_path / "other", 2) is None
+    assert replayed_batches_warning(tmp_path / "missing", data, 0) is None
+    assert replayed_batches_warning(plain, None, 0) is None

@@ -88,6 +88,27 @@ def warm_start(cfg: DrafterConfig, fresh, source: Drafter, *, exact: bool = Fals
     return from_named(abstract_drafter(cfg), named)
 
 
+def replayed_batches_warning(init_from, data_dir, seed: int) -> str | None:
+    """A warning when a warm start (`--init-from`) reads datagen shards its source drafter was trained on with the same
+    --seed: the shard stream's order depends on the seed only, so the new run's first batches are exactly the source
+    run's (in the 2026-12-05 2-layer run, 300 steps re-read the 391k answer tokens its source had read, and held-out
+    tau dipped meanwhile). None when the source has no training report, was trained on other data or another seed."""
+    path = Path(init_from) / "train_report.json"
+    if data_dir is None or not path.exists():
+        return None
+    report = json.loads(path.read_text())
+    seed_was = report.get("seed")
+    if seed_was is None:  # reports before "seed" was recorded: their command line, else the --seed default of 0
+        words = str(report.get("command", "")).split()
+        seed_was = int(words[words.index("--seed") + 1]) if "--seed" in words[:-1] else 0
+    if not report.get("data") or Path(report["data"]).resolve() != Path(data_dir).resolve() or seed_was != seed:
+        return None
+    seen = report.get("answer_tokens_seen")
+    what = f"the {seen:,} answer tokens it read" if isinstance(seen, int) else "what it read"
+    return (f"warning: --init-from {init_from} was trained on {data_dir} with --seed {seed}: this run's batches start "
+            f"as that run's did, re-reading {what}; give another --seed to read other answers first")
+
+
 def init_from_target(cfg: DrafterConfig, fresh, target: Target):
     """`fresh` drafter params started from the target's own layers: drafter layer j = target layer t+1+j (t = the
     deepest tap, so the layers that turn that feature into the target's prediction; the last ones when fewer are

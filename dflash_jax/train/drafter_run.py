@@ -27,7 +27,8 @@ from dflash_jax.train import shard_stream as ss
 from dflash_jax.train.datagen import vocabulary_fingerprint
 from dflash_jax.train.drafter import (CHECKPOINTS, add_training_arguments, eval_eos, eval_prompts_and_length,
                                       init_from_target, load_drafter, mask_token_id, measure_tau,
-                                      resolve_target_and_tokenizer, shipped_drafter_config, warm_start)
+                                      replayed_batches_warning, resolve_target_and_tokenizer,
+                                      shipped_drafter_config, warm_start)
 from dflash_jax.train.drafter_data import build_data_or_exit, make_batch_fn, target_fingerprint
 from dflash_jax.train.drafter_loss import decay_gamma, drafter_loss, loss_vocabulary
 from dflash_jax.train.loop import OptimConfig, load_training_tokenizer, run
@@ -135,6 +136,10 @@ def train_drafter(args, argv) -> dict:
               "init": args.init_from or args.init, **({"grow": True} if args.grow else {})}
     try:
         if lead:
+            if args.init_from and not _resuming(work):
+                warning = replayed_batches_warning(args.init_from, shards_dir, args.seed)
+                if warning:
+                    print(warning, flush=True)
             check_or_record(work, record, resuming=_resuming(work))
     except RunMismatch as e:
         raise SystemExit(f"error: {e}") from None
@@ -207,7 +212,8 @@ def train_drafter(args, argv) -> dict:
               "step": int(last.get("step", -1)) + 1, "cpu_s": last.get("cpu_s"), "wall_s": last.get("wall_s"),
               "layers": args.layers, "block_size": cfg.block_size, "batch": args.batch,
               "anchors_per_sequence": args.anchors, "gamma": decay_gamma(cfg.block_size), "init": record["init"],
-              "kl_weight": args.kl_weight, "devices": len(jax.devices()), "processes": jax.process_count(),
+              "kl_weight": args.kl_weight, "seed": args.seed, "devices": len(jax.devices()),
+              "processes": jax.process_count(),
               "loss_vocab": len(vocab_ids) if vocab_ids is not None else target.config.vocab_size,
               "draft_vocab": drafter.config.drafted_vocab, "train_loss": last.get("loss"),
               "train_acc": last.get("acc"), "train_acc_slot1": last.get("acc_slot1")}
