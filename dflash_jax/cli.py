@@ -86,6 +86,8 @@ def _drafted(res) -> str:
     """What a step drafted: a chain of D tokens, or a draft tree (its depth bounds what a step accepts)."""
     if res.tree_budget:
         return f"depth {res.draft_length} (a draft tree of {res.tree_budget} nodes)"
+    if res.draft_length == 0:
+        return "none (plain decoding: the drafter's step table predicts no speedup here)"
     return f"{res.draft_length} drafted"
 
 

@@ -118,3 +118,37 @@ def test_rows_within_the_noise_margin_are_a_tie_won_by_the_narrower_verify():
         StepRow(4, 8192, 1.86, 1.54, 0.29, tree_budget=4)))
     assert quiet.best(8192).tree_budget == 2  # 1.12x beats D 1's 1.04x by more than 5%
     assert quiet.best(None) is None
+
+
+def test_where_even_the_best_row_is_slower_generate_decodes_plainly(pair):
+    """A table whose best row at this batch predicts a slowdown: `generate` (no draft_length or tree_budget) runs
+    plain decoding, says so once, and returns its exact tokens (greedy and sampled: the same program and seed as
+    `generate_autoregressive`); at a batch where the table predicts a speedup, or with an explicit setting, or with
+    plain_when_slower=False, it speculates."""
+    from dflash_jax.decode import programs
+
+    target, drafter = pair
+    rows = [StepRow(3, None, 2.4, 1.3, 0.2), StepRow(1, None, 1.4, 1.5, 0.1, batch=4),
+            StepRow(3, None, 1.6, 2.0, 0.2, batch=4)]
+    d = _with(drafter, _table(target, rows))
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [2, 3]]
+    assert dl.slower_than_plain(d, target) is None and dl.slower_than_plain(d, target, batch=4) == rows[1]
+    assert dl.slower_than_plain(drafter, target, batch=4) is None  # no table: nothing predicted
+    kw = dict(max_new_tokens=10, eos_ids=())
+    want = dj.generate_autoregressive(target, prompts, **kw).token_lists()
+    programs._NOTED.clear()
+    with pytest.warns(UserWarning, match=r"predicts 0.8[78]x for its best setting at batch 4 \(draft length 1, measured "
+                                         r"at batch 4\): decoding plainly"):
+        res = dj.generate(target, d, prompts, **kw)
+    assert res.draft_length == 0 and res.tau == 1.0 and res.token_lists() == want
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        sampled = dj.generate(target, d, prompts, temperature=0.8, seed=5, **kw)
+    assert sampled.token_lists() == dj.generate_autoregressive(target, prompts, temperature=0.8, seed=5,
+                                                               **kw).token_lists()
+    assert dj.generate(target, d, prompts[:1], **kw).draft_length == 3  # batch 1: the table predicts 1.6x
+    assert dj.generate(target, d, prompts, draft_length=2, **kw).draft_length == 2
+    anyway = dj.generate(target, d, prompts, plain_when_slower=False, **kw)
+    assert anyway.draft_length == 1 and anyway.token_lists() == want
+    with pytest.raises(TypeError, match="plain_when_slower"):
+        dj.generate_autoregressive(target, prompts, plain_when_slower=False, **kw)

@@ -3,7 +3,8 @@ step table (`dflash_jax.step_table`) for this platform, this target and the batc
 
 A table measured on another platform, with another target (or the same model in another weight format: its step
 costs differ), or holding no row for the drafter's draft vocabulary is ignored with a warning (once per reason),
-never silently applied.
+never silently applied. Where the table applies and even its best row predicts a slowdown (`slower_than_plain`),
+`generate` decodes plainly instead, unless told otherwise (`GenerationOptions.plain_when_slower`).
 """
 
 from __future__ import annotations
@@ -31,36 +32,53 @@ def target_signature(target: Target) -> str:
     return f"{target.config.model_type}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
 
 
-def default_layout(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True) -> tuple[int, int | None]:
-    """(draft_length, tree_budget) of the step table's best row for this pair on this platform (rows of the largest
-    measured batch <= `batch`; tree rows only when `trees`): (D, None) for a chain, (depth, N) for a draft tree of N
-    nodes; (block_size - 1, None) when there is no table or it does not apply (warned)."""
+def _table_row(drafter: Drafter, target: Target, batch: int, trees: bool):
+    """(the step table's best row for this pair, platform and batch, None) when the table applies, else (None, why
+    it does not)."""
     cfg = drafter.config
-    fallback = cfg.block_size - 1
     table = cfg.step_table
     if table is None:
-        return fallback, None
+        return None, None
     platform = jax.default_backend()
     batches = sorted({r.batch for r in table.rows if r.batch <= max(int(batch), 1)})
     trees = trees and not cfg.is_dflash2  # DFlash2's selector drafts a chain only
     row = table.best(cfg.draft_vocab_size, batches[-1], trees=trees) if batches else None
     if table.platform != platform:
-        why = f"it was measured on {table.platform!r} and this runs on {platform!r}"
-    elif table.target != target_signature(target):
-        why = (f"it was measured with target {table.target}, and this target is {target_signature(target)} (another "
-               "model, or the same one in another weight format)")
-    elif row is None:
-        why = f"it has no row for draft vocabulary {cfg.draft_vocab_size} at batch {batch}"
-    elif not 1 <= row.draft_length <= fallback:
-        why = f"its best draft length {row.draft_length} is outside 1..{fallback} (the drafter's block)"
-    else:
+        return None, f"it was measured on {table.platform!r} and this runs on {platform!r}"
+    if table.target != target_signature(target):
+        return None, (f"it was measured with target {table.target}, and this target is {target_signature(target)} "
+                      "(another model, or the same one in another weight format)")
+    if row is None:
+        return None, f"it has no row for draft vocabulary {cfg.draft_vocab_size} at batch {batch}"
+    if not 1 <= row.draft_length <= cfg.block_size - 1:
+        return None, (f"its best draft length {row.draft_length} is outside 1..{cfg.block_size - 1} (the drafter's "
+                      "block)")
+    return row, None
+
+
+def default_layout(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True) -> tuple[int, int | None]:
+    """(draft_length, tree_budget) of the step table's best row for this pair on this platform (rows of the largest
+    measured batch <= `batch`; tree rows only when `trees`): (D, None) for a chain, (depth, N) for a draft tree of N
+    nodes; (block_size - 1, None) when there is no table or it does not apply (warned)."""
+    fallback = drafter.config.block_size - 1
+    row, why = _table_row(drafter, target, batch, trees)
+    if row is not None:
         return row.draft_length, row.tree_budget
-    if why not in _WARNED:
+    if why is not None and why not in _WARNED:
         _WARNED.add(why)
         warnings.warn(f"the drafter's step table is ignored: {why}; drafting block_size - 1 = {fallback} tokens per "
                       "step (measure a table for this pair with `dflash-jax bench --step-table --save-table`)",
                       stacklevel=4)
     return fallback, None
+
+
+def slower_than_plain(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True):
+    """The step table's best row for this pair, platform and batch when even it predicts speculation slower than
+    plain decoding (tau / (r + c) < 1), else None (it predicts a speedup, or there is no table that applies). The
+    shipped SmolLM2 table predicts 1.12x at batch 1 (a tree of 2) and at most 0.82x at batch 4, where a verify of
+    several rows costs more decode steps than the drafts save."""
+    row, _ = _table_row(drafter, target, batch, trees)
+    return row if row is not None and row.predicted_speedup < 1.0 else None
 
 
 def default_draft_length(drafter: Drafter, target: Target, batch: int = 1) -> int:
@@ -69,4 +87,4 @@ def default_draft_length(drafter: Drafter, target: Target, batch: int = 1) -> in
     return default_layout(drafter, target, batch, trees=False)[0]
 
 
-__all__ = ["default_draft_length", "default_layout", "target_signature"]
+__all__ = ["default_draft_length", "default_layout", "slower_than_plain", "target_signature"]

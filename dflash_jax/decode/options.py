@@ -43,10 +43,15 @@ class GenerationOptions(Replaceable):
     attention_mask: Any = None  # [B, T] 0/1 for a padded int prompt (left- or right-padded rows)
     prompt_lengths: Any = None  # [B] for a right-padded int prompt
     return_prompt: bool = False  # `tokens` holds each row's prompt, then its new tokens
+    # With neither draft_length nor tree_budget given: where the drafter's step table applies and predicts even its
+    # best setting slower than plain decoding for this batch (`decode.draft_length.slower_than_plain`), decode plainly
+    # (the same tokens at temperature 0, the target's law above it; the result's draft_length is 0). False:
+    # speculate with that best setting anyway (benchmarks that measure it).
+    plain_when_slower: bool = True
 
 
 # keywords autoregressive decoding does not take
-SPECULATIVE_ONLY = ("draft_length", "tree_budget", "p_min", "draft_sampling")
+SPECULATIVE_ONLY = ("draft_length", "tree_budget", "p_min", "draft_sampling", "plain_when_slower")
 _OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationOptions))
 _SAMPLING_DEFAULTS = {name: p.default for name, p in inspect.signature(SamplingParams.make).parameters.items()
                       if name != "cls"}
