@@ -4,7 +4,7 @@
 # D 7. Resumable (checkpoint every 50 steps: rerun this script).
 cd /work/wt-train || exit 1
 export JAX_COMPILATION_CACHE_DIR=/work/wt-train/.train/xla
-for stop in 300 600 900 1200; do  # this session stopped it at 600 (session time)
+for stop in 300 600 900 1200; do  # this session stopped it at 900 (session time)
   [ -e .train/grow2l/report_$stop.json ] && continue
   .venv/bin/python -m dflash_jax.cli train-drafter --chat --target smollm2 \
     --data-dir /work/data/smollm2_answers --block-size 8 --batch 8 --anchors 32 --lr 5e-4 \
