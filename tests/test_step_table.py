@@ -125,8 +125,6 @@ def test_where_even_the_best_row_is_slower_generate_decodes_plainly(pair):
     plain decoding, says so once, and returns its exact tokens (greedy and sampled: the same program and seed as
     `generate_autoregressive`); at a batch where the table predicts a speedup, or with an explicit setting, or with
     plain_when_slower=False, it speculates."""
-    from dflash_jax.decode import programs
-
     target, drafter = pair
     rows = [StepRow(3, None, 2.4, 1.3, 0.2), StepRow(1, None, 1.4, 1.5, 0.1, batch=4),
             StepRow(3, None, 1.6, 2.0, 0.2, batch=4)]
@@ -136,7 +134,7 @@ def test_where_even_the_best_row_is_slower_generate_decodes_plainly(pair):
     assert dl.slower_than_plain(drafter, target, batch=4) is None  # no table: nothing predicted
     kw = dict(max_new_tokens=10, eos_ids=())
     want = dj.generate_autoregressive(target, prompts, **kw).token_lists()
-    programs._NOTED.clear()
+    dl._WARNED.clear()
     with pytest.warns(UserWarning, match=r"predicts 0.8[78]x for its best setting at batch 4 \(draft length 1, measured "
                                          r"at batch 4\): decoding plainly"):
         res = dj.generate(target, d, prompts, **kw)

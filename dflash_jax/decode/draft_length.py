@@ -56,29 +56,47 @@ def _table_row(drafter: Drafter, target: Target, batch: int, trees: bool):
     return row, None
 
 
-def default_layout(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True) -> tuple[int, int | None]:
+def default_layout(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True,
+                   plain_when_slower: bool = False) -> tuple[int, int | None]:
     """(draft_length, tree_budget) of the step table's best row for this pair on this platform (rows of the largest
     measured batch <= `batch`; tree rows only when `trees`): (D, None) for a chain, (depth, N) for a draft tree of N
-    nodes; (block_size - 1, None) when there is no table or it does not apply (warned)."""
+    nodes; (block_size - 1, None) when there is no table or it does not apply (warned). plain_when_slower: (0, None),
+    plain decoding (warned), where the table applies and even its best row predicts a slowdown (tau / (r + c) < 1);
+    the shipped SmolLM2 table predicts 1.12x at batch 1 (a tree of 2) and at most 0.82x at batch 4, where a verify of
+    several rows costs more decode steps than the drafts save."""
     fallback = drafter.config.block_size - 1
     row, why = _table_row(drafter, target, batch, trees)
+    if plain_when_slower and _slower(row):
+        layout = f"a draft tree of {row.tree_budget}" if row.tree_budget else f"draft length {row.draft_length}"
+        _warn_once(f"generate: the drafter's step table predicts {row.predicted_speedup:.2f}x for its best setting at "
+                   f"batch {batch} ({layout}, measured at batch {row.batch}): decoding plainly (the same tokens at "
+                   "temperature 0, the target's law above it). Give draft_length= or tree_budget= to speculate "
+                   "anyway, or plain_when_slower=False for the table's best")
+        return 0, None
     if row is not None:
         return row.draft_length, row.tree_budget
-    if why is not None and why not in _WARNED:
-        _WARNED.add(why)
-        warnings.warn(f"the drafter's step table is ignored: {why}; drafting block_size - 1 = {fallback} tokens per "
-                      "step (measure a table for this pair with `dflash-jax bench --step-table --save-table`)",
-                      stacklevel=4)
+    if why is not None:
+        _warn_once(f"the drafter's step table is ignored: {why}; drafting block_size - 1 = {fallback} tokens per step "
+                   "(measure a table for this pair with `dflash-jax bench --step-table --save-table`)")
     return fallback, None
+
+
+def _slower(row) -> bool:
+    return row is not None and row.predicted_speedup < 1.0
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=5)
 
 
 def slower_than_plain(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True):
     """The step table's best row for this pair, platform and batch when even it predicts speculation slower than
-    plain decoding (tau / (r + c) < 1), else None (it predicts a speedup, or there is no table that applies). The
-    shipped SmolLM2 table predicts 1.12x at batch 1 (a tree of 2) and at most 0.82x at batch 4, where a verify of
-    several rows costs more decode steps than the drafts save."""
+    plain decoding, else None (it predicts a speedup, or there is no table that applies): where `default_layout`
+    with plain_when_slower gives plain decoding."""
     row, _ = _table_row(drafter, target, batch, trees)
-    return row if row is not None and row.predicted_speedup < 1.0 else None
+    return row if _slower(row) else None
 
 
 def default_draft_length(drafter: Drafter, target: Target, batch: int = 1) -> int:

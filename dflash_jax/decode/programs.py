@@ -26,15 +26,13 @@ Calls: `generate` / `generate_autoregressive` run what `speculative_call` / `aut
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import numpy as np
 
 from dflash_jax import execution
 from dflash_jax.config import check_pair
 from dflash_jax.decode import buckets
-from dflash_jax.decode.draft_length import default_layout, slower_than_plain
+from dflash_jax.decode.draft_length import default_layout
 from dflash_jax.decode.call import PROGRAM_PREFIX, ProgramCall, to_host
 from dflash_jax.decode.loop import Budget, autoregressive_loop, speculative_loop
 from dflash_jax.decode.options import GenerationOptions, keyword_signature, settings
@@ -166,13 +164,11 @@ def _speculative(target: Target, drafter: Drafter, prompt, sampling: SamplingPar
         # the drafter's measured best for this pair, platform and batch: a chain or a draft tree (a tree only where
         # the sampling rule allows one), else a chain of block_size - 1; plain decoding where even the best is slower
         trees = not sampling.use_p_min and sampling.draft_sampling == "sample"
-        batch = len(prompt) if hasattr(prompt, "__len__") else 1
-        slower = slower_than_plain(drafter, target, batch=batch, trees=trees) if options.plain_when_slower else None
-        if slower is not None:
-            _note_plain(slower, batch)
+        D, N = default_layout(drafter, target, batch=len(prompt) if hasattr(prompt, "__len__") else 1, trees=trees,
+                              plain_when_slower=options.plain_when_slower)
+        if D == 0:
             return _prepare("autoregressive", target, None, prompt,
                             SamplingParams.make(sampling.temperature, sampling.top_k, sampling.top_p), options)
-        D, N = default_layout(drafter, target, batch=batch, trees=trees)
         options = options.replace(draft_length=None if N else D, tree_budget=N)
     if options.tree_budget is None:
         options = options.replace(draft_length=check_draft_length(drafter, options.draft_length))
@@ -182,21 +178,6 @@ def _speculative(target: Target, drafter: Drafter, prompt, sampling: SamplingPar
     call = _prepare("speculative", target, drafter, prompt, sampling, options)
     warn_short_drafter_context(drafter, int(np.max(to_host(call.args[3]))) + int(options.max_new_tokens))
     return call
-
-
-_NOTED: set[tuple] = set()
-
-
-def _note_plain(row, batch: int) -> None:
-    """Says once per (row, batch) that `generate` decodes plainly, and why."""
-    if (row, batch) in _NOTED:
-        return
-    _NOTED.add((row, batch))
-    layout = f"a draft tree of {row.tree_budget}" if row.tree_budget else f"draft length {row.draft_length}"
-    warnings.warn(f"generate: the drafter's step table predicts {row.predicted_speedup:.2f}x for its best setting at "
-                  f"batch {batch} ({layout}, measured at batch {row.batch}): decoding plainly (the same tokens at "
-                  "temperature 0, the target's law above it). Give draft_length= or tree_budget= to speculate anyway, "
-                  "or plain_when_slower=False for the table's best", stacklevel=4)
 
 
 def _autoregressive(target: Target, prompt, sampling: SamplingParams, options: GenerationOptions) -> ProgramCall:

@@ -148,8 +148,8 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
 def chunked_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     """The gated delta rule over chunks of `chunk` tokens (HF's `torch_chunk_gated_delta_rule`): inside a chunk a
     UT transform turns the sequential delta updates into a unit-lower-triangular inverse and matmuls; a `lax.scan`
-    over the static number of chunks carries the state. Same arguments and result as `recurrent_rule` (without keep: a token whose
-    beta and g are 0 changes nothing, which is how padding is left out)."""
+    over the static number of chunks carries the state. Same arguments and result as `recurrent_rule` (without keep:
+    a token whose beta and g are 0 changes nothing, which is how padding is left out)."""
     B, T, nV, dk = q.shape
     dv = v.shape[-1]
     C = min(chunk, T)

@@ -136,11 +136,12 @@ def train_drafter(args, argv) -> dict:
               "init": args.init_from or args.init, **({"grow": True} if args.grow else {})}
     try:
         if lead:
-            if args.init_from and not _resuming(work):
-                warning = replayed_batches_warning(args.init_from, shards_dir, args.seed)
-                if warning:
-                    print(warning, flush=True)
-            check_or_record(work, record, resuming=_resuming(work))
+            resuming = _resuming(work)
+            warning = None if resuming or not args.init_from else replayed_batches_warning(args.init_from, shards_dir,
+                                                                                           args.seed)
+            if warning:
+                print(warning, flush=True)
+            check_or_record(work, record, resuming=resuming)
     except RunMismatch as e:
         raise SystemExit(f"error: {e}") from None
 
