@@ -63,8 +63,7 @@ def _generate(args):
         sp = generate(target, drafter, [ids], draft_length=args.draft_length, tree_budget=args.tree_budget, **kw)
         print(show(sp.token_lists()[0]))
         print("-" * 72)
-        print(f"{int(sp.num_tokens[0])} tokens in {sp.num_steps} steps: tau {sp.tau:.2f} (tokens per draft+verify "
-              f"step, incl. bonus), acceptance rate {100 * sp.acceptance_rate:.1f}% of {_drafted(sp)}")
+        print(f"{int(sp.num_tokens[0])} tokens in {sp.num_steps} steps: {_acceptance(sp)}")
         return
     # Each program runs once before it is timed: a first execution pays one-time costs (allocations, thread pools).
     for _ in range(2):
@@ -75,11 +74,27 @@ def _generate(args):
     same = "identical to" if sp.token_lists() == ar.token_lists() else "differs from (sampling)"
     print(f"{'DFlash2' if args.kind == 'dflash2' else 'DFlash'} output {same} autoregressive output; "
           f"{int(sp.num_tokens[0])} tokens, {sp.num_steps} steps")
-    print(f"tau {sp.tau:.2f} (tokens per draft+verify step, incl. bonus), acceptance rate "
-          f"{100 * sp.acceptance_rate:.1f}% of {_drafted(sp)} per step")
+    print(_acceptance(sp))
     print(f"decode tokens/s: DFlash {sp.decode_tokens_per_second:.1f} vs autoregressive "
           f"{ar.decode_tokens_per_second:.1f} -> {sp.decode_tokens_per_second / ar.decode_tokens_per_second:.2f}x"
-          f"  (prefill {1e3 * sp.timings['prefill_s']:.1f} ms; compile and first run excluded)")
+          f"  (prefill {1e3 * sp.timings['prefill_s']:.1f} ms; compile and first run excluded{_kernel_note()})")
+
+
+def _kernel_note() -> str:
+    """Which build of the CPU matmul kernel ran (its speed differs by an order of magnitude between them)."""
+    import jax  # lazily: `dflash-jax --help` imports no JAX
+
+    from dflash_jax.quant import cpu_kernel  # lazily, as above
+    if jax.default_backend() != "cpu":
+        return ""
+    return f"; CPU kernel: {cpu_kernel.isa()} build" if cpu_kernel.available() else "; no CPU kernel: XLA's dot"
+
+
+def _acceptance(res) -> str:
+    if res.draft_length == 0:  # nothing drafted: no acceptance to report
+        return f"no drafts: {_drafted(res)}"
+    return (f"tau {res.tau:.2f} (tokens per draft+verify step, incl. bonus), acceptance rate "
+            f"{100 * res.acceptance_rate:.1f}% of {_drafted(res)} per step")
 
 
 def _drafted(res) -> str:

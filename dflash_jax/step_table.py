@@ -46,6 +46,9 @@ class StepTable(Replaceable):
     target: str  # `decode.draft_length.target_signature` of the target it was measured with
     rows: tuple[StepRow, ...]
     note: str = ""  # how it was measured (command, prompts, date)
+    # on "cpu": the CPU matmul kernel's build it was measured with ("avx512", "avx2", "portable"; "" unknown): a
+    # verify's cost against a decode's differs between them (r at D 7: 2.2 with AVX-512, 2.7-2.9 with AVX2)
+    cpu_kernel: str = ""
 
     def best(self, draft_vocab: int | None, batch: int = 1, trees: bool = True,
              margin: float = NOISE_MARGIN) -> StepRow | None:
@@ -71,7 +74,8 @@ class StepTable(Replaceable):
         try:
             rows = tuple(StepRow(**{k: v for k, v in r.items() if k in StepRow.__dataclass_fields__})
                          for r in d["rows"])
-            return cls(platform=str(d["platform"]), target=str(d["target"]), rows=rows, note=str(d.get("note", "")))
+            return cls(platform=str(d["platform"]), target=str(d["target"]), rows=rows, note=str(d.get("note", "")),
+                       cpu_kernel=str(d.get("cpu_kernel", "")))
         except (KeyError, TypeError) as e:
             raise ValueError(f"step table: malformed ({type(e).__name__}: {e}); expected keys platform, target, rows "
                              "(each with draft_length, draft_vocab, tau, r, c)") from None

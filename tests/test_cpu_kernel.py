@@ -234,3 +234,56 @@ def test_concurrent_calls_from_several_threads_agree():
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         assert all(pool.map(run, range(12)))
+
+
+def _products_of_every_format(out: str) -> None:
+    """Every format's product at 1, 3, 8 and 9 rows (whole, ragged and half blocks), saved to `out` (npz): what
+    `test_every_build_computes_the_same_values` compares across the kernel's builds (run in a subprocess there)."""
+    found = {}
+    for K in (96, 80, 48):
+        x = jnp.asarray(np.random.default_rng(7).standard_normal((9, K)), jnp.float32)
+        for name, w in _weights(37, K, seed=8).items():
+            for M in (1, 3, 8, 9):
+                found[f"{name}-K{K}-M{M}"] = np.asarray(_kernel_linear(x[:M], w))
+    np.savez(out, **found)
+
+
+def _cpu_has(*features: str) -> bool:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return all(f in flags.split() for f in features)
+
+
+def test_every_build_computes_the_same_values(tmp_path):
+    """The kernel has three builds (AVX-512, AVX2 + FMA + F16C, portable C++) of the same chains; the best one this CPU
+    runs is the default, and DFLASH_JAX_KERNEL_ISA builds a lower one. Each must give every format's products bit
+    for bit, so a machine's speed never changes a value (and the AVX2 and portable builds, which CI's CPU may never
+    pick by itself, are held to the one this CPU picks)."""
+    isas = ["portable"] + (["avx2"] if _cpu_has("avx2", "fma", "f16c") else [])
+    assert cpu_kernel.isa() in ("avx512", "avx2", "portable")
+    _products_of_every_format(str(tmp_path / "native.npz"))
+    native = np.load(tmp_path / "native.npz")
+    tests_dir = str(Path(__file__).parent)
+    for isa in isas:
+        out = tmp_path / f"{isa}.npz"
+        code = (f"import sys; sys.path.insert(0, {tests_dir!r}); import test_cpu_kernel as t; "
+                f"from dflash_jax.quant import cpu_kernel; assert cpu_kernel.available(), cpu_kernel.unavailable_reason(); "
+                f"assert cpu_kernel.isa() == {isa!r}, cpu_kernel.isa(); "
+                f"t._products_of_every_format({str(out)!r})")
+        env = {**os.environ, cpu_kernel.ENV_ISA: isa, "JAX_PLATFORMS": "cpu"}
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, f"{isa}: {res.stderr[-3000:]}"
+        other = np.load(out)
+        assert sorted(other.files) == sorted(native.files)
+        for key in native.files:
+            np.testing.assert_array_equal(other[key], native[key], err_msg=f"{isa} build, {key}")
+
+
+def test_an_unknown_kernel_build_is_refused_by_name():
+    env = {**os.environ, cpu_kernel.ENV_ISA: "avx9000", "JAX_PLATFORMS": "cpu"}
+    code = "from dflash_jax.quant import cpu_kernel; print(cpu_kernel.available(), cpu_kernel.unavailable_reason())"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "False" in res.stdout and "DFLASH_JAX_KERNEL_ISA='avx9000'" in res.stdout, res.stdout

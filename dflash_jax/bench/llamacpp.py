@@ -108,9 +108,11 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     r = compare(prompts=args.prompts, new_tokens=args.new_tokens, threads=args.threads,
                 llama_python=args.llama_python, draft_length=args.draft_length)
-    layout = f"tree of {r['tree_budget']}" if r["tree_budget"] else f"D {r['draft_length']}"
+    layout = (f"speculative tree of {r['tree_budget']}" if r["tree_budget"] else
+              f"speculative D {r['draft_length']}" if r["draft_length"] else
+              "generate (decoding plainly: the step table predicts no speedup here)")
     print(f"llama.cpp {r['llama_cpp_version']} ({r['threads']} threads): {r['llama_cpp_tokens_per_s']:.1f} tok/s | "
-          f"dflash-jax autoregressive: {r['ar_tokens_per_s']:.1f} tok/s ({r['ar_vs_llama_cpp']:.2f}x) | speculative "
+          f"dflash-jax autoregressive: {r['ar_tokens_per_s']:.1f} tok/s ({r['ar_vs_llama_cpp']:.2f}x) | "
           f"{layout}: {r['speculative_tokens_per_s']:.1f} tok/s ({r['speculative_vs_llama_cpp']:.2f}x of "
           f"llama.cpp, {r['speculative_vs_ar']:.2f}x of autoregressive, tau {r['tau']:.2f}); medians over "
           f"{r['prompts']} prompts x {r['new_tokens']} tokens; greedy tokens identical to llama.cpp's for the first "

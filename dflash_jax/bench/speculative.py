@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.bench.step_costs import step_costs
-from dflash_jax.decode.draft_length import target_signature
+from dflash_jax.decode.draft_length import running_cpu_kernel, target_signature
 from dflash_jax.decode.programs import generate, generate_autoregressive
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
@@ -189,6 +189,7 @@ def step_table(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]
 def as_step_table(rows: list[dict], target: Target, note: str = "") -> StepTable:
     """The measured rows as the table `generate` reads (`dflash_jax.step_table`) for this platform and target."""
     return StepTable(platform=jax.default_backend(), target=target_signature(target), note=note,
+                     cpu_kernel=running_cpu_kernel() or "",
                      rows=tuple(StepRow(draft_length=r["draft_length"], draft_vocab=r["draft_vocab_size"],
                                         tau=round(float(r["tau"]), 4), r=round(float(r["r"]), 4),
                                         c=round(float(r["c"]), 4), batch=int(r["batch"]),

@@ -1,6 +1,8 @@
 """The draft length (or draft tree) `generate` uses when neither is given: the best row of the drafter's measured
 step table (`dflash_jax.step_table`) for this platform, this target and the batch, else a chain of block_size - 1.
 
+A CPU table measured with another build of the CPU kernel (AVX-512 vs AVX2 vs portable) is applied with a warning:
+its ranking may not hold here (`io.step_table_file` reads a folder's table for this build first when it has one).
 A table measured on another platform, with another target (or the same model in another weight format: its step
 costs differ), or holding no row for the drafter's draft vocabulary is ignored with a warning (once per reason),
 never silently applied. Where the table applies and even its best row predicts a slowdown (`slower_than_plain`),
@@ -18,6 +20,7 @@ import jax
 
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
+from dflash_jax.quant import cpu_kernel
 from dflash_jax.params import named_leaves
 
 _WARNED: set[str] = set()
@@ -45,6 +48,12 @@ def _table_row(drafter: Drafter, target: Target, batch: int, trees: bool):
     row = table.best(cfg.draft_vocab_size, batches[-1], trees=trees) if batches else None
     if table.platform != platform:
         return None, f"it was measured on {table.platform!r} and this runs on {platform!r}"
+    kernel = running_cpu_kernel()
+    if platform == "cpu" and table.cpu_kernel and kernel and table.cpu_kernel != kernel:
+        _warn_once(f"the drafter's step table was measured with the CPU kernel's {table.cpu_kernel} build and this CPU "
+                   f"runs its {kernel} build, where a verify costs a different number of decode steps: its choice is "
+                   "applied, but may not be this machine's best (measure one with `dflash-jax bench --step-table "
+                   "--save-table`)")
     if table.target != target_signature(target):
         return None, (f"it was measured with target {table.target}, and this target is {target_signature(target)} "
                       "(another model, or the same one in another weight format)")
@@ -79,6 +88,13 @@ def default_layout(drafter: Drafter, target: Target, batch: int = 1, trees: bool
         _warn_once(f"the drafter's step table is ignored: {why}; drafting block_size - 1 = {fallback} tokens per step "
                    "(measure a table for this pair with `dflash-jax bench --step-table --save-table`)")
     return fallback, None
+
+
+def running_cpu_kernel() -> str | None:
+    """The CPU kernel's build the programs run with here ("avx512", "avx2", "portable"), None off CPU or without it."""
+    if jax.default_backend() != "cpu" or not cpu_kernel.available():
+        return None
+    return cpu_kernel.isa()
 
 
 def _slower(row) -> bool:

@@ -1,5 +1,10 @@
 """`step_table.json` beside a drafter's weights (`dflash_jax.step_table`): read when the drafter is loaded, written
-by `dflash-jax bench --step-table --save-table` and by `save` when the drafter carries one."""
+by `dflash-jax bench --step-table --save-table` and by `save` when the drafter carries one.
+
+A folder may also hold CPU tables for other builds of the CPU kernel, `step_table.<build>.json` (build: "avx512",
+"avx2", "portable"): a verify's cost against a decode's differs between them, so on a CPU the table of the build that
+runs here is read first. `write_step_table` writes `step_table.json` unless that file holds a table of another build.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +12,25 @@ import json
 import warnings
 from pathlib import Path
 
+from dflash_jax.decode.draft_length import running_cpu_kernel
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.step_table import StepTable
 
 FILE_NAME = "step_table.json"
 
 
+def build_file_name(build: str) -> str:
+    return f"step_table.{build}.json"
+
+
 def read_step_table(folder: Path) -> StepTable | None:
-    """The folder's step table, or None when it has none; a malformed file is ignored with a warning (a drafter
-    without a table decodes as well, only with the default draft length)."""
-    f = Path(folder) / FILE_NAME
+    """The folder's step table (on a CPU, the one for the kernel build that runs here when the folder has one), or
+    None when it has none; a malformed file is ignored with a warning (a drafter without a table decodes as well,
+    only with the default draft length)."""
+    build = running_cpu_kernel()
+    f = Path(folder) / build_file_name(build) if build else None
+    if f is None or not f.is_file():
+        f = Path(folder) / FILE_NAME
     if not f.is_file():
         return None
     try:
@@ -27,7 +41,16 @@ def read_step_table(folder: Path) -> StepTable | None:
 
 
 def write_step_table(folder: Path, table: StepTable) -> Path:
+    """Writes `step_table.json`, or `step_table.<build>.json` where `step_table.json` holds another CPU kernel
+    build's table (each build keeps its own)."""
     f = Path(folder) / FILE_NAME
+    if table.cpu_kernel and f.is_file():
+        try:
+            other = StepTable.from_dict(json.loads(f.read_text()))
+        except (ValueError, json.JSONDecodeError):
+            other = None
+        if other is not None and other.cpu_kernel and other.cpu_kernel != table.cpu_kernel:
+            f = Path(folder) / build_file_name(table.cpu_kernel)
     f.parent.mkdir(parents=True, exist_ok=True)
     f.write_text(json.dumps(table.to_dict(), indent=1) + "\n")
     return f
@@ -39,4 +62,4 @@ def with_step_table(drafter: Drafter, folder: Path) -> Drafter:
     return drafter if table is None else drafter.replace(config=drafter.config.replace(step_table=table))
 
 
-__all__ = ["FILE_NAME", "read_step_table", "write_step_table", "with_step_table"]
+__all__ = ["FILE_NAME", "build_file_name", "read_step_table", "write_step_table", "with_step_table"]

@@ -32,10 +32,16 @@ import jax.numpy as jnp
 import numpy as np
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+# what the build reads: the kernel and the vector code of its three builds (a change to any one rebuilds)
+SOURCES = (SOURCE, *sorted(Path(__file__).parent.glob("cpu_vectors_*.h")))
 ENV_SWITCH = "DFLASH_JAX_CPU_KERNEL"
 ENV_CACHE = "DFLASH_JAX_KERNEL_CACHE"
 TARGET_NAME = "dflash_block_matmul"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+# Which of the kernel's builds to compile: the best this CPU runs (AVX-512, else AVX2 + FMA + F16C, else portable
+# C++), or a lower one on purpose (the tests build each and compare them value for value).
+ENV_ISA = "DFLASH_JAX_KERNEL_ISA"
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
 FORMATS = {"float32": 0, "bfloat16": 1, "q4_1": 2, "q8_0": 3, "nvfp4": 4}
 
 _state: dict = {}
@@ -56,10 +62,17 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
+def _flags() -> tuple[str, ...]:
+    isa = os.environ.get(ENV_ISA, "native")
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"{ENV_ISA}={isa!r}: expected one of {sorted(ISA_FLAGS)}")
+    return FLAGS + ISA_FLAGS[isa]
+
+
 def _library_path(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), str(version).encode(), jax.__version__.encode(),
+    for part in (*(f.read_bytes() for f in SOURCES), " ".join(_flags()).encode(), str(version).encode(), jax.__version__.encode(),
                  jax.lib.__version__.encode() if hasattr(jax.lib, "__version__") else b"",
                  _cpu_flags().encode(), platform.machine().encode()):
         key.update(part)
@@ -71,7 +84,7 @@ def _build(cxx: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    cmd = [cxx, *_flags(), f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode:
         os.unlink(tmp)
@@ -100,7 +113,8 @@ def _load() -> None:
     except Exception as e:  # a broken toolchain must not break the package: XLA's dot still works
         _state["why"] = f"{type(e).__name__}: {e}"
         return
-    _state["ok"], _state["path"] = True, path
+    lib.dflash_kernel_isa.restype = ctypes.c_char_p
+    _state["ok"], _state["path"], _state["isa"] = True, path, lib.dflash_kernel_isa().decode()
 
 
 def available() -> bool:
@@ -112,6 +126,13 @@ def available() -> bool:
 def unavailable_reason() -> str | None:
     _load()
     return _state["why"]
+
+
+def isa() -> str | None:
+    """The build the kernel runs as: "avx512", "avx2" (+ FMA + F16C) or "portable" (C++ left to the compiler: ARM,
+    older x86); None without the kernel. Values are the same in all three (tests/test_cpu_kernel.py), speed is not."""
+    _load()
+    return _state.get("isa")
 
 
 def library_path() -> Path | None:

@@ -12,6 +12,9 @@
 // equal to autoregressive decoding by construction. The decoded weights are exactly the dequantized values
 // (GGML: d * q + m rounded once, as the float32 dequantization; NVFP4: e2m1(code) * e4m3(block scale), exact),
 // with NVFP4's tensor scale applied to the float32 result as the portable backend does.
+//
+// Builds: AVX-512, AVX2 + FMA + F16C, or portable C++ (`cpu_vectors_*.h`), whichever is the best this CPU runs
+// (-march=native). They compute the same chains, so every value is the same whichever CPU computed it.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -30,7 +33,7 @@
 #include <sched.h>
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -84,123 +87,30 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-constexpr int kTile = 8;   // rows of x per pass over a weight row (accumulators held in registers)
 constexpr int kBlock = 32;
 
+// The vector type and the weight decoding of the build this CPU runs: the same chains and values in all three
+// (tests/test_cpu_kernel.py compares them), only the speed differs.
 #if defined(__AVX512F__)
-using Vec = __m512;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
-inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-// x elements [k, k + 16) of one row, zero past `valid` (a dense weight's ragged last block)
-inline Vec vload(const float* p, int valid) {
-  return valid >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(__mmask16((1u << std::max(valid, 0)) - 1), p);
-}
-
-// The 32 weights of block b of row n, as two vectors (elements 0..15 and 16..31); zero past K.
-template <Format F>
-inline void decode(const Weight& w, int64_t n, int64_t b, Vec& w0, Vec& w1) {
-  const int64_t K = w.K, nb = K / kBlock;
-  if constexpr (F == kF32) {
-    const float* p = reinterpret_cast<const float*>(w.codes) + n * K + b * kBlock;
-    const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
-    w0 = vload(p, valid);
-    w1 = vload(p + 16, valid - 16);
-  } else if constexpr (F == kBF16) {
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(w.codes) + n * K + b * kBlock;
-    const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
-    auto half = [](const uint16_t* q, int v) {
-      __m256i h = v >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))
-                          : _mm256_maskz_loadu_epi16(__mmask16((1u << std::max(v, 0)) - 1), q);
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bf16 -> f32, exact
-    };
-    w0 = half(p, valid);
-    w1 = half(p + 16, valid - 16);
-  } else if constexpr (F == kQ4_1) {
-    // byte j of a block holds code j (low nibble) and code j + 16 (high nibble), as GGML stores it
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codes + n * (K / 2) + b * 16)));
-    const float d = _cvtsh_ss(reinterpret_cast<const uint16_t*>(w.scale)[n * nb + b]);
-    const float m = _cvtsh_ss(reinterpret_cast<const uint16_t*>(w.mins)[n * nb + b]);
-    const Vec iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const Vec table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(m));  // d * q + m for q = 0..15
-    w0 = _mm512_permutexvar_ps(q, table);  // uses the low 4 bits of each index: the low nibble
-    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
-  } else if constexpr (F == kQ8_0) {
-    const int8_t* p = reinterpret_cast<const int8_t*>(w.codes) + n * K + b * kBlock;
-    const Vec d = _mm512_set1_ps(_cvtsh_ss(reinterpret_cast<const uint16_t*>(w.scale)[n * nb + b]));
-    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))));
-  } else {  // NVFP4: element 2i in the low nibble; one e4m3 scale per 16
-    const uint8_t* s = reinterpret_cast<const uint8_t*>(w.scale) + n * (K / 16) + b * 2;
-    const uint8_t* c = w.codes + n * (K / 2) + b * 16;
-    const Vec grid = _mm512_loadu_ps(E2M1);
-    const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-    const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
-    w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, lo)), shifts),
-                               _mm512_mul_ps(grid, _mm512_set1_ps(E4M3[s[0]])));
-    if (b * kBlock + 16 < K) {
-      const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8));
-      w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(hi, hi)), shifts),
-                                 _mm512_mul_ps(grid, _mm512_set1_ps(E4M3[s[1]])));
-    } else {
-      w1 = vzero();
-    }
-  }
-}
-
-#else  // portable C++: the same chains (16 lanes, block order, one fixed reduction), left to the compiler
-
-struct Vec { float v[16]; };
-inline Vec vzero() { Vec r; for (float& f : r.v) f = 0.f; return r; }
-inline Vec vfma(const Vec& a, const Vec& b, Vec c) { for (int l = 0; l < 16; ++l) c.v[l] = std::fma(a.v[l], b.v[l], c.v[l]); return c; }
-inline float vsum(const Vec& a) {
-  float t[16];
-  std::memcpy(t, a.v, sizeof t);
-  for (int w = 8; w >= 1; w /= 2) for (int l = 0; l < w; ++l) t[l] += t[l + w];
-  return t[0];
-}
-inline Vec vload(const float* p, int valid) { Vec r; for (int l = 0; l < 16; ++l) r.v[l] = l < valid ? p[l] : 0.f; return r; }
-inline Vec vadd(const Vec& a, const Vec& b) { Vec r; for (int l = 0; l < 16; ++l) r.v[l] = a.v[l] + b.v[l]; return r; }
-
-inline float weight_at(const Weight& w, int64_t n, int64_t k) {
-  const int64_t K = w.K, b = k / kBlock, j = k % kBlock;
-  switch (w.format) {
-    case kF32: return reinterpret_cast<const float*>(w.codes)[n * K + k];
-    case kBF16: {
-      uint32_t bits = uint32_t(reinterpret_cast<const uint16_t*>(w.codes)[n * K + k]) << 16;
-      float f; std::memcpy(&f, &bits, 4); return f;
-    }
-    case kQ4_1: {
-      const uint8_t byte = w.codes[n * (K / 2) + b * 16 + (j % 16)];
-      const int q = j < 16 ? (byte & 15) : (byte >> 4);
-      return std::fma(float(q), half_to_float(reinterpret_cast<const uint16_t*>(w.scale)[n * (K / 32) + b]),
-                      half_to_float(reinterpret_cast<const uint16_t*>(w.mins)[n * (K / 32) + b]));
-    }
-    case kQ8_0:
-      return half_to_float(reinterpret_cast<const uint16_t*>(w.scale)[n * (K / 32) + b]) *
-             float(reinterpret_cast<const int8_t*>(w.codes)[n * K + k]);
-    default: {
-      const uint8_t byte = w.codes[n * (K / 2) + k / 2];
-      return E2M1[(k % 2) ? (byte >> 4) : (byte & 15)] * E4M3[reinterpret_cast<const uint8_t*>(w.scale)[n * (K / 16) + k / 16]];
-    }
-  }
-}
-
-// The 32 weights of block b of row n, as two vectors (elements 0..15 and 16..31); zero past K.
-template <Format F>
-inline void decode(const Weight& w, int64_t n, int64_t b, Vec& w0, Vec& w1) {
-  const int valid = int(std::min<int64_t>(kBlock, w.K - b * kBlock));
-  w0 = vzero();
-  w1 = vzero();
-  for (int l = 0; l < 16; ++l) {
-    if (l < valid) w0.v[l] = weight_at(w, n, b * kBlock + l);
-    if (l + 16 < valid) w1.v[l] = weight_at(w, n, b * kBlock + 16 + l);
-  }
-}
+#include "cpu_vectors_avx512.h"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "cpu_vectors_avx2.h"
+#else
+#include "cpu_vectors_portable.h"
 #endif
 
-// One pass over weight rows [n0, n1) for T rows of x, in either build (the vector type and `decode` above).
+// Rows of x per pass over a weight row: their accumulators (two 16-lane vectors a row) stay in registers. AVX-512
+// has 32 registers of 16 lanes: 8 rows. Elsewhere a 16-lane vector takes several registers (two of AVX2's 16, four
+// of NEON's 32), so 4 rows, and each row's two chains in two passes (`tile`); measured on a Zen 1 (AVX2) through
+// `bench.step_costs`: verify D 7 88-96 ms with 4 rows and two passes against 102 ms with 2 rows and 154 ms with 1.
+#if defined(__AVX512F__)
+constexpr int kTile = 8;
+#else
+#define DFLASH_HALF_PASSES 1
+constexpr int kTile = 4;
+#endif
+
+// One pass over weight rows [n0, n1) for T rows of x, in every build (the vector type and `decode` above).
 template <Format F, int T>
 void tile(const Weight& w, const float* x, float* y, int64_t m0, int64_t n0, int64_t n1) {
   const int64_t K = w.K, nb = (K + kBlock - 1) / kBlock;
@@ -210,14 +120,32 @@ void tile(const Weight& w, const float* x, float* y, int64_t m0, int64_t n0, int
     // not two; combined as lo + hi for every row whatever T
     Vec lo[T], hi[T];
     for (int i = 0; i < T; ++i) lo[i] = hi[i] = vzero();
-    for (int64_t b = 0; b < nb; ++b) {
-      Vec w0, w1;
-      decode<F>(w, n, b, w0, w1);
-      const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
-      for (int i = 0; i < T; ++i) {
-        const float* xm = xt + i * K + b * kBlock;
-        lo[i] = vfma(w0, vload(xm, valid), lo[i]);
-        hi[i] = vfma(w1, vload(xm + 16, valid - 16), hi[i]);
+#if defined(DFLASH_HALF_PASSES)
+    // AVX2, 3+ rows: the two chains in two passes over the row (the second from L1): half the accumulators live at a
+    // time, so AVX2's 16 registers hold 4 rows' without spilling; the same chains, so the same values
+    if constexpr (T > 2) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const Vec w0 = decode_half<F, 0>(w, n, b);
+        const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
+        for (int i = 0; i < T; ++i) lo[i] = vfma(w0, vload(xt + i * K + b * kBlock, valid), lo[i]);
+      }
+      for (int64_t b = 0; b < nb; ++b) {
+        const Vec w1 = decode_half<F, 1>(w, n, b);
+        const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
+        for (int i = 0; i < T; ++i) hi[i] = vfma(w1, vload(xt + i * K + b * kBlock + 16, valid - 16), hi[i]);
+      }
+    } else
+#endif
+    {
+      for (int64_t b = 0; b < nb; ++b) {
+        Vec w0, w1;
+        decode<F>(w, n, b, w0, w1);
+        const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
+        for (int i = 0; i < T; ++i) {
+          const float* xm = xt + i * K + b * kBlock;
+          lo[i] = vfma(w0, vload(xm, valid), lo[i]);
+          hi[i] = vfma(w1, vload(xm + 16, valid - 16), hi[i]);
+        }
       }
     }
     for (int i = 0; i < T; ++i) y[(m0 + i) * w.N + n] = vsum(vadd(lo[i], hi[i])) * w.tensor_scale;
@@ -439,3 +367,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashBlockMatmul, BlockMatmulImpl,
                                   .Attr<ffi::Span<const int64_t>>("n_rows"));
 
 extern "C" int dflash_kernel_abi_version() { return 2; }
+
+// Which build this is (the chains and values are the same in all three; the speed is not).
+extern "C" const char* dflash_kernel_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}

@@ -1,0 +1,64 @@
+// dflash-jax CPU matmul kernel: the AVX-512 build (16-lane registers).
+// Included by cpu_matmul.cc inside its anonymous namespace, after Weight, the E4M3 / E2M1 tables, half_to_float and
+// kBlock; defines Vec (16 float lanes), vzero / vfma / vadd / vsum / vload and decode<F> (and decode_half<F, H>).
+
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+// x elements [k, k + 16) of one row, zero past `valid` (a dense weight's ragged last block)
+inline Vec vload(const float* p, int valid) {
+  return valid >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(__mmask16((1u << std::max(valid, 0)) - 1), p);
+}
+
+// The 32 weights of block b of row n, as two vectors (elements 0..15 and 16..31); zero past K.
+template <Format F>
+inline void decode(const Weight& w, int64_t n, int64_t b, Vec& w0, Vec& w1) {
+  const int64_t K = w.K, nb = K / kBlock;
+  if constexpr (F == kF32) {
+    const float* p = reinterpret_cast<const float*>(w.codes) + n * K + b * kBlock;
+    const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
+    w0 = vload(p, valid);
+    w1 = vload(p + 16, valid - 16);
+  } else if constexpr (F == kBF16) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(w.codes) + n * K + b * kBlock;
+    const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
+    auto half = [](const uint16_t* q, int v) {
+      __m256i h = v >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))
+                          : _mm256_maskz_loadu_epi16(__mmask16((1u << std::max(v, 0)) - 1), q);
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bf16 -> f32, exact
+    };
+    w0 = half(p, valid);
+    w1 = half(p + 16, valid - 16);
+  } else if constexpr (F == kQ4_1) {
+    // byte j of a block holds code j (low nibble) and code j + 16 (high nibble), as GGML stores it
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codes + n * (K / 2) + b * 16)));
+    const float d = _cvtsh_ss(reinterpret_cast<const uint16_t*>(w.scale)[n * nb + b]);
+    const float m = _cvtsh_ss(reinterpret_cast<const uint16_t*>(w.mins)[n * nb + b]);
+    const Vec iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const Vec table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(m));  // d * q + m for q = 0..15
+    w0 = _mm512_permutexvar_ps(q, table);  // uses the low 4 bits of each index: the low nibble
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+  } else if constexpr (F == kQ8_0) {
+    const int8_t* p = reinterpret_cast<const int8_t*>(w.codes) + n * K + b * kBlock;
+    const Vec d = _mm512_set1_ps(_cvtsh_ss(reinterpret_cast<const uint16_t*>(w.scale)[n * nb + b]));
+    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))));
+  } else {  // NVFP4: element 2i in the low nibble; one e4m3 scale per 16
+    const uint8_t* s = reinterpret_cast<const uint8_t*>(w.scale) + n * (K / 16) + b * 2;
+    const uint8_t* c = w.codes + n * (K / 2) + b * 16;
+    const Vec grid = _mm512_loadu_ps(E2M1);
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
+    w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, lo)), shifts),
+                               _mm512_mul_ps(grid, _mm512_set1_ps(E4M3[s[0]])));
+    if (b * kBlock + 16 < K) {
+      const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8));
+      w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(hi, hi)), shifts),
+                                 _mm512_mul_ps(grid, _mm512_set1_ps(E4M3[s[1]])));
+    } else {
+      w1 = vzero();
+    }
+  }
+}
