@@ -91,8 +91,8 @@ def _kernel_note() -> str:
 
 
 def _acceptance(res) -> str:
-    if res.draft_length == 0:  # nothing drafted: no acceptance to report
-        return f"no drafts: {_drafted(res)}"
+    if res.draft_length == 0:  # nothing drafted: one token a step, no acceptance rate
+        return f"tau {res.tau:.2f} (no drafts: {_drafted(res)})"
     return (f"tau {res.tau:.2f} (tokens per draft+verify step, incl. bonus), acceptance rate "
             f"{100 * res.acceptance_rate:.1f}% of {_drafted(res)} per step")
 

@@ -47,7 +47,7 @@ class StepTable(Replaceable):
     rows: tuple[StepRow, ...]
     note: str = ""  # how it was measured (command, prompts, date)
     # on "cpu": the CPU matmul kernel's build it was measured with ("avx512", "avx2", "portable"; "" unknown): a
-    # verify's cost against a decode's differs between them (r at D 7: 2.2 with AVX-512, 2.7-2.9 with AVX2)
+    # verify's cost against a decode's differs between them (r at D 7: 2.15 with AVX-512, 3.06 with AVX2)
     cpu_kernel: str = ""
 
     def best(self, draft_vocab: int | None, batch: int = 1, trees: bool = True,

@@ -214,3 +214,17 @@ def test_bench_tables_take_their_draft_lengths_from_the_drafter(monkeypatch, tmp
     assert "draft length 3 (block 4)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"--draft-length 7: the drafter's block holds 4 tokens .*so 1\.\.3"):
         cli.main(["bench", "--pair-table", "--draft-length", "7", "--prompts", "1", "--new-tokens", "4"])
+
+
+def test_the_acceptance_line_of_plain_decoding_has_no_rate():
+    """Where generate decodes plainly (the step table predicts no speedup), nothing was drafted: the line says so and
+    gives tau 1.00, never an acceptance rate of 0 / 0 ('nan%')."""
+    import types
+
+    from dflash_jax.cli import _acceptance
+
+    plain = types.SimpleNamespace(draft_length=0, tree_budget=None, tau=1.0, acceptance_rate=float("nan"))
+    line = _acceptance(plain)
+    assert line.startswith("tau 1.00 (no drafts: none (plain decoding") and "nan" not in line, line
+    chain = types.SimpleNamespace(draft_length=3, tree_budget=None, tau=2.5, acceptance_rate=0.5)
+    assert _acceptance(chain).startswith("tau 2.50 (tokens per draft+verify step, incl. bonus), acceptance rate 50.0%")

@@ -269,7 +269,8 @@ def test_every_build_computes_the_same_values(tmp_path):
     for isa in isas:
         out = tmp_path / f"{isa}.npz"
         code = (f"import sys; sys.path.insert(0, {tests_dir!r}); import test_cpu_kernel as t; "
-                f"from dflash_jax.quant import cpu_kernel; assert cpu_kernel.available(), cpu_kernel.unavailable_reason(); "
+                "from dflash_jax.quant import cpu_kernel; "
+                "assert cpu_kernel.available(), cpu_kernel.unavailable_reason(); "
                 f"assert cpu_kernel.isa() == {isa!r}, cpu_kernel.isa(); "
                 f"t._products_of_every_format({str(out)!r})")
         env = {**os.environ, cpu_kernel.ENV_ISA: isa, "JAX_PLATFORMS": "cpu"}

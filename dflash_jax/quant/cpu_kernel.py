@@ -72,7 +72,8 @@ def _flags() -> tuple[str, ...]:
 def _library_path(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256()
-    for part in (*(f.read_bytes() for f in SOURCES), " ".join(_flags()).encode(), str(version).encode(), jax.__version__.encode(),
+    for part in (*(f.read_bytes() for f in SOURCES), " ".join(_flags()).encode(), str(version).encode(),
+                 jax.__version__.encode(),
                  jax.lib.__version__.encode() if hasattr(jax.lib, "__version__") else b"",
                  _cpu_flags().encode(), platform.machine().encode()):
         key.update(part)
