@@ -152,15 +152,20 @@ def test_where_even_the_best_row_is_slower_generate_decodes_plainly(pair):
         dj.generate_autoregressive(target, prompts, plain_when_slower=False, **kw)
 
 
+def _this_and_another_build() -> tuple[str, str]:
+    """The CPU kernel build running here and another one (the test is skipped without the kernel)."""
+    here = dl.running_cpu_kernel()
+    if here is None:
+        pytest.skip("no CPU kernel here")
+    return here, "portable" if here != "portable" else "avx512"
+
+
 def test_a_table_of_another_cpu_kernel_build_is_applied_with_a_warning(pair):
     """A verify's cost in decode steps differs between the CPU kernel's builds (AVX-512, AVX2, portable): a CPU table
     records its build, and one measured with another build than the one running here still chooses (it is this pair's
     only measurement) but says so."""
     target, drafter = pair
-    here = dl.running_cpu_kernel()
-    if here is None:
-        pytest.skip("no CPU kernel here")
-    other = "portable" if here != "portable" else "avx512"
+    here, other = _this_and_another_build()
     table = _table(target, [StepRow(2, None, 2.0, 1.0, 0.1)]).replace(cpu_kernel=other)
     dl._WARNED.clear()
     with pytest.warns(UserWarning, match=f"CPU kernel's {other} build and this CPU runs its {here} build"):
@@ -174,10 +179,7 @@ def test_a_folder_keeps_one_cpu_table_per_kernel_build_and_reads_this_cpus(pair,
     from dflash_jax.io.step_table_file import build_file_name, read_step_table, write_step_table
 
     target, _ = pair
-    here = dl.running_cpu_kernel()
-    if here is None:
-        pytest.skip("no CPU kernel here")
-    other = "portable" if here != "portable" else "avx512"
+    here, other = _this_and_another_build()
     theirs = _table(target, [StepRow(5, None, 2.0, 1.0, 0.1)]).replace(cpu_kernel=other)
     ours = _table(target, [StepRow(1, None, 1.5, 1.0, 0.1)]).replace(cpu_kernel=here)
     assert write_step_table(tmp_path, theirs).name == FILE_NAME
