@@ -77,17 +77,51 @@ def _generate(args):
     print(_acceptance(sp))
     print(f"decode tokens/s: DFlash {sp.decode_tokens_per_second:.1f} vs autoregressive "
           f"{ar.decode_tokens_per_second:.1f} -> {sp.decode_tokens_per_second / ar.decode_tokens_per_second:.2f}x"
-          f"  (prefill {1e3 * sp.timings['prefill_s']:.1f} ms; compile and first run excluded{_kernel_note()})")
+          f"  (prefill {1e3 * sp.timings['prefill_s']:.1f} ms; compile and first run excluded{_kernel_note(target)})")
 
 
-def _kernel_note() -> str:
-    """Which build of the CPU matmul kernel ran (its speed differs by an order of magnitude between them)."""
+def _q8_flag(parser) -> None:
+    parser.add_argument("--q8-activations", action="store_true",
+                        help="GGML weights' products on a CPU with x rounded to Q8 blocks, llama.cpp's integer dot "
+                             "(faster where compute bounds a step, e.g. AVX2 CPUs; another function of the prompt "
+                             "than the float products, the same for speculative and autoregressive decoding)")
+
+
+def q8_activations(on: bool):
+    """For the command's duration (on: True), GGML products run as Q8 integer dots (`ExecutionContext.q8_activations`):
+    every program it compiles (generate's, the step tables' cost programs) is traced under it, and the drafter's step
+    table is read for that build. Scoped, not the process default: a caller running several commands in one process
+    (the docs test) gets each one's own setting."""
+    import contextlib
+
+    if not on:
+        return contextlib.nullcontext()
+    from dflash_jax import execution  # lazily, as below
+
+    return execution.changed(q8_activations=True)
+
+
+def _kernel_note(target=None) -> str:
+    """Which build of the CPU matmul kernel ran (its speed differs by an order of magnitude between them), and where
+    a GGUF target's blocks ran with float32 activations on a build without AVX-512, that Q8 activations exist: on an
+    AVX2 CPU they doubled the decode speed (docs/cpu-step.md)."""
     import jax  # lazily: `dflash-jax --help` imports no JAX
 
     from dflash_jax.quant import cpu_kernel  # lazily, as above
     if jax.default_backend() != "cpu":
         return ""
-    return f"; CPU kernel: {cpu_kernel.isa()} build" if cpu_kernel.available() else "; no CPU kernel: XLA's dot"
+    if not cpu_kernel.available():
+        return "; no CPU kernel: XLA's dot"
+    from dflash_jax import execution  # lazily, as above
+    if execution.current().q8_activations:
+        return f"; CPU kernel: {cpu_kernel.isa()} build, Q8 activations"
+    hint = ""
+    if target is not None and cpu_kernel.isa() != "avx512":
+        from dflash_jax.params import named_leaves  # lazily, as above
+        from dflash_jax.quant.ggml import GGMLArray  # lazily, as above
+        if any(isinstance(x, GGMLArray) for x in named_leaves(target.params).values()):
+            hint = " (--q8-activations: llama.cpp's integer dot, ~2x the decode speed on this build)"
+    return f"; CPU kernel: {cpu_kernel.isa()} build{hint}"
 
 
 def _acceptance(res) -> str:
@@ -178,7 +212,9 @@ def main(argv=None):
                         "SmolLM2-135M-Instruct with the drafter trained for it)")
     g.add_argument("--raw", action="store_true",
                    help="continue the prompt as text instead of sending it through the model's chat template")
+    _q8_flag(g)
     b = sub.add_parser("bench", help="speculative vs autoregressive, one run, medians")
+    _q8_flag(b)
     b.add_argument("--new-tokens", type=int, nargs="+", default=None,
                    help="output lengths to measure, one table row each (default 128 512 1024; --bf16-exactness: 256)")
     b.add_argument("--prompts", type=int, default=None,
@@ -281,16 +317,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.cmd == "audit":
         return _audit(args)
-    if args.cmd == "generate":
-        _generate(args)
-    elif args.cmd == "quality":
-        _quality(args)
-    elif args.cmd == "bench":
+    if args.cmd == "bench":
         if args.calibration_anchors < 1:
             ap.error(f"--calibration-anchors must be >= 1, got {args.calibration_anchors}")
         if args.temperature is None and not args.pair_table:
             args.temperature = 0.0
-        _bench(args)
+    with q8_activations(getattr(args, "q8_activations", False)):
+        {"generate": _generate, "quality": _quality, "bench": _bench}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,10 @@ class ExecutionContext(Replaceable):
     # the CPU generation loops, where products have few rows (XLA:CPU's GEMM costs ~2x its GEMV there) and a row's
     # result must not depend on how many rows share the product (a verify then equals a decode bit for bit).
     cpu_kernel: bool = False
+    # GGML weights (Q4_1 / Q8_0) times x rounded to Q8 blocks, llama.cpp's integer dot product, in the CPU kernel
+    # (`quant/cpu_q8_dot.h`): ~2x fewer cycles per weight where compute bounds a step (AVX2 CPUs), and another function
+    # of x than the float path (x rounded to 8 bits per 32-wide block). A row's result still depends on that row alone.
+    q8_activations: bool = False
     # The Pallas NVFP4 kernel (`quant.pallas_nvfp4`): None = the Triton kernel on a GPU, interpreted elsewhere;
     # False forces the Triton lowering (e.g. to export a CUDA program from a CPU-only host), True the interpreter.
     pallas_interpret: bool | None = None
@@ -48,6 +52,14 @@ class ExecutionContext(Replaceable):
     # Calibration (`quant.quantize.collect_linear_inputs`, eager): called with (x, w) for every linear. Left out of
     # equality and hashing, so of jit cache keys: it observes a forward and never changes what a program computes.
     input_recorder: Callable[[Any, Any], None] | None = dataclasses.field(default=None, compare=False)
+
+
+def rows_in_fixed_order() -> bool:
+    """Whether forwards traced now compute each row's reductions (attention's sums, RMSNorm's mean) in an order that
+    depends on that row alone: the CPU loop programs under Q8 activations, whose rounding would turn XLA's
+    shape-dependent ulps between a decode and a verify into different tokens (`models.attention`, `models.layers`)."""
+    context = current()
+    return context.cpu_kernel and context.q8_activations
 
 
 # Thread-local values over a process-wide default (`set_process_default`), both part of jit cache keys.
@@ -87,4 +99,5 @@ def _checked(context) -> ExecutionContext:
     return context
 
 
-__all__ = ["ExecutionContext", "changed", "current", "process_default", "set_process_default", "using"]
+__all__ = ["ExecutionContext", "changed", "current", "process_default", "rows_in_fixed_order", "set_process_default",
+           "using"]

@@ -681,8 +681,8 @@ def key_numbers(nb) -> dict:
 
 def fingerprint(models=("code-5m",)) -> str:
     """sha256 over the notebook's inputs among the shipped files: code-5m = the tokenizer, target and drafter with
-    their training logs and reports; smollm2 = its drafter folder (weights, report, step table) and its tau curve (the
-    SmolLM2 target itself is the packaged GGUF)."""
+    their training logs and reports; smollm2 = its drafter folder (weights, report, step tables but those of Q8
+    activations) and its tau curve (the SmolLM2 target itself is the packaged GGUF)."""
     from dflash_jax.io.shipped import checkpoints_dir
 
     root = checkpoints_dir()
@@ -692,7 +692,9 @@ def fingerprint(models=("code-5m",)) -> str:
         files += [root / "tokenizer.json"] + sorted(p for d in ("target", "drafter") for p in (root / d).rglob("*")
                                                     if p.is_file())
     if "smollm2" in models:
-        files += sorted(p for p in (root / "smollm2" / "drafter").rglob("*") if p.is_file())
+        # (step tables of Q8 activations excluded: no notebook runs with them, so none can change a number)
+        files += sorted(p for p in (root / "smollm2" / "drafter").rglob("*")
+                        if p.is_file() and not p.name.endswith("-q8.json"))
         files += [root / "smollm2" / "drafter_curve.json"]
     for p in files:
         h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())

@@ -22,7 +22,7 @@ from dflash_jax.io.gguf import GGUFFile
 from dflash_jax.params import named_leaves
 from dflash_jax.quant import cpu_kernel, ggml
 from dflash_jax.quant.ggml import GGMLArray
-from dflash_jax.quant.linear import cpu_kernel_scope, embedding_rows, linear, linear_many
+from dflash_jax.quant.linear import cpu_kernel_scope, embedding_rows, linear, linear_many, q8_activations_scope
 from dflash_jax.quant.nvfp4 import quantize
 from gguf_files import write_target_gguf
 from helpers import tiny_qwen3
@@ -237,7 +237,7 @@ def test_concurrent_calls_from_several_threads_agree():
 
 
 def _products_of_every_format(out: str) -> None:
-    """Every format's product at 1, 3, 8 and 9 rows (whole, ragged and half blocks), saved to `out` (npz): what
+    """Every format's product at 1, 3, 8 and 9 rows (whole, ragged and half blocks; GGML's also with x as Q8 blocks), saved to `out` (npz): what
     `test_every_build_computes_the_same_values` compares across the kernel's builds (run in a subprocess there)."""
     found = {}
     for K in (96, 80, 48):
@@ -245,6 +245,9 @@ def _products_of_every_format(out: str) -> None:
         for name, w in _weights(37, K, seed=8).items():
             for M in (1, 3, 8, 9):
                 found[f"{name}-K{K}-M{M}"] = np.asarray(_kernel_linear(x[:M], w))
+                if name in ("q4_1", "q8_0"):  # x as Q8 blocks (llama.cpp's integer dot: cpu_q8_dot.h)
+                    with q8_activations_scope(True):
+                        found[f"{name}-q8-K{K}-M{M}"] = np.asarray(_kernel_linear(x[:M], w))
     np.savez(out, **found)
 
 

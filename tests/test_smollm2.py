@@ -59,3 +59,19 @@ def test_bad_prompts_are_refused_before_any_work(tmp_path):
                            "--max-new-tokens", "100000"], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=600)
     assert long.returncode != 0 and "exceeds the model's context" in long.stderr
+
+
+def test_q8_activations_keep_greedy_speculative_output_identical(smollm2):
+    """The default pair with its GGML products as Q8 integer dots (`q8_activations=True`, llama.cpp's arithmetic):
+    greedy speculative output (a chain of 3 and a tree of 4, the trained drafter) equals autoregressive output under
+    the same setting, and the drafter still lands its drafts on the slightly different target. (Before attention's
+    rows were computed in a fixed order, the chain's output parted from autoregressive output at token 20.)"""
+    target, drafter, tok = smollm2
+    ids = tok.apply_chat_template([{"role": "user", "content": "Write a Python function that tests whether a number "
+                                                               "is prime."}], add_generation_prompt=True)
+    kw = dict(max_new_tokens=48, eos_ids=(tok.eos_id,), q8_activations=True)
+    ar = dj.generate_autoregressive(target, [ids], **kw)
+    sp = dj.generate(target, drafter, [ids], draft_length=3, **kw)
+    assert sp.token_lists() == ar.token_lists()
+    assert sp.tau > 1.2, sp.tau
+    assert dj.generate(target, drafter, [ids], tree_budget=4, **kw).token_lists() == ar.token_lists()

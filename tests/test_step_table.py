@@ -189,3 +189,30 @@ def test_a_folder_keeps_one_cpu_table_per_kernel_build_and_reads_this_cpus(pair,
     assert write_step_table(tmp_path, ours).name == build_file_name(here)  # rewritten in place
     same = _table(target, [StepRow(3, None, 2.0, 1.0, 0.1)]).replace(cpu_kernel=other)
     assert write_step_table(tmp_path, same).name == FILE_NAME  # the same build as step_table.json: replaces it
+
+
+def test_q8_activations_read_their_own_cpu_table_then_the_builds(pair, tmp_path):
+    """Q8 activations change a step's costs: their tables are a build of their own ("<build>-q8", measured under
+    `--q8-activations`); under them a folder's q8 table is read first, then the same build's, and the choice is held
+    to the q8 build (a plain table of that build applies with the mismatch warned)."""
+    from dflash_jax import execution
+    from dflash_jax.io.step_table_file import read_step_table, write_step_table
+
+    target, drafter = pair
+    here, other = _this_and_another_build()
+    plain = _table(target, [StepRow(1, None, 1.5, 1.0, 0.1)]).replace(cpu_kernel=here)
+    q8 = _table(target, [StepRow(3, None, 2.0, 1.0, 0.1)]).replace(cpu_kernel=here + "-q8")
+    write_step_table(tmp_path, _table(target, [StepRow(5, None, 2.0, 1.0, 0.1)]).replace(cpu_kernel=other))
+    write_step_table(tmp_path, plain)
+    with execution.changed(q8_activations=True):
+        assert dl.running_cpu_kernel() == here + "-q8"
+        assert read_step_table(tmp_path) == plain  # no q8 table yet: this build's
+        assert write_step_table(tmp_path, q8).name == f"step_table.{here}-q8.json"
+        assert read_step_table(tmp_path) == q8
+    assert read_step_table(tmp_path) == plain
+    dl._WARNED.clear()
+    with pytest.warns(UserWarning, match=f"CPU kernel's {here} build and this CPU runs its {here}-q8 build"):
+        assert dl.default_layout(_with(drafter, plain), target, q8=True) == (1, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dl.default_layout(_with(drafter, q8), target, q8=True) == (3, None)

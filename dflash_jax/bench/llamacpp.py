@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 
+from dflash_jax import execution
 from dflash_jax.decode.programs import generate, generate_autoregressive
 from dflash_jax.io import shipped
 from dflash_jax.train.drafter_data import chat_prompt_ids
@@ -104,15 +105,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--draft-length", type=int, default=None)
     ap.add_argument("--llama-python", default=None, help="an interpreter with llama-cpp-python (default: this one)")
+    ap.add_argument("--q8-activations", action="store_true",
+                    help="this project's GGML products with x as Q8 blocks, as llama.cpp computes them")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    r = compare(prompts=args.prompts, new_tokens=args.new_tokens, threads=args.threads,
-                llama_python=args.llama_python, draft_length=args.draft_length)
+    with execution.changed(q8_activations=args.q8_activations):
+        r = compare(prompts=args.prompts, new_tokens=args.new_tokens, threads=args.threads,
+                    llama_python=args.llama_python, draft_length=args.draft_length)
     layout = (f"speculative tree of {r['tree_budget']}" if r["tree_budget"] else
               f"speculative D {r['draft_length']}" if r["draft_length"] else
               "generate (decoding plainly: the step table predicts no speedup here)")
     print(f"llama.cpp {r['llama_cpp_version']} ({r['threads']} threads): {r['llama_cpp_tokens_per_s']:.1f} tok/s | "
-          f"dflash-jax autoregressive: {r['ar_tokens_per_s']:.1f} tok/s ({r['ar_vs_llama_cpp']:.2f}x) | "
+          f"dflash-jax{' (Q8 activations)' if args.q8_activations else ''} autoregressive: "
+          f"{r['ar_tokens_per_s']:.1f} tok/s ({r['ar_vs_llama_cpp']:.2f}x) | "
           f"{layout}: {r['speculative_tokens_per_s']:.1f} tok/s ({r['speculative_vs_llama_cpp']:.2f}x of "
           f"llama.cpp, {r['speculative_vs_ar']:.2f}x of autoregressive, tau {r['tau']:.2f}); medians over "
           f"{r['prompts']} prompts x {r['new_tokens']} tokens; greedy tokens identical to llama.cpp's for the first "

@@ -1,6 +1,7 @@
 """Where a compiled step spends its time, per op group: the profile behind the step costs r and c.
 
     python -m dflash_jax.bench.profile [--model smollm2|code-5m] [--draft-lengths 1 3 7] [--context 128] [--reps 10]
+                                       [--q8-activations]
 
 Each program (one decode step, one verify of D + 1 tokens, one draft of D tokens, as `bench.step_costs.
 step_functions` builds them: donated caches, rolled back after each step) runs `reps` times under `jax.profiler`;
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import execution
 from dflash_jax.bench.matmul import time_call
 from dflash_jax.bench.step_costs import step_functions
 from dflash_jax.io.shipped import load_default
@@ -301,11 +303,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=128, help="live tokens in the caches")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", type=Path, default=None, help="also write the table as JSON here")
+    ap.add_argument("--q8-activations", action="store_true",
+                    help="GGML products with x as Q8 blocks (llama.cpp's integer dot), attention's rows in a fixed order")
     args = ap.parse_args(argv)
-    target, drafter, _ = load_default(model=args.model)
-    bs = drafter.config.block_size
-    Ds = tuple(args.draft_lengths or sorted({1, min(3, bs - 1), bs - 1}))
-    prof = profile_steps(target, drafter, draft_lengths=Ds, context_len=args.context, reps=args.reps)
+    with execution.changed(q8_activations=args.q8_activations):
+        target, drafter, _ = load_default(model=args.model)
+        bs = drafter.config.block_size
+        Ds = tuple(args.draft_lengths or sorted({1, min(3, bs - 1), bs - 1}))
+        prof = profile_steps(target, drafter, draft_lengths=Ds, context_len=args.context, reps=args.reps)
     print(format_table(prof))
     bandwidth = {}
     if "decode" in prof:

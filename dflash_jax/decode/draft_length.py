@@ -18,6 +18,7 @@ import warnings
 
 import jax
 
+from dflash_jax import execution
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
 from dflash_jax.quant import cpu_kernel
@@ -35,7 +36,7 @@ def target_signature(target: Target) -> str:
     return f"{target.config.model_type}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
 
 
-def _table_row(drafter: Drafter, target: Target, batch: int, trees: bool):
+def _table_row(drafter: Drafter, target: Target, batch: int, trees: bool, q8: bool | None = None):
     """(the step table's best row for this pair, platform and batch, None) when the table applies, else (None, why
     it does not)."""
     cfg = drafter.config
@@ -48,7 +49,7 @@ def _table_row(drafter: Drafter, target: Target, batch: int, trees: bool):
     row = table.best(cfg.draft_vocab_size, batches[-1], trees=trees) if batches else None
     if table.platform != platform:
         return None, f"it was measured on {table.platform!r} and this runs on {platform!r}"
-    kernel = running_cpu_kernel()
+    kernel = running_cpu_kernel(q8)
     if platform == "cpu" and table.cpu_kernel and kernel and table.cpu_kernel != kernel:
         _warn_once(f"the drafter's step table was measured with the CPU kernel's {table.cpu_kernel} build and this CPU "
                    f"runs its {kernel} build, where a verify costs a different number of decode steps: its choice is "
@@ -66,15 +67,16 @@ def _table_row(drafter: Drafter, target: Target, batch: int, trees: bool):
 
 
 def default_layout(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True,
-                   plain_when_slower: bool = False) -> tuple[int, int | None]:
+                   plain_when_slower: bool = False, q8: bool | None = None) -> tuple[int, int | None]:
     """(draft_length, tree_budget) of the step table's best row for this pair on this platform (rows of the largest
     measured batch <= `batch`; tree rows only when `trees`): (D, None) for a chain, (depth, N) for a draft tree of N
     nodes; (block_size - 1, None) when there is no table or it does not apply (warned). plain_when_slower: (0, None),
     plain decoding (warned), where the table applies and even its best row predicts a slowdown (tau / (r + c) < 1);
     the shipped SmolLM2 table predicts 1.12x at batch 1 (a tree of 2) and at most 0.82x at batch 4, where a verify of
-    several rows costs more decode steps than the drafts save."""
+    several rows costs more decode steps than the drafts save. q8: whether the programs take Q8 activations (None:
+    the execution context's), for the build the table is held to."""
     fallback = drafter.config.block_size - 1
-    row, why = _table_row(drafter, target, batch, trees)
+    row, why = _table_row(drafter, target, batch, trees, q8)
     if plain_when_slower and _slower(row):
         layout = f"a draft tree of {row.tree_budget}" if row.tree_budget else f"draft length {row.draft_length}"
         _warn_once(f"generate: the drafter's step table predicts {row.predicted_speedup:.2f}x for its best setting at "
@@ -90,11 +92,14 @@ def default_layout(drafter: Drafter, target: Target, batch: int = 1, trees: bool
     return fallback, None
 
 
-def running_cpu_kernel() -> str | None:
-    """The CPU kernel's build the programs run with here ("avx512", "avx2", "portable"), None off CPU or without it."""
+def running_cpu_kernel(q8: bool | None = None) -> str | None:
+    """The CPU kernel's build the programs run with here ("avx512", "avx2", "portable"; "avx2-q8" etc. where GGML
+    products take Q8 activations: `q8`, None = the execution context's, as their step costs differ), None off CPU or
+    without the kernel."""
     if jax.default_backend() != "cpu" or not cpu_kernel.available():
         return None
-    return cpu_kernel.isa()
+    q8 = execution.current().q8_activations if q8 is None else q8
+    return cpu_kernel.isa() + ("-q8" if q8 else "")
 
 
 def _slower(row) -> bool:

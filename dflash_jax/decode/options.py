@@ -48,6 +48,11 @@ class GenerationOptions(Replaceable):
     # (the same tokens at temperature 0, the target's law above it; the result's draft_length is 0). False:
     # speculate with that best setting anyway (benchmarks that measure it).
     plain_when_slower: bool = True
+    # GGML targets and drafters on a CPU: x rounded to Q8 blocks in their products, llama.cpp's integer dot (the
+    # execution context's `q8_activations`; ~1.6x the decode speed on an AVX2 CPU, docs/cpu-step.md). Another function
+    # of the prompt than the float products, the same for autoregressive and speculative decoding (greedy output stays
+    # identical between them). False: the caller's context decides (off by default).
+    q8_activations: bool = False
 
 
 # keywords autoregressive decoding does not take

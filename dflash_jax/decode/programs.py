@@ -122,7 +122,8 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
     context = execution.current().replace(
         nvfp4_backend=program_backend(*models, backend=options.nvfp4_backend), mesh=mesh,
         # the CPU kernel takes whole weights: on a mesh of several devices it would all-gather every shard per step
-        live_length_loop=cpu_loop, cpu_kernel=cpu_loop and (mesh is None or mesh.size == 1))
+        live_length_loop=cpu_loop, cpu_kernel=cpu_loop and (mesh is None or mesh.size == 1),
+        q8_activations=options.q8_activations or execution.current().q8_activations)
     D = 0 if drafter is None else options.draft_length
     extra = 1 if drafter is None else D + 1
     prefill_static = dict(cache_len=buckets.cache_slots(int(lens.max()), out_len, extra, limit), stamp=stamp)
@@ -165,7 +166,8 @@ def _speculative(target: Target, drafter: Drafter, prompt, sampling: SamplingPar
         # the sampling rule allows one), else a chain of block_size - 1; plain decoding where even the best is slower
         trees = not sampling.use_p_min and sampling.draft_sampling == "sample"
         D, N = default_layout(drafter, target, batch=len(prompt) if hasattr(prompt, "__len__") else 1, trees=trees,
-                              plain_when_slower=options.plain_when_slower)
+                              plain_when_slower=options.plain_when_slower,
+                              q8=options.q8_activations or execution.current().q8_activations)
         if D == 0:
             return _prepare("autoregressive", target, None, prompt,
                             SamplingParams.make(sampling.temperature, sampling.top_k, sampling.top_p), options)

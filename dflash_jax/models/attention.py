@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import execution
+from dflash_jax.quant import cpu_kernel
 
 DEFAULT_CHUNK = 512  # queries per block, and the fewest keys per block, by default
 SCORE_BUDGET = 1 << 20  # by default, a key block holds up to this many scores per head: rows x queries x keys
@@ -175,6 +176,31 @@ def _attend(qg, q_pos, cache_k, cache_v, cache_len, k, v, k_pos, k_mask, causal,
     return acc
 
 
+def _rows_in_fixed_order(qg, q_pos, cache_k, cache_v, cache_len, k, v, k_pos, k_mask, causal, window):
+    """(l, o) as `_attend` gives them, from the CPU kernel's one pass per query row over its visible cached keys, then
+    its visible fresh keys (`quant/cpu_attention.h`): each row's sums in one order that depends on that row alone, and
+    the same whether a key sits in the cache (a decode, a chain's verify) or among the fresh keys (a tree's nodes,
+    parent before child). No key blocks, so no merges of partial softmaxes whose rounding would depend on where the
+    blocks fall."""
+    B, T, nKV, _, hd = qg.shape
+    none = jnp.zeros((B, 0, nKV, hd), jnp.float32)
+    cached = (none, none, jnp.zeros((B, T, 0), bool))
+    if cache_k is not None:
+        S = cache_k.shape[1]
+        lens = cache_len[:, None] if cache_len.ndim == 1 else cache_len  # [B, 1] or [B, T]
+        slots = jnp.arange(S, dtype=jnp.int32)
+        vis = (slots[None, None, :] < lens[..., None]) & visible(q_pos[:, :, None], slots[None, None, :],
+                                                                 causal=causal, window=window)
+        cached = (cache_k, cache_v, jnp.broadcast_to(vis, (B, T, S)))
+    fresh = (none, none, jnp.zeros((B, T, 0), bool))
+    if k is not None:
+        vis = visible(q_pos[:, :, None], k_pos[:, None, :], causal=causal, window=window)  # [B, T, Tk]
+        if k_mask is not None:
+            vis = vis & k_mask
+        fresh = (k, v, jnp.broadcast_to(vis, (B, T, k.shape[1])))
+    return cpu_kernel.attention_rows(qg, cached, fresh, hd ** -0.5)
+
+
 def attention(q: jax.Array, q_pos: jax.Array, *, cache_k: jax.Array | None = None, cache_v: jax.Array | None = None,
               cache_len: jax.Array | None = None, k: jax.Array | None = None, v: jax.Array | None = None,
               k_pos: jax.Array | None = None, k_mask: jax.Array | None = None, causal: bool,
@@ -200,7 +226,9 @@ def attention(q: jax.Array, q_pos: jax.Array, *, cache_k: jax.Array | None = Non
     cache_len = None if cache_len is None else cache_len.astype(jnp.int32)
     k_pos = None if k_pos is None else k_pos.astype(jnp.int32)
     args = (cache_k, cache_v, cache_len, k, v, k_pos, k_mask)
-    if T <= q_block:
+    if execution.rows_in_fixed_order() and T <= q_block:  # the CPU loop programs under Q8 activations
+        l, o = _rows_in_fixed_order(qg, q_pos, *args, causal, window)
+    elif T <= q_block:
         _, l, o = _attend(qg, q_pos, *args, causal, window, chunk, live_chunk)
     else:
         # Query blocks, one at a time (a static-length lax.map): only one block's scores are live. Padded queries

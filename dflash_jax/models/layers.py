@@ -15,6 +15,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from dflash_jax import execution
 from dflash_jax.models.attention import attention
 from dflash_jax.config import TargetConfig
 from dflash_jax.quant.linear import linear, linear_many
@@ -33,11 +34,30 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(hit, iota, x.shape[-1]), axis=-1)
 
 
+def sum_last_axis(x: jax.Array) -> jax.Array:
+    """x.sum(-1, keepdims=True) in one order whatever x's other dimensions: zero-padded to a power of two, then halves
+    added elementwise (XLA:CPU picks a reduction's order by its shape: a row's norm summed as one of 1 or of 8 rows
+    came out an ulp apart)."""
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, zero_centered: bool = False) -> jax.Array:
     """RMSNorm with its statistics in f32 whatever the activation dtype (as HF Qwen3RMSNorm does): y * w, cast to
-    x.dtype first; zero_centered: Qwen3.5's `Qwen3_5RMSNorm`, y * (1 + w) all in float32, then cast."""
+    x.dtype first; zero_centered: Qwen3.5's `Qwen3_5RMSNorm`, y * (1 + w) all in float32, then cast. Where rows must
+    not depend on each other (`execution.rows_in_fixed_order`), the mean is a fixed tree of adds."""
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if execution.rows_in_fixed_order():
+        mean = sum_last_axis(x32 * x32) / x.shape[-1]
+    else:
+        mean = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt(mean + eps)
     if zero_centered:
         return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return y.astype(x.dtype) * weight.astype(x.dtype)

@@ -32,17 +32,19 @@ import jax.numpy as jnp
 import numpy as np
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
-# what the build reads: the kernel and the vector code of its three builds (a change to any one rebuilds)
-SOURCES = (SOURCE, *sorted(Path(__file__).parent.glob("cpu_vectors_*.h")))
+# what the build reads: the kernel, the vector code of its three builds and the Q8 dot (a change to any one rebuilds)
+SOURCES = (SOURCE, *sorted(Path(__file__).parent.glob("cpu_*.h")))
 ENV_SWITCH = "DFLASH_JAX_CPU_KERNEL"
 ENV_CACHE = "DFLASH_JAX_KERNEL_CACHE"
 TARGET_NAME = "dflash_block_matmul"
+ATTENTION_TARGET = "dflash_row_attention"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 # Which of the kernel's builds to compile: the best this CPU runs (AVX-512, else AVX2 + FMA + F16C, else portable
 # C++), or a lower one on purpose (the tests build each and compare them value for value).
 ENV_ISA = "DFLASH_JAX_KERNEL_ISA"
 ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
-FORMATS = {"float32": 0, "bfloat16": 1, "q4_1": 2, "q8_0": 3, "nvfp4": 4}
+# "q4_1_q8" / "q8_0_q8": GGML weights times x rounded to Q8 blocks (llama.cpp's integer dot; cpu_q8_dot.h)
+FORMATS = {"float32": 0, "bfloat16": 1, "q4_1": 2, "q8_0": 3, "nvfp4": 4, "q4_1_q8": 5, "q8_0_q8": 6}
 
 _state: dict = {}
 
@@ -111,6 +113,7 @@ def _load() -> None:
             _build(cxx, path)
         lib = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.DflashBlockMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.DflashRowAttention), platform="cpu")
     except Exception as e:  # a broken toolchain must not break the package: XLA's dot still works
         _state["why"] = f"{type(e).__name__}: {e}"
         return
@@ -192,3 +195,19 @@ def matmul_many(x: jax.Array, weights: list[tuple]) -> tuple[jax.Array, ...]:
     fmts = tuple(FORMATS[w[0]] for w in weights)
     n_rows = tuple(int(w[5]) for w in weights)
     return _matmul(fmts, n_rows, tuple(w[6] for w in weights), x, tuple(tuple(w[1:5]) for w in weights))
+
+
+def attention_rows(qg: jax.Array, cached: tuple, fresh: tuple, scale: float) -> tuple[jax.Array, jax.Array]:
+    """(l [B, nKV, G, T], o [B, nKV, G, T, hd]) float32: the softmax sum and the weighted values (not yet divided by
+    l) of queries qg [B, T, nKV, G, hd] over two key sources, each (k [B, n, nKV, hd], v, visible [B, T, n]): the
+    cache, then this call's fresh keys. Every row's sums run over its visible keys in that order, in one pass
+    (`cpu_attention.h`), so a row's values never depend on the other rows or on which source holds a key. No
+    derivative (generation programs only)."""
+    if not available():
+        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
+    B, T, nKV, G, hd = qg.shape
+    outs = (jax.ShapeDtypeStruct((B, nKV, G, T), jnp.float32), jax.ShapeDtypeStruct((B, nKV, G, T, hd), jnp.float32))
+    operands = [qg.astype(jnp.float32)]
+    for k, v, vis in (cached, fresh):
+        operands += [k.astype(jnp.float32), v.astype(jnp.float32), vis.astype(jnp.uint8)]
+    return tuple(jax.ffi.ffi_call(ATTENTION_TARGET, outs, vmap_method="sequential")(*operands, scale=np.float32(scale)))

@@ -35,6 +35,7 @@
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
+#define DFLASH_X86_AVX2 1  // AVX2 + FMA + F16C, which every AVX-512 CPU has too
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -43,7 +44,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-enum Format : int64_t { kF32 = 0, kBF16 = 1, kQ4_1 = 2, kQ8_0 = 3, kNVFP4 = 4 };
+// kQ4_1_Q8 / kQ8_0_Q8: the same weights with x rounded to Q8 blocks, llama.cpp's integer dot (cpu_q8_dot.h)
+enum Format : int64_t { kF32 = 0, kBF16 = 1, kQ4_1 = 2, kQ8_0 = 3, kNVFP4 = 4, kQ4_1_Q8 = 5, kQ8_0_Q8 = 6 };
 
 struct Weight {
   Format format;
@@ -98,6 +100,8 @@ constexpr int kBlock = 32;
 #else
 #include "cpu_vectors_portable.h"
 #endif
+#include "cpu_q8_dot.h"
+#include "cpu_attention.h"
 
 // Rows of x per pass over a weight row: their accumulators (two 16-lane vectors a row) stay in registers. AVX-512
 // has 32 registers of 16 lanes: 8 rows. Elsewhere a 16-lane vector takes several registers (two of AVX2's 16, four
@@ -168,8 +172,10 @@ void rows_of(const Weight& w, const float* x, float* y, int64_t M, int64_t n0, i
   }
 }
 
-void rows(const Weight& w, const float* x, float* y, int64_t M, int64_t n0, int64_t n1) {
+void rows(const Weight& w, const float* x, const ActQ8& xq, float* y, int64_t M, int64_t n0, int64_t n1) {
   switch (w.format) {
+    case kQ4_1_Q8: return rows_q8_of<kQ4_1_Q8>(w, xq, y, M, n0, n1);
+    case kQ8_0_Q8: return rows_q8_of<kQ8_0_Q8>(w, xq, y, M, n0, n1);
     case kF32: return rows_of<kF32>(w, x, y, M, n0, n1);
     case kBF16: return rows_of<kBF16>(w, x, y, M, n0, n1);
     case kQ4_1: return rows_of<kQ4_1>(w, x, y, M, n0, n1);
@@ -323,7 +329,7 @@ ffi::Error BlockMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
     auto tensor_scale = args.get<ffi::Buffer<ffi::F32>>(4 * i + 3);
     auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
     if (!codes || !scale || !mins || !tensor_scale || !y) return ffi::Error::InvalidArgument("operand types");
-    if (formats[i] < kF32 || formats[i] > kNVFP4) return ffi::Error::InvalidArgument("unknown weight format");
+    if (formats[i] < kF32 || formats[i] > kQ8_0_Q8) return ffi::Error::InvalidArgument("unknown weight format");
     Weight& w = ws[i];
     w.format = Format(formats[i]);
     w.K = K;
@@ -332,7 +338,7 @@ ffi::Error BlockMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
     w.scale = scale->untyped_data();
     w.mins = mins->untyped_data();
     w.tensor_scale = tensor_scale->typed_data()[0];
-    if ((w.format == kQ4_1 || w.format == kQ8_0) && K % 32) return ffi::Error::InvalidArgument("K % 32 != 0");
+    if (w.format != kF32 && w.format != kBF16 && w.format != kNVFP4 && K % 32)  // GGML: whole blocks return ffi::Error::InvalidArgument("K % 32 != 0");
     if (w.format == kNVFP4 && K % 16) return ffi::Error::InvalidArgument("K % 16 != 0");
     ys[i] = (*y)->typed_data();
     total += w.N;
@@ -350,13 +356,48 @@ ffi::Error BlockMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
     for (int64_t n0 = 0; n0 < ws[i].N; n0 += chunk)
       pieces.push_back({int32_t(i), n0, std::min(ws[i].N, n0 + chunk)});
   const float* xp = x.typed_data();
+  ActQ8 xq;  // x as Q8 blocks, rounded once for every weight of the call that asks for them
+  if (std::any_of(ws.begin(), ws.end(), [](const Weight& w) { return w.format == kQ4_1_Q8 || w.format == kQ8_0_Q8; }))
+    quantize_rows_q8(xp, M, K, xq);
   Workers::get().run(int64_t(pieces.size()), [&](int64_t p) {
-    rows(ws[pieces[p].weight], xp, ys[pieces[p].weight], M, pieces[p].n0, pieces[p].n1);
+    rows(ws[pieces[p].weight], xp, xq, ys[pieces[p].weight], M, pieces[p].n0, pieces[p].n1);
   });
   return ffi::Error::Success();
 }
 
+// Attention of every query row over the cache and the fresh keys, each row's sums in one fixed order
+// (cpu_attention.h).
+ffi::Error RowAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> ck, ffi::Buffer<ffi::F32> cv,
+                            ffi::Buffer<ffi::U8> vis_c, ffi::Buffer<ffi::F32> fk, ffi::Buffer<ffi::F32> fv,
+                            ffi::Buffer<ffi::U8> vis_f, ffi::Result<ffi::Buffer<ffi::F32>> l,
+                            ffi::Result<ffi::Buffer<ffi::F32>> o, float scale) {
+  const auto qd = q.dimensions(), cd = ck.dimensions(), fd = fk.dimensions();
+  if (qd.size() != 5 || cd.size() != 4 || fd.size() != 4)
+    return ffi::Error::InvalidArgument("q [B, T, nKV, G, hd], keys and values [B, n, nKV, hd]");
+  const int64_t B = qd[0], T = qd[1], nKV = qd[2], G = qd[3], hd = qd[4];
+  for (const auto& d : {cd, fd})
+    if (d[0] != B || d[2] != nKV || d[3] != hd) return ffi::Error::InvalidArgument("keys do not match q");
+  if (hd % 8 || hd > 128) return ffi::Error::InvalidArgument("hd is not a multiple of 8 up to 128");
+  const KeySource src[2] = {{ck.typed_data(), cv.typed_data(), vis_c.typed_data(), cd[1]},
+                            {fk.typed_data(), fv.typed_data(), vis_f.typed_data(), fd[1]}};
+  attention_rows(q.typed_data(), src, scale, B, T, nKV, G, hd, l->typed_data(), o->typed_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashRowAttention, RowAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [B, T, nKV, G, hd]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // cached k [B, S, nKV, hd]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // cached v
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // visible cached keys [B, T, S]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // fresh k [B, Tk, nKV, hd]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // fresh v
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // visible fresh keys [B, T, Tk]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // l [B, nKV, G, T]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // o [B, nKV, G, T, hd]
+                                  .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashBlockMatmul, BlockMatmulImpl,
                               ffi::Ffi::Bind()
@@ -366,7 +407,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashBlockMatmul, BlockMatmulImpl,
                                   .Attr<ffi::Span<const int64_t>>("formats")
                                   .Attr<ffi::Span<const int64_t>>("n_rows"));
 
-extern "C" int dflash_kernel_abi_version() { return 2; }
+extern "C" int dflash_kernel_abi_version() { return 3; }
 
 // Which build this is (the chains and values are the same in all three; the speed is not).
 extern "C" const char* dflash_kernel_isa() {

@@ -275,6 +275,12 @@ def cpu_kernel_scope(on: bool):
     return execution.changed(cpu_kernel=bool(on))
 
 
+def q8_activations_scope(on: bool):
+    """Inside the block, GGML weights' products on a CPU round x to Q8 blocks: llama.cpp's integer dot (the execution
+    context's `q8_activations`; `generate(..., q8_activations=True)` sets it for its programs)."""
+    return execution.changed(q8_activations=bool(on))
+
+
 def cpu_kernel_runs() -> bool:
     """Whether `linear` can run weights through the CPU kernel here (a CPU device, the kernel built)."""
     return _platform() == "cpu" and cpu_kernel.available()
@@ -290,7 +296,8 @@ def _kernel_form(x: jax.Array, w: Any, backend: str | None):
     if isinstance(w, GGMLArray):
         def dense(codes, scale, mins, _):
             return ggml.dequantize(w.replace(codes=codes, scale=scale, mins=mins))
-        return w.kind, (w.codes, w.scale, w.mins, None), dense
+        q8 = execution.current().q8_activations and w.kind in ("q4_1", "q8_0")  # llama.cpp's integer dot
+        return w.kind + "_q8" if q8 else w.kind, (w.codes, w.scale, w.mins, None), dense
     if not execution.current().cpu_kernel:
         return None
     if isinstance(w, NVFP4Array):

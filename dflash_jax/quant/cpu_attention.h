@@ -1,0 +1,111 @@
+// dflash-jax CPU kernel: one block of attention's partial softmax with every row's sums in one fixed order.
+// Included by cpu_matmul.cc inside its anonymous namespace (its own FFI handler is defined there).
+//
+// Why: XLA:CPU picks a dot's and a reduction's summation order from their shapes, so a query row attended as one of
+// 1 row (a decode) or of 8 rows (a verify) comes out a few ulps apart. With float32 activations greedy decoding
+// survives that unless two logits tie to the last bits; with activations rounded to Q8 blocks (cpu_q8_dot.h) an ulp
+// can move the next layer's input by a whole rounding step and a different token follows. Here every sum of a row
+// (its scores over the head dimension, its softmax weights and weighted values over the keys it sees, in key order)
+// depends on that row's query and visible keys alone, so a decode and a verify of one token give the same bits.
+//
+// Vectors are GCC/Clang vector extensions of 8 floats (any ISA: the compiler maps them to AVX2, NEON or pairs of SSE
+// registers), with no FMA contraction (-std=c++17 keeps -ffp-contract=off): each operation rounds on its own, the same
+// in every build. exp is our own (Cody-Waite reduction and a degree-6 polynomial: within 1 ulp of the exact value over
+// [-87, 0], measured), evaluated the same way for every row.
+
+typedef float F8 __attribute__((vector_size(32)));
+typedef int32_t I8 __attribute__((vector_size(32)));
+
+inline F8 f8_load(const float* p) { F8 v; std::memcpy(&v, p, sizeof v); return v; }
+inline void f8_store(float* p, F8 v) { std::memcpy(p, &v, sizeof v); }
+inline F8 f8_splat(float x) { return F8{x, x, x, x, x, x, x, x}; }
+inline float f8_sum(F8 v) {  // (l + l+4), then (+2), then (+1)
+  const float a0 = v[0] + v[4], a1 = v[1] + v[5], a2 = v[2] + v[6], a3 = v[3] + v[7];
+  return (a0 + a2) + (a1 + a3);
+}
+
+// exp(x) for x <= 0 (scores minus their maximum); x below -87.3 gives 0.
+inline F8 f8_exp(F8 x) {
+  const F8 lo = f8_splat(-87.3f);
+  const I8 tiny = x < lo;
+  x = tiny ? lo : x;
+  const F8 t = x * f8_splat(1.44269504088896341f) + f8_splat(0.5f);
+  I8 n = __builtin_convertvector(t, I8);  // truncates toward zero: floor for t >= 0, fixed below for t < 0
+  const F8 nf0 = __builtin_convertvector(n, F8);
+  n = n + (nf0 > t);  // a lane whose truncation rounded up (t < 0, not integral) steps down by one (true = -1)
+  const F8 nf = __builtin_convertvector(n, F8);
+  const F8 r = (x - nf * f8_splat(0.693359375f)) - nf * f8_splat(-2.12194440e-4f);
+  F8 p = f8_splat(1.9875691500e-4f);
+  p = p * r + f8_splat(1.3981999507e-3f);
+  p = p * r + f8_splat(8.3334519073e-3f);
+  p = p * r + f8_splat(4.1665795894e-2f);
+  p = p * r + f8_splat(1.6666665459e-1f);
+  p = p * r + f8_splat(5.0000001201e-1f);
+  const F8 y = (p * (r * r) + r) + f8_splat(1.f);
+  const I8 bits = (n + 127) << 23;
+  F8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  const F8 out = y * scale;
+  return tiny ? f8_splat(0.f) : out;
+}
+
+// Attention of every (row b, kv head h, group member g, query t) over two key sources in one pass, as
+// models/attention.py's `attention` computes it: the cached keys (slot order), then this call's fresh keys (their
+// order: a draft tree's nodes come parent before child, so a path's keys are in position order as a decode's are).
+// l = sum of exp(score - max) over the visible keys, o = the exp-weighted sum of their values (the caller divides);
+// a query that sees no key gets l = 0, o = 0. One pass over all of a row's keys (no key blocks, no merges of
+// partial softmaxes), so the row's sums are the same whether its keys sit in the cache (a decode, a chain's verify)
+// or partly among the fresh keys (a draft tree's verify).
+// q [B, T, nKV, G, hd]; ck / cv [B, S, nKV, hd] with vis_c [B, T, S]; fk / fv [B, Tk, nKV, hd] with vis_f [B, T, Tk]
+// (0 / 1); l [B, nKV, G, T], o [B, nKV, G, T, hd]. hd a multiple of 8, at most 128.
+struct KeySource { const float* k; const float* v; const uint8_t* vis; int64_t n; };
+
+void attention_rows(const float* q, const KeySource (&src)[2], float scale, int64_t B, int64_t T, int64_t nKV,
+                    int64_t G, int64_t hd, float* l_out, float* o_out) {
+  const int64_t total = src[0].n + src[1].n;
+  std::vector<float> s(size_t(total + 8)), p(size_t(total + 8));
+  std::vector<const float*> vals(size_t(total + 8));
+  const int64_t nv = hd / 8;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < nKV; ++h)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t t = 0; t < T; ++t) {
+          const float* qr = q + (((b * T + t) * nKV + h) * G + g) * hd;
+          const int64_t row = ((b * nKV + h) * G + g) * T + t;
+          float* o = o_out + row * hd;
+          float m = -INFINITY;
+          int64_t count = 0;
+          for (const KeySource& ks : src) {
+            const uint8_t* vr = ks.vis + (b * T + t) * ks.n;
+            for (int64_t c = 0; c < ks.n; ++c) {
+              if (!vr[c]) continue;
+              const int64_t at = ((b * ks.n + c) * nKV + h) * hd;
+              const float* kr = ks.k + at;
+              F8 acc = f8_load(qr) * f8_load(kr);
+              for (int64_t j = 1; j < nv; ++j) acc = acc + f8_load(qr + 8 * j) * f8_load(kr + 8 * j);
+              const float sc = f8_sum(acc) * scale;
+              s[size_t(count)] = sc;
+              vals[size_t(count)] = ks.v + at;
+              m = std::max(m, sc);
+              ++count;
+            }
+          }
+          F8 acc[16];  // hd <= 128
+          for (int64_t j = 0; j < nv; ++j) acc[j] = f8_splat(0.f);
+          F8 lsum = f8_splat(0.f);
+          if (count > 0) {
+            for (int64_t i = count; i < ((count + 7) / 8) * 8; ++i) s[size_t(i)] = -INFINITY;
+            for (int64_t i = 0; i < count; i += 8) {
+              const F8 e = f8_exp(f8_load(&s[size_t(i)]) - f8_splat(m));
+              f8_store(&p[size_t(i)], e);
+              lsum = lsum + e;  // lanes past `count` add exp(-inf) = 0
+            }
+            for (int64_t i = 0; i < count; ++i) {
+              const F8 w = f8_splat(p[size_t(i)]);
+              for (int64_t j = 0; j < nv; ++j) acc[j] = acc[j] + w * f8_load(vals[size_t(i)] + 8 * j);
+            }
+          }
+          l_out[row] = f8_sum(lsum);
+          for (int64_t j = 0; j < nv; ++j) f8_store(o + 8 * j, acc[j]);
+        }
+}

@@ -1,0 +1,158 @@
+// dflash-jax CPU matmul kernel: GGML weights times x as Q8 blocks (llama.cpp's integer dot product).
+// Included by cpu_matmul.cc inside its anonymous namespace, after Weight, half_to_float and kBlock.
+//
+// Formats kQ4_1_Q8 and kQ8_0_Q8 compute y = x . W^T as llama.cpp's CPU backend does: each 32-wide block of a row of x
+// is rounded to int8 with one float scale (Q8), and a block's product with a Q4_1 / Q8_0 weight block is an exact
+// integer sum, scaled once. The float path (`tile` in cpu_matmul.cc) converts every weight to float and spends ~3
+// vector operations per 8 weights; the integer one multiplies 32 weights by 32 activations in two (vpmaddubsw,
+// vpmaddwd): on an AVX2 CPU it is compute, not memory, that bounds a decode step, so this is ~2x fewer cycles per
+// weight. It is another function of x (the rounding of x to 8 bits: a relative error of ~0.4% of a block's largest
+// element per element), which is why it is a format of its own, asked for by name (`GenerationOptions.q8_activations`).
+//
+// Exactness, as for the float path: x's rounding reads only that row's block, the integer sums are exact, and the
+// float part is one fixed chain per output (8 lanes over blocks in block order, then one fixed reduction, plus
+// Q4_1's min term as one scalar chain): a row's result depends on nothing but that row, in every build (AVX-512 and
+// AVX2 CPUs run the AVX2 code below; the portable build computes the same lanes in plain C++).
+
+// A weight block's float16 scale (exact either way; F16C's conversion is one instruction, the portable one a dozen).
+inline float scale_of(uint16_t h) {
+#if defined(DFLASH_X86_AVX2)
+  return _cvtsh_ss(h);
+#else
+  return half_to_float(h);
+#endif
+}
+
+// x as Q8 blocks: per row and block, 32 int8 values q, the scale d (q * d ~ x) and s = d * sum(q) (Q4_1's min term).
+struct ActQ8 {
+  std::vector<int8_t> q;  // [M, K]
+  std::vector<float> d, s;  // [M, K / 32]
+};
+
+// Rounds each 32-wide block of x [M, K] to int8 with d = max|x| / 127, q = round-half-even(x * (1 / d)), as
+// llama.cpp's quantize_row_q8_1 (whose vector code rounds half to even too). A block holding a NaN or an infinity
+// gets d = NaN, so the outputs it reaches are NaN, as the float path's would be.
+inline void quantize_rows_q8(const float* x, int64_t M, int64_t K, ActQ8& a) {
+  const int64_t nb = K / kBlock;
+  a.q.resize(size_t(M * K));
+  a.d.resize(size_t(M * nb));
+  a.s.resize(size_t(M * nb));
+  for (int64_t r = 0; r < M * nb; ++r) {
+    const float* xb = x + r * kBlock;
+    float amax = 0.f;
+    bool finite = true;
+    for (int j = 0; j < kBlock; ++j) {
+      finite = finite && std::isfinite(xb[j]);
+      amax = std::max(amax, std::fabs(xb[j]));
+    }
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+    for (int j = 0; j < kBlock; ++j) {
+      const int q = finite ? int(std::nearbyint(std::min(127.f, std::max(-127.f, xb[j] * id)))) : 0;
+      a.q[size_t(r * kBlock + j)] = int8_t(q);
+      sum += q;
+    }
+    a.d[size_t(r)] = finite ? d : NAN;
+    a.s[size_t(r)] = a.d[size_t(r)] * float(sum);
+  }
+}
+
+// The 8 lanes of one block's integer product: lane l = sum over j in [4l, 4l + 4) of w_j * q_j (w: Q4_1 codes 0..15,
+// or Q8_0 values), exact; then acc[l] = fma(dw * dx, float(lane l), acc[l]).
+#if defined(DFLASH_X86_AVX2)
+struct Acc8 { __m256 v; };
+inline Acc8 acc8_zero() { return {_mm256_setzero_ps()}; }
+// A weight block decoded once for all rows of a pass: Q4_1 as 32 unsigned codes; Q8_0 as |w| and w (for the signs).
+struct WBlock { __m256i u, w; };
+inline WBlock q4_1_block(const uint8_t* c) {  // byte j: code j (low nibble), code j + 16 (high nibble)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), m4 = _mm_set1_epi8(15);
+  return {_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4), _mm_and_si128(bytes, m4)), _mm256_setzero_si256()};
+}
+inline WBlock q8_0_block(const int8_t* c) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+  return {_mm256_abs_epi8(w), w};
+}
+// vpmaddubsw pairs |w| (unsigned) with x carrying w's sign: |products| <= 128 * 127, pair sums below 2^15, exact
+template <bool kSigned>
+inline void acc8_block(const WBlock& wb, const int8_t* xq, float scale, Acc8& acc) {
+  __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  if constexpr (kSigned) x = _mm256_sign_epi8(x, wb.w);
+  const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(wb.u, x), _mm256_set1_epi16(1));
+  acc.v = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(lanes), acc.v);
+}
+inline float acc8_sum(const Acc8& a) {  // (l + l+4), then (+2), then (+1)
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1));
+}
+#else
+struct Acc8 { float v[8]; };
+inline Acc8 acc8_zero() { Acc8 a; for (float& f : a.v) f = 0.f; return a; }
+struct WBlock { int w[32]; };
+inline WBlock q4_1_block(const uint8_t* c) {
+  WBlock b;
+  for (int j = 0; j < 16; ++j) { b.w[j] = c[j] & 15; b.w[j + 16] = c[j] >> 4; }
+  return b;
+}
+inline WBlock q8_0_block(const int8_t* c) { WBlock b; for (int j = 0; j < 32; ++j) b.w[j] = c[j]; return b; }
+template <bool kSigned>
+inline void acc8_block(const WBlock& wb, const int8_t* xq, float scale, Acc8& acc) {
+  for (int l = 0; l < 8; ++l) {
+    int lane = 0;
+    for (int j = 4 * l; j < 4 * l + 4; ++j) lane += wb.w[j] * int(xq[j]);
+    acc.v[l] = std::fma(scale, float(lane), acc.v[l]);
+  }
+}
+inline float acc8_sum(const Acc8& a) {
+  float s4[4], s2[2];
+  for (int l = 0; l < 4; ++l) s4[l] = a.v[l] + a.v[l + 4];
+  for (int l = 0; l < 2; ++l) s2[l] = s4[l] + s4[l + 2];
+  return s2[0] + s2[1];
+}
+#endif
+
+// One pass over weight rows [n0, n1) for T rows of x (as Q8 blocks); F is kQ4_1_Q8 or kQ8_0_Q8.
+template <Format F, int T>
+void tile_q8(const Weight& w, const ActQ8& a, float* y, int64_t m0, int64_t n0, int64_t n1) {
+  const int64_t K = w.K, nb = K / kBlock;
+  const uint16_t* dw = reinterpret_cast<const uint16_t*>(w.scale);
+  const uint16_t* mw = reinterpret_cast<const uint16_t*>(w.mins);
+  for (int64_t n = n0; n < n1; ++n) {
+    Acc8 acc[T];
+    float accm[T];
+    for (int i = 0; i < T; ++i) { acc[i] = acc8_zero(); accm[i] = 0.f; }
+    for (int64_t b = 0; b < nb; ++b) {
+      const float d = scale_of(dw[n * nb + b]);
+      if constexpr (F == kQ4_1_Q8) {
+        const WBlock wb = q4_1_block(w.codes + n * (K / 2) + b * 16);
+        const float m = scale_of(mw[n * nb + b]);
+        for (int i = 0; i < T; ++i) {
+          const int64_t r = (m0 + i) * nb + b;
+          acc8_block<false>(wb, a.q.data() + r * kBlock, d * a.d[size_t(r)], acc[i]);
+          accm[i] = std::fma(m, a.s[size_t(r)], accm[i]);
+        }
+      } else {
+        const WBlock wb = q8_0_block(reinterpret_cast<const int8_t*>(w.codes) + n * K + b * kBlock);
+        for (int i = 0; i < T; ++i) {
+          const int64_t r = (m0 + i) * nb + b;
+          acc8_block<true>(wb, a.q.data() + r * kBlock, d * a.d[size_t(r)], acc[i]);
+        }
+      }
+    }
+    for (int i = 0; i < T; ++i) y[(m0 + i) * w.N + n] = (acc8_sum(acc[i]) + accm[i]) * w.tensor_scale;
+  }
+}
+
+constexpr int kTileQ8 = 4;
+
+template <Format F>
+void rows_q8_of(const Weight& w, const ActQ8& a, float* y, int64_t M, int64_t n0, int64_t n1) {
+  for (int64_t m0 = 0; m0 < M; m0 += kTileQ8) {
+    switch (std::min<int64_t>(kTileQ8, M - m0)) {
+      case 1: tile_q8<F, 1>(w, a, y, m0, n0, n1); break;
+      case 2: tile_q8<F, 2>(w, a, y, m0, n0, n1); break;
+      case 3: tile_q8<F, 3>(w, a, y, m0, n0, n1); break;
+      default: tile_q8<F, 4>(w, a, y, m0, n0, n1); break;
+    }
+  }
+}
