@@ -118,9 +118,14 @@ def step_table(args, target, drafter, prompts):
         best = table.best(drafter.config.draft_vocab_size)
         choice = best and (f"a draft tree of {best.tree_budget} nodes" if best.tree_budget else
                            f"draft length {best.draft_length}")
-        print(f"wrote {path}: generate's default for this pair on {table.platform} is now {choice} (predicted "
-              f"{best.predicted_speedup:.2f}x)" if best
-              else f"wrote {path} (no row for the drafter's draft vocabulary)")
+        if best is None:
+            print(f"wrote {path} (no row for the drafter's draft vocabulary)")
+        elif best.predicted_speedup < 1.0:  # generate's plain_when_slower: no setting is worth drafting
+            print(f"wrote {path}: generate decodes plainly for this pair on {table.platform} at batch 1 (its best row, "
+                  f"{choice}, predicts {best.predicted_speedup:.2f}x)")
+        else:
+            print(f"wrote {path}: generate's default for this pair on {table.platform} is now {choice} (predicted "
+                  f"{best.predicted_speedup:.2f}x)")
     return rows
 
 

@@ -26,6 +26,8 @@ Calls: `generate` / `generate_autoregressive` run what `speculative_call` / `aut
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import numpy as np
 
@@ -45,7 +47,8 @@ from dflash_jax.models.drafter import Drafter, as_compiled
 from dflash_jax.models.target import Target
 from dflash_jax.params import committed
 from dflash_jax.parallel import sharding as shd
-from dflash_jax.quant.linear import program_backend
+from dflash_jax.quant import cpu_kernel
+from dflash_jax.quant.linear import cpu_kernel_runs, program_backend
 
 # -- the registry of compiled programs -----------------------------------------------------------------------------
 
@@ -119,6 +122,10 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
     # What the programs run under besides their arguments: the caller's context (its attention block size) with the
     # NVFP4 backend resolved now, on the host, the models' mesh and the platform's attention rule.
     cpu_loop = buckets.uses_live_length_loop(buckets.mesh_platform(mesh))
+    if options.q8_activations and not cpu_kernel_runs():
+        why = cpu_kernel.unavailable_reason() or "not a CPU"
+        warnings.warn(f"q8_activations=True: the CPU kernel does not run here ({why}), so GGML products stay float32",
+                      stacklevel=4)
     context = execution.current().replace(
         nvfp4_backend=program_backend(*models, backend=options.nvfp4_backend), mesh=mesh,
         # the CPU kernel takes whole weights: on a mesh of several devices it would all-gather every shard per step

@@ -226,7 +226,10 @@ def attention(q: jax.Array, q_pos: jax.Array, *, cache_k: jax.Array | None = Non
     cache_len = None if cache_len is None else cache_len.astype(jnp.int32)
     k_pos = None if k_pos is None else k_pos.astype(jnp.int32)
     args = (cache_k, cache_v, cache_len, k, v, k_pos, k_mask)
-    if execution.rows_in_fixed_order() and T <= q_block:  # the CPU loop programs under Q8 activations
+    if execution.rows_in_fixed_order() and cpu_kernel.available() and T <= q_block:  # CPU loops, Q8 activations
+        if hd % 8 or hd > 128:
+            raise ValueError(f"Q8 activations: attention's fixed-order rows need a head dim that is a multiple of 8 "
+                             f"up to 128, got {hd}")
         l, o = _rows_in_fixed_order(qg, q_pos, *args, causal, window)
     elif T <= q_block:
         _, l, o = _attend(qg, q_pos, *args, causal, window, chunk, live_chunk)

@@ -1,5 +1,5 @@
 // dflash-jax CPU kernel: one block of attention's partial softmax with every row's sums in one fixed order.
-// Included by cpu_matmul.cc inside its anonymous namespace (its own FFI handler is defined there).
+// Included by cpu_matmul.cc inside its anonymous namespace, after the FFI headers (its handler symbol is defined there).
 //
 // Why: XLA:CPU picks a dot's and a reduction's summation order from their shapes, so a query row attended as one of
 // 1 row (a decode) or of 8 rows (a verify) comes out a few ulps apart. With float32 activations greedy decoding
@@ -108,4 +108,22 @@ void attention_rows(const float* q, const KeySource (&src)[2], float scale, int6
           l_out[row] = f8_sum(lsum);
           for (int64_t j = 0; j < nv; ++j) f8_store(o + 8 * j, acc[j]);
         }
+}
+
+// The FFI handler (its symbol, DflashRowAttention, is defined in cpu_matmul.cc): shapes checked, then one call.
+ffi::Error RowAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> ck, ffi::Buffer<ffi::F32> cv,
+                            ffi::Buffer<ffi::U8> vis_c, ffi::Buffer<ffi::F32> fk, ffi::Buffer<ffi::F32> fv,
+                            ffi::Buffer<ffi::U8> vis_f, ffi::Result<ffi::Buffer<ffi::F32>> l,
+                            ffi::Result<ffi::Buffer<ffi::F32>> o, float scale) {
+  const auto qd = q.dimensions(), cd = ck.dimensions(), fd = fk.dimensions();
+  if (qd.size() != 5 || cd.size() != 4 || fd.size() != 4)
+    return ffi::Error::InvalidArgument("q [B, T, nKV, G, hd], keys and values [B, n, nKV, hd]");
+  const int64_t B = qd[0], T = qd[1], nKV = qd[2], G = qd[3], hd = qd[4];
+  for (const auto& d : {cd, fd})
+    if (d[0] != B || d[2] != nKV || d[3] != hd) return ffi::Error::InvalidArgument("keys do not match q");
+  if (hd % 8 || hd > 128) return ffi::Error::InvalidArgument("hd is not a multiple of 8 up to 128");
+  const KeySource src[2] = {{ck.typed_data(), cv.typed_data(), vis_c.typed_data(), cd[1]},
+                            {fk.typed_data(), fv.typed_data(), vis_f.typed_data(), fd[1]}};
+  attention_rows(q.typed_data(), src, scale, B, T, nKV, G, hd, l->typed_data(), o->typed_data());
+  return ffi::Error::Success();
 }

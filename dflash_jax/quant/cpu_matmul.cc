@@ -365,25 +365,6 @@ ffi::Error BlockMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
   return ffi::Error::Success();
 }
 
-// Attention of every query row over the cache and the fresh keys, each row's sums in one fixed order
-// (cpu_attention.h).
-ffi::Error RowAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> ck, ffi::Buffer<ffi::F32> cv,
-                            ffi::Buffer<ffi::U8> vis_c, ffi::Buffer<ffi::F32> fk, ffi::Buffer<ffi::F32> fv,
-                            ffi::Buffer<ffi::U8> vis_f, ffi::Result<ffi::Buffer<ffi::F32>> l,
-                            ffi::Result<ffi::Buffer<ffi::F32>> o, float scale) {
-  const auto qd = q.dimensions(), cd = ck.dimensions(), fd = fk.dimensions();
-  if (qd.size() != 5 || cd.size() != 4 || fd.size() != 4)
-    return ffi::Error::InvalidArgument("q [B, T, nKV, G, hd], keys and values [B, n, nKV, hd]");
-  const int64_t B = qd[0], T = qd[1], nKV = qd[2], G = qd[3], hd = qd[4];
-  for (const auto& d : {cd, fd})
-    if (d[0] != B || d[2] != nKV || d[3] != hd) return ffi::Error::InvalidArgument("keys do not match q");
-  if (hd % 8 || hd > 128) return ffi::Error::InvalidArgument("hd is not a multiple of 8 up to 128");
-  const KeySource src[2] = {{ck.typed_data(), cv.typed_data(), vis_c.typed_data(), cd[1]},
-                            {fk.typed_data(), fv.typed_data(), vis_f.typed_data(), fd[1]}};
-  attention_rows(q.typed_data(), src, scale, B, T, nKV, G, hd, l->typed_data(), o->typed_data());
-  return ffi::Error::Success();
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashRowAttention, RowAttentionImpl,
