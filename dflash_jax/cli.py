@@ -96,9 +96,9 @@ def q8_activations(on: bool):
 
     if not on:
         return contextlib.nullcontext()
-    from dflash_jax import execution  # lazily, as below
+    from dflash_jax.quant.linear import q8_activations_scope  # lazily, as below
 
-    return execution.changed(q8_activations=True)
+    return q8_activations_scope(True)
 
 
 def _kernel_note(target=None) -> str:
