@@ -80,27 +80,6 @@ def _generate(args):
           f"  (prefill {1e3 * sp.timings['prefill_s']:.1f} ms; compile and first run excluded{_kernel_note(target)})")
 
 
-def _q8_flag(parser) -> None:
-    parser.add_argument("--q8-activations", action="store_true",
-                        help="GGML weights' products on a CPU with x rounded to Q8 blocks, llama.cpp's integer dot "
-                             "(faster where compute bounds a step, e.g. AVX2 CPUs; another function of the prompt "
-                             "than the float products, the same for speculative and autoregressive decoding)")
-
-
-def q8_activations(on: bool):
-    """For the command's duration (on: True), GGML products run as Q8 integer dots (`ExecutionContext.q8_activations`):
-    every program it compiles (generate's, the step tables' cost programs) is traced under it, and the drafter's step
-    table is read for that build. Scoped, not the process default: a caller running several commands in one process
-    (the docs test) gets each one's own setting."""
-    import contextlib
-
-    if not on:
-        return contextlib.nullcontext()
-    from dflash_jax.quant.linear import q8_activations_scope  # lazily, as below
-
-    return q8_activations_scope(True)
-
-
 def _kernel_note(target=None) -> str:
     """Which build of the CPU matmul kernel ran (its speed differs by an order of magnitude between them), and where
     a GGUF target's blocks ran with float32 activations on a build without AVX-512, that Q8 activations exist: on an
@@ -183,6 +162,7 @@ def _audit(args):
 
 def main(argv=None):
     from dflash_jax.io.compile_cache import enable_compilation_cache
+    from dflash_jax.bench.flags import add_q8_flag, q8_scope  # lazily, as above
 
     enable_compilation_cache()  # the command's default; DFLASH_JAX_NO_COMPILE_CACHE=1 turns it off
     ap = argparse.ArgumentParser(prog="dflash-jax", description=__doc__,
@@ -212,9 +192,9 @@ def main(argv=None):
                         "SmolLM2-135M-Instruct with the drafter trained for it)")
     g.add_argument("--raw", action="store_true",
                    help="continue the prompt as text instead of sending it through the model's chat template")
-    _q8_flag(g)
+    add_q8_flag(g)
     b = sub.add_parser("bench", help="speculative vs autoregressive, one run, medians")
-    _q8_flag(b)
+    add_q8_flag(b)
     b.add_argument("--new-tokens", type=int, nargs="+", default=None,
                    help="output lengths to measure, one table row each (default 128 512 1024; --bf16-exactness: 256)")
     b.add_argument("--prompts", type=int, default=None,
@@ -322,7 +302,7 @@ def main(argv=None):
             ap.error(f"--calibration-anchors must be >= 1, got {args.calibration_anchors}")
         if args.temperature is None and not args.pair_table:
             args.temperature = 0.0
-    with q8_activations(getattr(args, "q8_activations", False)):
+    with q8_scope(getattr(args, "q8_activations", False)):
         {"generate": _generate, "quality": _quality, "bench": _bench}[args.cmd](args)
 
 

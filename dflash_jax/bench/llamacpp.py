@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from dflash_jax import execution
+from dflash_jax.bench.flags import add_q8_flag, q8_scope
 from dflash_jax.decode.programs import generate, generate_autoregressive
 from dflash_jax.io import shipped
 from dflash_jax.train.drafter_data import chat_prompt_ids
@@ -105,11 +105,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--draft-length", type=int, default=None)
     ap.add_argument("--llama-python", default=None, help="an interpreter with llama-cpp-python (default: this one)")
-    ap.add_argument("--q8-activations", action="store_true",
-                    help="this project's GGML products with x as Q8 blocks, as llama.cpp computes them")
+    add_q8_flag(ap)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    with execution.changed(q8_activations=args.q8_activations):
+    with q8_scope(args.q8_activations):
         r = compare(prompts=args.prompts, new_tokens=args.new_tokens, threads=args.threads,
                     llama_python=args.llama_python, draft_length=args.draft_length)
     layout = (f"speculative tree of {r['tree_budget']}" if r["tree_budget"] else

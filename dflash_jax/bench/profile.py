@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import execution
+from dflash_jax.bench.flags import add_q8_flag, q8_scope
 from dflash_jax.bench.matmul import time_call
 from dflash_jax.bench.step_costs import step_functions
 from dflash_jax.io.shipped import load_default
@@ -303,10 +303,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=128, help="live tokens in the caches")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", type=Path, default=None, help="also write the table as JSON here")
-    ap.add_argument("--q8-activations", action="store_true",
-                    help="GGML products with x as Q8 blocks (llama.cpp's integer dot), attention's rows in a fixed order")
+    add_q8_flag(ap)
     args = ap.parse_args(argv)
-    with execution.changed(q8_activations=args.q8_activations):
+    with q8_scope(args.q8_activations):
         target, drafter, _ = load_default(model=args.model)
         bs = drafter.config.block_size
         Ds = tuple(args.draft_lengths or sorted({1, min(3, bs - 1), bs - 1}))

@@ -24,7 +24,7 @@ from dflash_jax.bench.step_costs import Step, _as_in_the_loop, _decode_rolled_ba
 from dflash_jax.decode import tree
 from dflash_jax.decode.prefill import prefill
 from dflash_jax.decode.sampling import SamplingParams, sample_tokens
-from dflash_jax.models.drafter import Drafter, append_context, block_hidden, head_logits
+from dflash_jax.models.drafter import Drafter, append_context, block_hidden, draft_block, head_logits
 from dflash_jax.models.target import Target, TreeLayout, commit_tree, forward_tree
 from dflash_jax.quant.linear import program_backend
 
@@ -87,7 +87,7 @@ def tree_step_costs(target: Target, drafter: Drafter, *, tree_budget: int, conte
     _, feats, tcache, dcache = fill(target, prompt, lens, cache_len, drafter=drafter)
     _, _, tcache2, dcache2 = fill(target, prompt, lens, cache_len, drafter=drafter)
     pending = feats[:, -(depth + 1):]
-    block = jnp.full((batch, dcfg.block_size), dcfg.mask_token_id, jnp.int32).at[:, 0].set(prompt[:, -1])
+    block = draft_block(drafter, prompt[:, -1], depth)  # as generate's tree step drafts
     tb, db = program_backend(target), program_backend(drafter, target)
     tr = _tree_draft_only(drafter, target, dcache2, pending, block, depth, tree_budget, db)  # the tree verified
     steps = {"decode_ms": (Step(_decode_rolled_back, (target,), (prompt[:, -1:], tb)), tcache),

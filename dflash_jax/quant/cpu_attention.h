@@ -1,5 +1,6 @@
 // dflash-jax CPU kernel: one block of attention's partial softmax with every row's sums in one fixed order.
-// Included by cpu_matmul.cc inside its anonymous namespace, after the FFI headers (its handler symbol is defined there).
+// Included by cpu_matmul.cc inside its anonymous namespace, after the FFI headers and `Workers` (its handler symbol is
+// defined there).
 //
 // Why: XLA:CPU picks a dot's and a reduction's summation order from their shapes, so a query row attended as one of
 // 1 row (a decode) or of 8 rows (a verify) comes out a few ulps apart. With float32 activations greedy decoding
@@ -60,54 +61,56 @@ inline F8 f8_exp(F8 x) {
 // (0 / 1); l [B, nKV, G, T], o [B, nKV, G, T, hd]. hd a multiple of 8, at most 128.
 struct KeySource { const float* k; const float* v; const uint8_t* vis; int64_t n; };
 
+// The query rows of one (b, h, g) are one unit of work, run on the kernel's threads (`Workers`, cpu_matmul.cc): a
+// row's sums are the same whichever thread computes it, and the units share nothing but their inputs.
 void attention_rows(const float* q, const KeySource (&src)[2], float scale, int64_t B, int64_t T, int64_t nKV,
                     int64_t G, int64_t hd, float* l_out, float* o_out) {
   const int64_t total = src[0].n + src[1].n;
-  std::vector<float> s(size_t(total + 8)), p(size_t(total + 8));
-  std::vector<const float*> vals(size_t(total + 8));
   const int64_t nv = hd / 8;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < nKV; ++h)
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t t = 0; t < T; ++t) {
-          const float* qr = q + (((b * T + t) * nKV + h) * G + g) * hd;
-          const int64_t row = ((b * nKV + h) * G + g) * T + t;
-          float* o = o_out + row * hd;
-          float m = -INFINITY;
-          int64_t count = 0;
-          for (const KeySource& ks : src) {
-            const uint8_t* vr = ks.vis + (b * T + t) * ks.n;
-            for (int64_t c = 0; c < ks.n; ++c) {
-              if (!vr[c]) continue;
-              const int64_t at = ((b * ks.n + c) * nKV + h) * hd;
-              const float* kr = ks.k + at;
-              F8 acc = f8_load(qr) * f8_load(kr);
-              for (int64_t j = 1; j < nv; ++j) acc = acc + f8_load(qr + 8 * j) * f8_load(kr + 8 * j);
-              const float sc = f8_sum(acc) * scale;
-              s[size_t(count)] = sc;
-              vals[size_t(count)] = ks.v + at;
-              m = std::max(m, sc);
-              ++count;
-            }
-          }
-          F8 acc[16];  // hd <= 128
-          for (int64_t j = 0; j < nv; ++j) acc[j] = f8_splat(0.f);
-          F8 lsum = f8_splat(0.f);
-          if (count > 0) {
-            for (int64_t i = count; i < ((count + 7) / 8) * 8; ++i) s[size_t(i)] = -INFINITY;
-            for (int64_t i = 0; i < count; i += 8) {
-              const F8 e = f8_exp(f8_load(&s[size_t(i)]) - f8_splat(m));
-              f8_store(&p[size_t(i)], e);
-              lsum = lsum + e;  // lanes past `count` add exp(-inf) = 0
-            }
-            for (int64_t i = 0; i < count; ++i) {
-              const F8 w = f8_splat(p[size_t(i)]);
-              for (int64_t j = 0; j < nv; ++j) acc[j] = acc[j] + w * f8_load(vals[size_t(i)] + 8 * j);
-            }
-          }
-          l_out[row] = f8_sum(lsum);
-          for (int64_t j = 0; j < nv; ++j) f8_store(o + 8 * j, acc[j]);
+  Workers::get().run(B * nKV * G, [&](int64_t unit) {
+    const int64_t b = unit / (nKV * G), h = (unit / G) % nKV, g = unit % G;
+    std::vector<float> s(size_t(total + 8)), p(size_t(total + 8));
+    std::vector<const float*> vals(size_t(total + 8));
+    for (int64_t t = 0; t < T; ++t) {
+      const float* qr = q + (((b * T + t) * nKV + h) * G + g) * hd;
+      const int64_t row = ((b * nKV + h) * G + g) * T + t;
+      float* o = o_out + row * hd;
+      float m = -INFINITY;
+      int64_t count = 0;
+      for (const KeySource& ks : src) {
+        const uint8_t* vr = ks.vis + (b * T + t) * ks.n;
+        for (int64_t c = 0; c < ks.n; ++c) {
+          if (!vr[c]) continue;
+          const int64_t at = ((b * ks.n + c) * nKV + h) * hd;
+          const float* kr = ks.k + at;
+          F8 acc = f8_load(qr) * f8_load(kr);
+          for (int64_t j = 1; j < nv; ++j) acc = acc + f8_load(qr + 8 * j) * f8_load(kr + 8 * j);
+          const float sc = f8_sum(acc) * scale;
+          s[size_t(count)] = sc;
+          vals[size_t(count)] = ks.v + at;
+          m = std::max(m, sc);
+          ++count;
         }
+      }
+      F8 acc[16];  // hd <= 128
+      for (int64_t j = 0; j < nv; ++j) acc[j] = f8_splat(0.f);
+      F8 lsum = f8_splat(0.f);
+      if (count > 0) {
+        for (int64_t i = count; i < ((count + 7) / 8) * 8; ++i) s[size_t(i)] = -INFINITY;
+        for (int64_t i = 0; i < count; i += 8) {
+          const F8 e = f8_exp(f8_load(&s[size_t(i)]) - f8_splat(m));
+          f8_store(&p[size_t(i)], e);
+          lsum = lsum + e;  // lanes past `count` add exp(-inf) = 0
+        }
+        for (int64_t i = 0; i < count; ++i) {
+          const F8 w = f8_splat(p[size_t(i)]);
+          for (int64_t j = 0; j < nv; ++j) acc[j] = acc[j] + w * f8_load(vals[size_t(i)] + 8 * j);
+        }
+      }
+      l_out[row] = f8_sum(lsum);
+      for (int64_t j = 0; j < nv; ++j) f8_store(o + 8 * j, acc[j]);
+    }
+  });
 }
 
 // The FFI handler (its symbol, DflashRowAttention, is defined in cpu_matmul.cc): shapes checked, then one call.

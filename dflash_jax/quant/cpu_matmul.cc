@@ -101,7 +101,6 @@ constexpr int kBlock = 32;
 #include "cpu_vectors_portable.h"
 #endif
 #include "cpu_q8_dot.h"
-#include "cpu_attention.h"
 
 // Rows of x per pass over a weight row: their accumulators (two 16-lane vectors a row) stay in registers. AVX-512
 // has 32 registers of 16 lanes: 8 rows. Elsewhere a 16-lane vector takes several registers (two of AVX2's 16, four
@@ -307,6 +306,8 @@ class Workers {
   std::atomic<int> sleepers_{0};
   std::vector<std::thread> threads_;
 };
+
+#include "cpu_attention.h"
 
 // One call computes the products of one x with several weights (a layer's q / k / v, or gate / up: the same input),
 // so the per-call cost (the custom call, waking the pool, the final wait) is paid once for all of them. Operands:
