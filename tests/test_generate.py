@@ -236,33 +236,6 @@ def test_acceptance_lengths_match_cache_free_reference_loop(trained):
     assert any(a > 1 for a in seen), "the reference check saw no accepted draft"
 
 
-def test_short_chain_drafts_from_a_block_of_its_own_length(trained):
-    """At D < block_size - 1 the loop drafts from [last, D mask tokens] (`models.drafter.draft_block`), not the whole
-    block: the step-by-step acceptance of generate at D 2 equals the cache-free reference drafting from that block on
-    the row with the most accepted drafts, and differs from the reference that passes the whole block wherever a
-    draft changes (checked: the two blocks give the drafted slots different hidden states)."""
-    from dflash_jax.models.drafter import draft_block
-    target, drafter = trained["target"], trained["drafter"]
-    batch = trained["runs"][0][0]
-    sp = dj.generate(target, drafter, batch, max_new_tokens=MAX_NEW, draft_length=2)
-    b = int(np.argmax([(sp.acceptance_lengths[i, :6] > 1).sum() for i in range(len(batch))]))
-    ref_acc, ref_out = reference_acceptance(target, drafter, batch[b], max_new=MAX_NEW, max_steps=6, draft_length=2)
-    got = sp.acceptance_lengths[b, :len(ref_acc)].tolist()
-    assert got == ref_acc, f"generate {got} vs reference {ref_acc}"
-    np.testing.assert_array_equal(sp.tokens[b, :len(ref_out)], ref_out)
-    assert any(a > 1 for a in ref_acc), "the check saw no accepted draft"
-    last = jnp.asarray([5, 7], jnp.int32)
-    assert draft_block(drafter, last, 2).tolist() == [[5] + [C1.drafter.mask_token_id] * 2,
-                                                      [7] + [C1.drafter.mask_token_id] * 2]
-    assert draft_block(drafter, last, C1.drafter.block_size - 1).shape == (2, C1.drafter.block_size)
-    _, feats = dj.target_forward(target, jnp.asarray([batch[b]]), layer_ids=C1.drafter.target_layer_ids)
-    full = np.full((1, C1.drafter.block_size), C1.drafter.mask_token_id, np.int32)
-    full[0, 0] = batch[b][-1]
-    short = dj.draft_logits(target, drafter, feats, full[:, :3])
-    whole = dj.draft_logits(target, drafter, feats, full)[:, :2]
-    assert short.shape == whole.shape and not np.array_equal(np.asarray(short), np.asarray(whole))
-
-
 def test_acceptance_lengths_match_reference_loop_position_sensitive(copy_runs):
     """The same reference check on the flawed copy drafter (row 0), whose drafts depend on exact context positions:
     an off-by-one in the drafter's context bookkeeping (e.g. appending a accepted rows instead of a + 1) changes its

@@ -1,8 +1,7 @@
 """The generation loops: speculative (draft -> verify -> accept) and autoregressive, each one `lax.while_loop`.
 
 Layout of one DFlash step for a row whose last committed token `last` sits at position `start`:
-  draft   block [last, M, ..., M] at positions start..start+D -> drafts d_1..d_D (slot k predicts start+k; a DFlash2
-          drafter passes the whole block, start..start+bs-1: `models.drafter.draft_block`)
+  draft   block [last, M, ..., M] at positions start..start+bs-1 -> drafts d_1..d_D (slot k predicts start+k)
   verify  target over [last, d_1..d_D] at positions start..start+D -> post[j] = target token for start+j+1
   accept  a = number of leading j with d_{j+1} == post[j]  (cumprod)   ->  commit post[0..a] (a drafts + bonus)
   roll    target cache length := start+a+1; drafter context += verify features of rows 0..a; start += a+1
@@ -123,7 +122,7 @@ def _tree_step(target: Target, drafter: Drafter, s: LoopState, sampling: Samplin
     tcfg, dcfg = target.config, drafter.config
     B, D, N = s.last.shape[0], depth, budget_nodes
     dcache = append_context(drafter, s.pending, s.n_pending, s.dcache)
-    block = draft_block(drafter, s.last, D)  # [B, D + 1]
+    block = draft_block(drafter, s.last, D)  # [B, bs]
     h = block_hidden(drafter, target, block, dcache)[:, 1:1 + D]  # [B, D, H]: one draft pass, as the chain's
     d_logits = head_logits(drafter, target, h, padded=False)  # [B, D, n]: ids past a draft vocabulary never nodes
     tr = tree.build(tree.draft_scores(d_logits, sampling), s.last, N)
@@ -162,7 +161,7 @@ def speculative_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sam
     def body(s: LoopState) -> LoopState:
         active = ~s.done
         dcache = append_context(drafter, s.pending, s.n_pending, s.dcache)
-        block = draft_block(drafter, s.last, D)  # [B, D + 1] (DFlash2: [B, bs])
+        block = draft_block(drafter, s.last, D)  # [B, bs]
         # drafts [B, D]; d_logits [B, D, V]; d_probs: the DFlash2 selector's q (None for DFlash)
         drafts, d_logits, d_probs, keys = draft_step(drafter, target, block, dcache, D, s.key, sampling)
         verify_in = jnp.concatenate([s.last[:, None], drafts], axis=1)  # [B, D+1]

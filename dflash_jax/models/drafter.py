@@ -148,16 +148,17 @@ def head_logits(drafter: Drafter, target: Target, h: jax.Array, *, full_vocabula
 
 
 def draft_block(drafter: Drafter, last: jax.Array, num_slots: int) -> jax.Array:
-    """The block a draft step passes [B, W]: the last committed token [B], then mask tokens. W = num_slots + 1 for
-    a DFlash drafter (the drafted slots only), the whole block for DFlash2 (its convolution runs along the block).
+    """The block a draft step passes [B, block_size]: the last committed token [B], then mask tokens, as z-lab's
+    loop drafts it, whatever the number of slots D the step uses (slots 1..D).
 
-    Why not the whole block for DFlash too: the slots past the drafted ones propose nothing; they only add mask-token
-    keys to the drafted slots' attention, and the pass costs a row of every layer per slot. Measured on the default
-    pair (8 held-out requests, 128 tokens, greedy): held-out tau 1.4588 -> 1.4564 at D 1 and 1.6809 -> 1.6776 at
-    D 3 without them, at 2 and 4 rows instead of 8. At D = block_size - 1 it is z-lab's block."""
+    Tried and not kept (2026-12-05, seventh session; docs/cpu-step.md, "Tried: the draft pass over the drafted slots
+    only"): [last, D mask tokens] cuts the drafter's rows from block_size to D + 1 (c 0.28 -> 0.20 at D 1 on the
+    default pair under Q8 activations, tau 1.4588 -> 1.4564), but the code-5m drafter (block 16) lost 3% of its tau
+    at D 7 and its NVFP4 form fell below 97% of the dense tau (`tests/test_quantize.py`). The width is this one
+    place, for when it is measured per pair."""
     cfg = drafter.config
-    width = cfg.block_size if cfg.is_dflash2 else min(int(num_slots) + 1, cfg.block_size)
-    return jnp.full((last.shape[0], width), cfg.mask_token_id, jnp.int32).at[:, 0].set(last)
+    del num_slots  # the whole block at every D (see above)
+    return jnp.full((last.shape[0], cfg.block_size), cfg.mask_token_id, jnp.int32).at[:, 0].set(last)
 
 
 def block_hidden(drafter: Drafter, target: Target, block: jax.Array, cache: KVCache) -> jax.Array:
@@ -236,9 +237,8 @@ def draft_logits(target: Target, drafter: Drafter, features, block, *,
     """Public call (no cache): logits [B, W-1, V] for block slots 1..W-1 (after output_multiplier and
     final_logit_softcapping; for DFlash2 these are the base logits the selector starts from).
 
-    features [B, C, K*H]: target layer outputs of context positions 0..C-1; block [B, W] at positions C..C+W-1:
-    the whole block (W = bs, z-lab's), or the last token and D mask tokens as generate drafts a chain of D
-    (`draft_block`).
+    features [B, C, K*H]: target layer outputs of context positions 0..C-1; block [B, W] at positions C..C+W-1
+    (generate passes the whole block, W = bs, as z-lab's loop: `draft_block`).
     nvfp4_backend: for NVFP4 weights (see `dflash_jax.quant.linear`); None = the current default, resolved per call.
     """
     target, drafter = _target_first(target, drafter, "draft_logits")
