@@ -87,7 +87,7 @@ def tree_step_costs(target: Target, drafter: Drafter, *, tree_budget: int, conte
     _, feats, tcache, dcache = fill(target, prompt, lens, cache_len, drafter=drafter)
     _, _, tcache2, dcache2 = fill(target, prompt, lens, cache_len, drafter=drafter)
     pending = feats[:, -(depth + 1):]
-    block = draft_block(drafter, prompt[:, -1], depth)  # as generate's tree step drafts
+    block = draft_block(drafter, prompt[:, -1])  # as generate's tree step drafts
     tb, db = program_backend(target), program_backend(drafter, target)
     tr = _tree_draft_only(drafter, target, dcache2, pending, block, depth, tree_budget, db)  # the tree verified
     steps = {"decode_ms": (Step(_decode_rolled_back, (target,), (prompt[:, -1:], tb)), tcache),

@@ -147,7 +147,7 @@ def head_logits(drafter: Drafter, target: Target, h: jax.Array, *, full_vocabula
     return pad_vocabulary(logits, V) if padded else logits  # [.., V] or [.., n]
 
 
-def draft_block(drafter: Drafter, last: jax.Array, num_slots: int) -> jax.Array:
+def draft_block(drafter: Drafter, last: jax.Array) -> jax.Array:
     """The block a draft step passes [B, block_size]: the last committed token [B], then mask tokens, as z-lab's
     loop drafts it, whatever the number of slots D the step uses (slots 1..D).
 
@@ -157,7 +157,6 @@ def draft_block(drafter: Drafter, last: jax.Array, num_slots: int) -> jax.Array:
     at D 7 and its NVFP4 form fell below 97% of the dense tau (`tests/test_quantize.py`). The width is this one
     place, for when it is measured per pair."""
     cfg = drafter.config
-    del num_slots  # the whole block at every D (see above)
     return jnp.full((last.shape[0], cfg.block_size), cfg.mask_token_id, jnp.int32).at[:, 0].set(last)
 
 
