@@ -60,7 +60,8 @@ def _generate(args):
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_ids=(tok.eos_id,),
               seed=args.seed, prefill_timing="rerun")
     if args.no_compare:  # the text alone: one speculative run, nothing timed
-        sp = generate(target, drafter, [ids], draft_length=args.draft_length, tree_budget=args.tree_budget, **kw)
+        sp = generate(target, drafter, [ids], draft_length=args.draft_length, tree_budget=args.tree_budget,
+                      draft_pass=args.draft_pass, **kw)
         print(show(sp.token_lists()[0]))
         print("-" * 72)
         print(f"{int(sp.num_tokens[0])} tokens in {sp.num_steps} steps: {_acceptance(sp)}")
@@ -68,7 +69,8 @@ def _generate(args):
     # Each program runs once before it is timed: a first execution pays one-time costs (allocations, thread pools).
     for _ in range(2):
         ar = generate_autoregressive(target, [ids], **kw)
-        sp = generate(target, drafter, [ids], draft_length=args.draft_length, tree_budget=args.tree_budget, **kw)
+        sp = generate(target, drafter, [ids], draft_length=args.draft_length, tree_budget=args.tree_budget,
+                      draft_pass=args.draft_pass, **kw)
     print(show(sp.token_lists()[0]))
     print("-" * 72)
     same = "identical to" if sp.token_lists() == ar.token_lists() else "differs from (sampling)"
@@ -113,10 +115,12 @@ def _acceptance(res) -> str:
 def _drafted(res) -> str:
     """What a step drafted: a chain of D tokens, or a draft tree (its depth bounds what a step accepts)."""
     if res.tree_budget:
-        return f"depth {res.draft_length} (a draft tree of {res.tree_budget} nodes)"
+        over = ", drafted from the tree's depth only" if res.draft_pass == "drafted" else ""
+        return f"depth {res.draft_length} (a draft tree of {res.tree_budget} nodes{over})"
     if res.draft_length == 0:
         return "none (plain decoding: the drafter's step table predicts no speedup here)"
-    return f"{res.draft_length} drafted"
+    drafted = f"{res.draft_length} drafted"
+    return drafted + (" (a draft pass over the drafted slots only)" if res.draft_pass == "drafted" else "")
 
 
 def _bench(args):
@@ -160,11 +164,17 @@ def _audit(args):
     return 0 if report.ok else 1
 
 
-def main(argv=None):
+def _compilation_cache():
+    """The command's default, switched on once a command is about to run (after --help and argument errors, which
+    load no JAX); DFLASH_JAX_NO_COMPILE_CACHE=1 turns it off."""
     from dflash_jax.io.compile_cache import enable_compilation_cache
-    from dflash_jax.bench.flags import add_q8_flag, q8_scope  # lazily, as above
 
-    enable_compilation_cache()  # the command's default; DFLASH_JAX_NO_COMPILE_CACHE=1 turns it off
+    enable_compilation_cache()
+
+
+def main(argv=None):
+    from dflash_jax.bench.flags import add_q8_flag  # lazily, as above
+
     ap = argparse.ArgumentParser(prog="dflash-jax", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -177,6 +187,9 @@ def main(argv=None):
                         "for this pair and platform, a chain or a draft tree; without one block_size-1)")
     g.add_argument("--tree-budget", type=int, default=None,
                    help="draft a tree of N nodes per step instead of a chain (one choice with --draft-length)")
+    g.add_argument("--draft-pass", choices=("block", "drafted"), default=None,
+                   help="the block a draft pass reads: the whole block (z-lab's) or the drafted slots only (default: "
+                        "the step table's best row's, else the whole block)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (output identical to autoregressive); > 0 = lossless rejection sampling")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
@@ -215,6 +228,9 @@ def main(argv=None):
                         "drafter's own, or --draft-vocabs) and batch (--batches), then per draft-tree budget "
                         "(--tree-budgets): verify and draft cost (r, c), tau, predicted and measured speedup")
     b.add_argument("--reps", type=int, default=30, help="with --step-table: timed rounds per step cost (default 30)")
+    b.add_argument("--draft-passes", choices=("block", "drafted"), nargs="+", default=None,
+                   help="with --step-table: draft passes to measure, each its own rows: the whole block (z-lab's) "
+                        "and/or the drafted slots only (default: the drafter's own); generate runs the best row's")
     b.add_argument("--draft-vocabs", type=int, nargs="+", default=None,
                    help="with --step-table: draft vocabularies to compare (first N ids; 0: the whole vocabulary)")
     b.add_argument("--batches", type=int, nargs="+", default=[1],
@@ -293,8 +309,10 @@ def main(argv=None):
                 from dflash_jax.train.drafter2 import main as train_main
             else:
                 from dflash_jax.train.drafter_run import main as train_main
+        _compilation_cache()
         return train_main(rest)
     args = ap.parse_args(argv)
+    _compilation_cache()
     if args.cmd == "audit":
         return _audit(args)
     if args.cmd == "bench":
@@ -302,6 +320,8 @@ def main(argv=None):
             ap.error(f"--calibration-anchors must be >= 1, got {args.calibration_anchors}")
         if args.temperature is None and not args.pair_table:
             args.temperature = 0.0
+    from dflash_jax.quant.linear import q8_scope  # JAX: once a command runs
+
     with q8_scope(getattr(args, "q8_activations", False)):
         {"generate": _generate, "quality": _quality, "bench": _bench}[args.cmd](args)
 

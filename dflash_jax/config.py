@@ -255,6 +255,7 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int
 
 
 DRAFTER_KINDS = ("dflash", "dflash2")
+DRAFT_PASSES = ("block", "drafted")  # `DrafterConfig.draft_pass`
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # DFlash2 keys that a DFlash2DraftModel config must carry (z-lab reads them with int(...), no default).
 DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -305,6 +306,12 @@ class DrafterConfig(Replaceable):
     # weights): `generate`'s default draft length is its best row. Not an architecture setting: never saved in the
     # config itself, and a table that does not match the running pair is ignored with a warning.
     step_table: StepTable | None = None
+    # Which block the draft pass reads (DRAFT_PASSES): "block", z-lab's, the last committed token then mask tokens
+    # over the whole block; "drafted", the last token then one mask per drafted slot (D + 1 rows instead of
+    # block_size: the slots past D propose nothing, but they are keys of the drafted slots' attention, so a drafter
+    # may draft differently without them). None: the step table's best row's, else "block". A run setting, chosen
+    # per pair from measured tau and c (`dflash-jax bench --step-table --draft-passes block drafted`).
+    draft_pass: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -364,6 +371,12 @@ class DrafterConfig(Replaceable):
         if self.step_table is not None and not isinstance(self.step_table, StepTable):
             raise ValueError(f"drafter config: step_table must be a dflash_jax.step_table.StepTable or None, got "
                              f"{type(self.step_table).__name__}")
+        if self.draft_pass is not None and self.draft_pass not in DRAFT_PASSES:
+            raise ValueError(f"drafter config: draft_pass must be one of {DRAFT_PASSES} or None, got "
+                             f"{self.draft_pass!r}")
+        if self.kind == "dflash2" and self.draft_pass == "drafted":
+            raise ValueError("drafter config: draft_pass 'drafted' is for DFlash drafters: a DFlash2 drafter's "
+                             "convolution runs along its whole block")
         if self.kind == "dflash2":
             self._check_dflash2()
 
@@ -430,5 +443,5 @@ def check_pair(drafter: DrafterConfig, target: TargetConfig) -> None:
         raise ValueError("drafter does not match target: " + "; ".join(problems))
 
 
-__all__ = ["TargetConfig", "Qwen3Config", "DrafterConfig", "default_target_layer_ids", "check_pair",
+__all__ = ["TargetConfig", "Qwen3Config", "DrafterConfig", "DRAFT_PASSES", "default_target_layer_ids", "check_pair",
            "default_compute_dtype"]

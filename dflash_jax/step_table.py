@@ -5,7 +5,8 @@ and the step's cost in decode steps: r = verify (D + 1 tokens) / decode, c = dra
 tokens for r + c decode steps' time, so tau / (r + c) is the speedup it predicts, and `generate`'s default draft
 length (or draft tree, for a tree row: N nodes verified in one pass) is the row that maximises it for the drafter's
 own draft vocabulary (`decode.draft_length`), rows within NOISE_MARGIN of the top counting as a tie that the
-narrowest verify wins (`StepTable.best`). The table is
+narrowest verify wins (`StepTable.best`). A row also names the draft pass it was measured with (the whole block or
+the drafted slots only: `DrafterConfig.draft_pass`), and `generate` runs the best row's. The table is
 measured by `dflash-jax bench --step-table --save-table` and ships as `step_table.json` beside the drafter's
 weights; it names the platform and the target it was measured with, and a table that does not match the pair being
 run is ignored with a warning, never silently applied.
@@ -29,6 +30,7 @@ class StepRow(Replaceable):
     c: float  # one draft / one decode step
     batch: int = 1
     tree_budget: int | None = None  # a draft tree of this many nodes (draft_length = its depth); None: a chain
+    draft_pass: str = "block"  # the block the draft pass read (`DrafterConfig.draft_pass`): "block" or "drafted"
 
     @property
     def predicted_speedup(self) -> float:
@@ -51,15 +53,16 @@ class StepTable(Replaceable):
     cpu_kernel: str = ""
 
     def best(self, draft_vocab: int | None, batch: int = 1, trees: bool = True,
-             margin: float = NOISE_MARGIN) -> StepRow | None:
+             margin: float = NOISE_MARGIN, draft_pass: str | None = None) -> StepRow | None:
         """The row to run for this draft vocabulary and batch (chains only unless `trees`), or None: among the rows
         whose predicted speedup is within `margin` (relative) of the highest, the one with the narrowest verify
         (fewest tokens per target pass), then the highest prediction. Why the margin: r and c come from one run on a
         shared machine, and two re-measurements of the SmolLM2 table ten minutes apart ranked a tree of 4 (predicted
         1.04x, measured 0.85x) and a tree of 2 (1.12x, measured 1.10x) first; rows a few percent apart are a tie, and
-        the narrower verify is the cheaper bet."""
+        the narrower verify is the cheaper bet. draft_pass: rows measured with that draft pass only (None: any; at
+        equal verify width the higher prediction wins, so of two passes the one that pays)."""
         rows = [r for r in self.rows if r.draft_vocab == draft_vocab and r.batch == batch
-                and (trees or r.tree_budget is None)]
+                and (trees or r.tree_budget is None) and draft_pass in (None, r.draft_pass)]
         if not rows:
             return None
         top = max(r.predicted_speedup for r in rows)

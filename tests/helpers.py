@@ -214,15 +214,20 @@ def argmax_drafts(target, drafter, features, block):
     return np.asarray(dj.draft_logits(target, drafter, features, block)).argmax(-1)
 
 
-def reference_acceptance(target, drafter, prompt, *, max_new, max_steps, propose=argmax_drafts):
+def reference_acceptance(target, drafter, prompt, *, max_new, max_steps, propose=argmax_drafts, draft_length=None,
+                         draft_pass="block"):
     """Cache-free DFlash greedy loop: each step drafts with `draft_logits` on the full committed context (features of
     positions 0..start-1 from a fresh `target_forward` over the committed sequence) and verifies with
     `target_forward` over the committed sequence + drafts; accept the longest matching prefix + the bonus.
     `propose(target, drafter, features, block)` gives the drafts [1, >= D] (DFlash2 tests pass the selector walk).
+    draft_length D (default block_size - 1); draft_pass "block": the block holds the last token and block_size - 1
+    mask tokens, "drafted": the last token and D mask tokens (`models.drafter.draft_block`).
     Returns (acceptance lengths per step, emitted tokens). Sequences are right-padded to one length so target_forward
     compiles once (causal: padding after a position cannot change it)."""
     cfg = drafter.config
-    bs, D, M, taps = cfg.block_size, cfg.block_size - 1, cfg.mask_token_id, cfg.target_layer_ids
+    bs, M, taps = cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids
+    D = bs - 1 if draft_length is None else draft_length
+    block_width = D + 1 if draft_pass == "drafted" else bs
     width = len(prompt) + max_new + bs
     logits, _ = dj.target_forward(target, pad_to(prompt, width), layer_ids=taps)  # one compile for all calls
     out = [int(np.argmax(np.asarray(logits)[0, len(prompt) - 1]))]  # prefill token
@@ -231,7 +236,7 @@ def reference_acceptance(target, drafter, prompt, *, max_new, max_steps, propose
         seq = list(prompt) + out
         start = len(seq) - 1  # position of the last committed token
         _, feats = dj.target_forward(target, pad_to(seq, width), layer_ids=taps)
-        block = np.full((1, bs), M, np.int32)
+        block = np.full((1, block_width), M, np.int32)
         block[0, 0] = seq[-1]
         drafts = np.asarray(propose(target, drafter, np.asarray(feats)[:, :start], block))[0, :D].tolist()
         v_logits, _ = dj.target_forward(target, pad_to(seq + drafts, width), layer_ids=taps)

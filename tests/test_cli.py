@@ -223,8 +223,29 @@ def test_the_acceptance_line_of_plain_decoding_has_no_rate():
 
     from dflash_jax.cli import _acceptance
 
-    plain = types.SimpleNamespace(draft_length=0, tree_budget=None, tau=1.0, acceptance_rate=float("nan"))
+    plain = types.SimpleNamespace(draft_length=0, tree_budget=None, tau=1.0, acceptance_rate=float("nan"),
+                                  draft_pass=None)
     line = _acceptance(plain)
     assert line.startswith("tau 1.00 (no drafts: none (plain decoding") and "nan" not in line, line
-    chain = types.SimpleNamespace(draft_length=3, tree_budget=None, tau=2.5, acceptance_rate=0.5)
+    chain = types.SimpleNamespace(draft_length=3, tree_budget=None, tau=2.5, acceptance_rate=0.5, draft_pass="block")
     assert _acceptance(chain).startswith("tau 2.50 (tokens per draft+verify step, incl. bonus), acceptance rate 50.0%")
+    assert _acceptance(chain).endswith("of 3 drafted per step")
+    short = types.SimpleNamespace(**{**vars(chain), "draft_pass": "drafted"})
+    assert _acceptance(short).endswith("of 3 drafted (a draft pass over the drafted slots only) per step")
+
+
+def test_help_and_the_package_import_load_no_jax():
+    """`import dflash_jax` and the command's parser load no JAX (the package's names load on first use): `--help`
+    answers at once; reading a public name then loads it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, contextlib, io\n"
+            "import dflash_jax, dflash_jax.cli as cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            "    cli.main(['generate', '--help'])\n"
+            "print('jax' in sys.modules)\n"
+            "dflash_jax.generate\n"
+            "print('jax' in sys.modules, sorted(set(dflash_jax.__all__) - set(dir(dflash_jax))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[:2] == ["False", "True []"], out

@@ -236,6 +236,55 @@ def test_acceptance_lengths_match_cache_free_reference_loop(trained):
     assert any(a > 1 for a in seen), "the reference check saw no accepted draft"
 
 
+@pytest.mark.parametrize("draft_pass", ["block", "drafted"])
+def test_short_chain_drafts_from_the_block_its_draft_pass_names(trained, draft_pass):
+    """At D < block_size - 1 the loop drafts from the whole block ("block", z-lab's) or from [last, D mask tokens]
+    ("drafted"; `DrafterConfig.draft_pass`, `models.drafter.draft_block`): the step-by-step acceptance of generate at
+    D 2 equals the cache-free reference drafting from that block on the row with the most accepted drafts, greedy
+    output stays identical to autoregressive, and the two blocks give the drafted slots different logits (so a loop
+    that ignored the setting would fail one of the two cases)."""
+    from dflash_jax.models.drafter import draft_block
+    target, drafter = trained["target"], trained["drafter"]
+    batch = trained["runs"][0][0]
+    sp = dj.generate(target, drafter, batch, max_new_tokens=MAX_NEW, draft_length=2, draft_pass=draft_pass)
+    assert sp.draft_pass == draft_pass
+    ar = dj.generate_autoregressive(target, batch, max_new_tokens=MAX_NEW)
+    assert sp.token_lists() == ar.token_lists()
+    b = int(np.argmax([(sp.acceptance_lengths[i, :6] > 1).sum() for i in range(len(batch))]))
+    ref_acc, ref_out = reference_acceptance(target, drafter, batch[b], max_new=MAX_NEW, max_steps=6, draft_length=2,
+                                            draft_pass=draft_pass)
+    got = sp.acceptance_lengths[b, :len(ref_acc)].tolist()
+    assert got == ref_acc, f"generate {got} vs reference {ref_acc}"
+    np.testing.assert_array_equal(sp.tokens[b, :len(ref_out)], ref_out)
+    assert any(a > 1 for a in ref_acc), "the check saw no accepted draft"
+    M, bs = C1.drafter.mask_token_id, C1.drafter.block_size
+    last = jnp.asarray([5, 7], jnp.int32)
+    short = drafter.replace(config=drafter.config.replace(draft_pass="drafted"))
+    assert draft_block(short, last, 2).tolist() == [[5, M, M], [7, M, M]]
+    assert draft_block(short, last, bs - 1).shape == (2, bs)
+    assert draft_block(drafter, last, 2).shape == (2, bs)  # None: the whole block
+    _, feats = dj.target_forward(target, jnp.asarray([batch[b]]), layer_ids=C1.drafter.target_layer_ids)
+    full = np.full((1, bs), M, np.int32)
+    full[0, 0] = batch[b][-1]
+    narrow = dj.draft_logits(target, drafter, feats, full[:, :3])
+    whole = dj.draft_logits(target, drafter, feats, full)[:, :2]
+    assert narrow.shape == whole.shape and not np.array_equal(np.asarray(narrow), np.asarray(whole))
+
+
+def test_draft_pass_is_refused_where_it_cannot_run(trained):
+    """An unknown draft pass, and the drafted-slots pass for a DFlash2 drafter, are refused before anything compiles,
+    naming the setting; autoregressive decoding does not take one."""
+    target, drafter = trained["target"], trained["drafter"]
+    with pytest.raises(ValueError, match=r"draft_pass='half'.*must be one of \('block', 'drafted'\)"):
+        dj.generate(target, drafter, [[1, 2, 3]], max_new_tokens=4, draft_pass="half")
+    with pytest.raises(TypeError, match="draft_pass"):
+        dj.generate_autoregressive(target, [[1, 2, 3]], max_new_tokens=4, draft_pass="block")
+    with pytest.raises(ValueError, match="DFlash2"):
+        dj.DrafterConfig(**{**{f: getattr(C1.drafter, f) for f in ("model", "block_size", "mask_token_id",
+                                                                   "target_layer_ids", "num_target_layers")},
+                            "kind": "dflash2", "draft_pass": "drafted"})
+
+
 def test_acceptance_lengths_match_reference_loop_position_sensitive(copy_runs):
     """The same reference check on the flawed copy drafter (row 0), whose drafts depend on exact context positions:
     an off-by-one in the drafter's context bookkeeping (e.g. appending a accepted rows instead of a + 1) changes its

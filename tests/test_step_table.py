@@ -13,7 +13,7 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax.decode import draft_length as dl
-from dflash_jax.io.step_table_file import FILE_NAME
+from dflash_jax.io.step_table_file import FILE_NAME, read_step_table, write_step_table
 from dflash_jax.step_table import StepRow, StepTable
 from helpers import tiny_qwen3
 
@@ -82,6 +82,34 @@ def test_weight_format_changes_the_signature(pair):
     bf = target.replace(params=jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), target.params))
     assert dl.target_signature(bf) != dl.target_signature(target)
     assert dl.target_signature(target) == dl.target_signature(target)
+
+
+def test_the_best_rows_draft_pass_is_the_default_and_survives_the_file(pair, tmp_path):
+    """Rows measured with the drafted slots only ("drafted") and the whole block: generate runs the best row's draft
+    pass when it takes the table's layout; a drafter or a call naming a pass takes that pass's best row; the field
+    survives the file, and an older file's rows (no field) read as the whole block."""
+    target, drafter = pair
+    rows = [StepRow(2, None, 2.0, 1.3, 0.30), StepRow(2, None, 1.98, 1.3, 0.15, draft_pass="drafted"),
+            StepRow(3, None, 2.1, 1.35, 0.30)]
+    d = _with(drafter, _table(target, rows))
+    assert dl.default_setting(d, target) == (2, None, "drafted")
+    assert dl.default_layout(d, target) == (2, None)
+    block = d.replace(config=d.config.replace(draft_pass="block"))
+    assert dl.default_setting(block, target) == (2, None, "block")
+    want = dj.generate_autoregressive(target, [[3, 4, 5]], max_new_tokens=12, eos_ids=()).token_lists()
+    res = dj.generate(target, d, [[3, 4, 5]], max_new_tokens=12, eos_ids=())
+    assert (res.draft_length, res.draft_pass) == (2, "drafted") and res.token_lists() == want
+    res = dj.generate(target, d, [[3, 4, 5]], max_new_tokens=12, eos_ids=(), draft_pass="block")
+    assert (res.draft_length, res.draft_pass) == (2, "block") and res.token_lists() == want
+    # an explicit draft length without a pass runs the drafter's own (None: the whole block)
+    assert dj.generate(target, d, [[3, 4, 5]], max_new_tokens=12, eos_ids=(), draft_length=1).draft_pass == "block"
+    write_step_table(tmp_path, d.config.step_table)
+    back = read_step_table(tmp_path)
+    assert back.best(None) == rows[1]
+    old = json.loads((tmp_path / "step_table.json").read_text())
+    for r in old["rows"]:
+        r.pop("draft_pass")
+    assert {r.draft_pass for r in StepTable.from_dict(old).rows} == {"block"}
 
 
 def test_a_tree_row_that_wins_becomes_the_default_and_an_explicit_setting_overrides_it(pair):
@@ -216,3 +244,16 @@ def test_q8_activations_read_their_own_cpu_table_then_the_builds(pair, tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert dl.default_layout(_with(drafter, q8), target, q8=True) == (3, None)
+
+
+def test_rows_sharing_a_verify_share_its_r():
+    """The verify of a (batch, D, tree) is one program whatever the draft: its rows get the mean of their r, and the
+    prediction follows; rows of another layout keep their own."""
+    from dflash_jax.bench.speculative import pool_verify_costs
+    row = dict(batch=1, draft_length=1, tree_budget=None, tau=1.4, verify_ms=60.0)
+    rows = [dict(row, r=1.2, c=0.15, draft_pass="block"), dict(row, r=1.3, c=0.1, draft_pass="drafted", verify_ms=62.0),
+            dict(row, draft_length=3, r=2.0, c=0.2, tau=1.6)]
+    a, b, other = pool_verify_costs(rows)
+    assert a["r"] == b["r"] == pytest.approx(1.25) and a["verify_ms"] == pytest.approx(61.0)
+    assert b["predicted"] == pytest.approx(1.4 / 1.35) and a["predicted"] == pytest.approx(1.4 / 1.4)
+    assert other["r"] == 2.0 and other["predicted"] == pytest.approx(1.6 / 2.2)

@@ -347,6 +347,17 @@ def test_greedy_tree_equals_autoregressive(targets, greedy_runs, family):
     assert acc.max() >= 3 and (acc == 1).any()  # deep paths and rejections at the root both happen
 
 
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_greedy_shallow_tree_over_the_drafted_slots_equals_autoregressive(targets, greedy_runs, family):
+    """A tree of 2 nodes (depth 2, shallower than the block) drafted over [last, 2 mask tokens] (draft_pass
+    "drafted"): greedy output identical to autoregressive on both prompt buckets."""
+    for prompts, ar, _ in greedy_runs["runs"][family]:
+        sp = dj.generate(targets[family], greedy_runs["drafter"], prompts, max_new_tokens=MAX_NEW, tree_budget=2,
+                         draft_pass="drafted")
+        assert sp.draft_pass == "drafted" and sp.draft_length == 2 < H.PBS - 1
+        H.assert_same(targets[family], prompts, ar, sp, f"{family} tree of 2, drafted slots")
+
+
 def _accepted_draft(res):
     """(row, output index, token) of the first accepted draft (inside a path, not its bonus) whose token has not
     appeared before in its row, or None."""

@@ -96,12 +96,20 @@ def step_table(args, target, drafter, prompts):
     bad = [b for b in args.batches if not 1 <= b <= len(prompts)]
     if bad:
         raise SystemExit(f"--batches {bad}: each batch must be in 1..--prompts ({len(prompts)})")
+    passes = None if args.draft_passes is None else tuple(dict.fromkeys(args.draft_passes))
+    if passes and "drafted" in passes and drafter.config.is_dflash2:
+        raise SystemExit("--draft-passes drafted: a DFlash2 drafter drafts over its whole block (its convolution runs "
+                         "along it); measure it with --draft-passes block")
     rows = bench.step_table(target, drafter, prompts, draft_lengths=lengths, draft_vocabs=vocabs,
-                            batches=tuple(args.batches), max_new_tokens=args.new_tokens[0], reps=args.reps)
+                            batches=tuple(args.batches), max_new_tokens=args.new_tokens[0], reps=args.reps,
+                            draft_passes=passes)
     budgets = tuple(TREE_BUDGETS if args.tree_budgets is None else args.tree_budgets)
     budgets = budgets if not drafter.config.is_dflash2 else ()
-    rows += tree_bench.tree_rows(target, drafter, prompts, budgets=budgets, max_new_tokens=args.new_tokens[0],
-                                 reps=args.reps)
+    for p in passes or (drafter.config.draft_pass,):
+        d = drafter if p is None else drafter.replace(config=drafter.config.replace(draft_pass=p))
+        rows += tree_bench.tree_rows(target, d, prompts, budgets=budgets, max_new_tokens=args.new_tokens[0],
+                                     reps=args.reps)
+    rows = bench.pool_verify_costs(rows)
     print(f"{len(prompts)} held-out prompts, {args.new_tokens[0]} new tokens, greedy, batches {args.batches} (draft "
           f"trees: batch 1), one run")
     print(bench.format_step_table(rows))
@@ -115,14 +123,16 @@ def step_table(args, target, drafter, prompts):
                 f"greedy, reps {args.reps}, {datetime.date.today().isoformat()}")
         table = bench.as_step_table(rows, target, note=note)
         path = write_step_table(folder, table)
-        best = table.best(drafter.config.draft_vocab_size)
-        choice = best and (f"a draft tree of {best.tree_budget} nodes" if best.tree_budget else
-                           f"draft length {best.draft_length}")
+        best = table.best(drafter.config.draft_vocab_size, draft_pass=drafter.config.draft_pass)
+        choice = best and ((f"a draft tree of {best.tree_budget} nodes" if best.tree_budget else
+                            f"draft length {best.draft_length}")
+                           + (", drafting over the drafted slots only" if best.draft_pass == "drafted" else ""))
         if best is None:
             print(f"wrote {path} (no row for the drafter's draft vocabulary)")
         elif best.predicted_speedup < 1.0:  # generate's plain_when_slower: no setting is worth drafting
+            # three decimals: a prediction just below 1 must not print as "1.00x"
             print(f"wrote {path}: generate decodes plainly for this pair on {table.platform} at batch 1 (its best row, "
-                  f"{choice}, predicts {best.predicted_speedup:.2f}x)")
+                  f"{choice}, predicts {best.predicted_speedup:.3f}x)")
         else:
             print(f"wrote {path}: generate's default for this pair on {table.platform} is now {choice} (predicted "
                   f"{best.predicted_speedup:.2f}x)")

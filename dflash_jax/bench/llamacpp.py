@@ -21,9 +21,10 @@ import subprocess
 import sys
 import time
 
-from dflash_jax.bench.flags import add_q8_flag, q8_scope
+from dflash_jax.bench.flags import add_q8_flag
 from dflash_jax.decode.programs import generate, generate_autoregressive
 from dflash_jax.io import shipped
+from dflash_jax.quant.linear import q8_scope
 from dflash_jax.train.drafter_data import chat_prompt_ids
 
 # run in the llama.cpp interpreter: argv = [gguf, threads, new tokens, json prompts]; prints one JSON line

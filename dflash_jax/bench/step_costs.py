@@ -78,7 +78,7 @@ def step_functions(target: Target, drafter: Drafter, *, context_len: int = 64, d
 
     tok = prompt[:, -1:]
     toks = prompt[:, -(D + 1):]
-    block = draft_block(drafter, prompt[:, -1])  # as generate's loop drafts
+    block = draft_block(drafter, prompt[:, -1], D)  # as generate's loop drafts
     _, _, tcache2, _ = fill(target, prompt, lens, cache_len, drafter=drafter)  # decode and verify donate theirs
     tb, db = program_backend(target), program_backend(drafter, target)
     return {"decode_ms": (Step(_decode_rolled_back, (target,), (tok, tb)), tcache),
@@ -188,7 +188,7 @@ def draft_costs(target: Target, drafters: dict, *, context_len: int = 64, draft_
     for name, d in drafters.items():
         dcache = jax.jit(lambda d, f: append_context(d, f, jnp.full((batch,), context_len, jnp.int32),
                                                      empty_draft_cache(d.config, batch, cache_len)))(d, feats)
-        block = draft_block(d, prompt[:, -1])
+        block = draft_block(d, prompt[:, -1], D)
         calls[name] = (_draft_only, (d, target, dcache, feats[:, :D + 1], block, D, program_backend(d, target)))
     for fn, args in calls.values():  # compile + warm up
         jax.block_until_ready(fn(*args))

@@ -87,7 +87,7 @@ def tree_step_costs(target: Target, drafter: Drafter, *, tree_budget: int, conte
     _, feats, tcache, dcache = fill(target, prompt, lens, cache_len, drafter=drafter)
     _, _, tcache2, dcache2 = fill(target, prompt, lens, cache_len, drafter=drafter)
     pending = feats[:, -(depth + 1):]
-    block = draft_block(drafter, prompt[:, -1])  # as generate's tree step drafts
+    block = draft_block(drafter, prompt[:, -1], depth)  # as generate's tree step drafts
     tb, db = program_backend(target), program_backend(drafter, target)
     tr = _tree_draft_only(drafter, target, dcache2, pending, block, depth, tree_budget, db)  # the tree verified
     steps = {"decode_ms": (Step(_decode_rolled_back, (target,), (prompt[:, -1:], tb)), tcache),
@@ -113,7 +113,7 @@ def tree_rows(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]]
         c = tree_step_costs(target, drafter, tree_budget=N, context_len=context_len, reps=reps)
         x = res["dflash"]
         rows.append({"draft_length": c["draft_length"], "tree_budget": N, "draft_vocab": vocab,
-                     "draft_vocab_size": n, "batch": 1, "r": c["r"],
+                     "draft_vocab_size": n, "draft_pass": drafter.config.draft_pass or "block", "batch": 1, "r": c["r"],
                      "c": c["c"], "decode_ms": c["decode_ms"], "verify_ms": c["verify_ms"], "draft_ms": c["draft_ms"],
                      "tau": x["tau"], "predicted": x["tau"] / (c["r"] + c["c"]), "speedup": x["speedup"],
                      "exact_match": x["exact_match"], "max_new_tokens": max_new_tokens,
@@ -123,8 +123,13 @@ def tree_rows(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]]
 
 def format_tree_goals(rows: list[dict]) -> str:
     """The tree's goal figures from one step-table run (chain and tree rows of the same drafter vocabulary)."""
-    chains = {r["draft_length"]: r for r in rows if r.get("tree_budget") is None}
-    trees = {r["tree_budget"]: r for r in rows if r.get("tree_budget") is not None}
+    # of two draft passes' rows for one layout, the one that paid
+    chains, trees = {}, {}
+    for r in sorted(rows, key=lambda r: r["speedup"]):
+        if r.get("tree_budget") is None:
+            chains[r["draft_length"]] = r
+        else:
+            trees[r["tree_budget"]] = r
     lines = ["draft-tree goals (this run):"]
     for N, D in ((8, 7), (7, 7)):
         if N in trees and D in chains:

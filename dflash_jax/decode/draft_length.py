@@ -46,7 +46,7 @@ def _table_row(drafter: Drafter, target: Target, batch: int, trees: bool, q8: bo
     platform = jax.default_backend()
     batches = sorted({r.batch for r in table.rows if r.batch <= max(int(batch), 1)})
     trees = trees and not cfg.is_dflash2  # DFlash2's selector drafts a chain only
-    row = table.best(cfg.draft_vocab_size, batches[-1], trees=trees) if batches else None
+    row = table.best(cfg.draft_vocab_size, batches[-1], trees=trees, draft_pass=cfg.draft_pass) if batches else None
     if table.platform != platform:
         return None, f"it was measured on {table.platform!r} and this runs on {platform!r}"
     kernel = running_cpu_kernel(q8)
@@ -59,7 +59,8 @@ def _table_row(drafter: Drafter, target: Target, batch: int, trees: bool, q8: bo
         return None, (f"it was measured with target {table.target}, and this target is {target_signature(target)} "
                       "(another model, or the same one in another weight format)")
     if row is None:
-        return None, f"it has no row for draft vocabulary {cfg.draft_vocab_size} at batch {batch}"
+        passes = "" if cfg.draft_pass is None else f" and draft pass {cfg.draft_pass!r}"
+        return None, f"it has no row for draft vocabulary {cfg.draft_vocab_size}{passes} at batch {batch}"
     if not 1 <= row.draft_length <= cfg.block_size - 1:
         return None, (f"its best draft length {row.draft_length} is outside 1..{cfg.block_size - 1} (the drafter's "
                       "block)")
@@ -68,14 +69,22 @@ def _table_row(drafter: Drafter, target: Target, batch: int, trees: bool, q8: bo
 
 def default_layout(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True,
                    plain_when_slower: bool = False, q8: bool | None = None) -> tuple[int, int | None]:
-    """(draft_length, tree_budget) of the step table's best row for this pair on this platform (rows of the largest
-    measured batch <= `batch`; tree rows only when `trees`): (D, None) for a chain, (depth, N) for a draft tree of N
-    nodes; (block_size - 1, None) when there is no table or it does not apply (warned). plain_when_slower: (0, None),
+    """(draft_length, tree_budget) of `default_setting`."""
+    return default_setting(drafter, target, batch, trees, plain_when_slower, q8)[:2]
+
+
+def default_setting(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True,
+                    plain_when_slower: bool = False, q8: bool | None = None) -> tuple[int, int | None, str]:
+    """(draft_length, tree_budget, draft_pass) of the step table's best row for this pair on this platform (rows of
+    the largest measured batch <= `batch`, and of the drafter's `draft_pass` where it names one; tree rows only when
+    `trees`): (D, None, pass) for a chain, (depth, N, pass) for a draft tree of N nodes; (block_size - 1, None, the
+    drafter's pass or "block") when there is no table or it does not apply (warned). plain_when_slower: (0, None, ..),
     plain decoding (warned), where the table applies and even its best row predicts a slowdown (tau / (r + c) < 1);
     the shipped SmolLM2 table predicts 1.12x at batch 1 (a tree of 2) and at most 0.82x at batch 4, where a verify of
     several rows costs more decode steps than the drafts save. q8: whether the programs take Q8 activations (None:
     the execution context's), for the build the table is held to."""
     fallback = drafter.config.block_size - 1
+    own_pass = drafter.config.draft_pass or "block"
     row, why = _table_row(drafter, target, batch, trees, q8)
     if plain_when_slower and _slower(row):
         layout = f"a draft tree of {row.tree_budget}" if row.tree_budget else f"draft length {row.draft_length}"
@@ -83,13 +92,13 @@ def default_layout(drafter: Drafter, target: Target, batch: int = 1, trees: bool
                    f"batch {batch} ({layout}, measured at batch {row.batch}): decoding plainly (the same tokens at "
                    "temperature 0, the target's law above it). Give draft_length= or tree_budget= to speculate "
                    "anyway, or plain_when_slower=False for the table's best")
-        return 0, None
+        return 0, None, own_pass
     if row is not None:
-        return row.draft_length, row.tree_budget
+        return row.draft_length, row.tree_budget, row.draft_pass
     if why is not None:
         _warn_once(f"the drafter's step table is ignored: {why}; drafting block_size - 1 = {fallback} tokens per step "
                    "(measure a table for this pair with `dflash-jax bench --step-table --save-table`)")
-    return fallback, None
+    return fallback, None, own_pass
 
 
 def running_cpu_kernel(q8: bool | None = None) -> str | None:
@@ -126,4 +135,4 @@ def default_draft_length(drafter: Drafter, target: Target, batch: int = 1) -> in
     return default_layout(drafter, target, batch, trees=False)[0]
 
 
-__all__ = ["default_draft_length", "default_layout", "slower_than_plain", "target_signature"]
+__all__ = ["default_draft_length", "default_layout", "default_setting", "slower_than_plain", "target_signature"]

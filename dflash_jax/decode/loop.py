@@ -122,7 +122,7 @@ def _tree_step(target: Target, drafter: Drafter, s: LoopState, sampling: Samplin
     tcfg, dcfg = target.config, drafter.config
     B, D, N = s.last.shape[0], depth, budget_nodes
     dcache = append_context(drafter, s.pending, s.n_pending, s.dcache)
-    block = draft_block(drafter, s.last)  # [B, bs]
+    block = draft_block(drafter, s.last, D)  # [B, W]: W = bs, or D + 1 (`draft_pass`)
     h = block_hidden(drafter, target, block, dcache)[:, 1:1 + D]  # [B, D, H]: one draft pass, as the chain's
     d_logits = head_logits(drafter, target, h, padded=False)  # [B, D, n]: ids past a draft vocabulary never nodes
     tr = tree.build(tree.draft_scores(d_logits, sampling), s.last, N)
@@ -161,7 +161,7 @@ def speculative_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sam
     def body(s: LoopState) -> LoopState:
         active = ~s.done
         dcache = append_context(drafter, s.pending, s.n_pending, s.dcache)
-        block = draft_block(drafter, s.last)  # [B, bs]
+        block = draft_block(drafter, s.last, D)  # [B, W]: W = bs, or D + 1 (`draft_pass`)
         # drafts [B, D]; d_logits [B, D, V]; d_probs: the DFlash2 selector's q (None for DFlash)
         drafts, d_logits, d_probs, keys = draft_step(drafter, target, block, dcache, D, s.key, sampling)
         verify_in = jnp.concatenate([s.last[:, None], drafts], axis=1)  # [B, D+1]

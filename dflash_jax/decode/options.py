@@ -34,6 +34,11 @@ class GenerationOptions(Replaceable):
     # depth follows from its budget and the drafter's block, min(tree_budget, block_size - 1). None: the chain.
     # DFlash drafters only (DFlash2's selector drafts sequentially).
     tree_budget: int | None = None
+    # The block the draft pass reads: "block" (z-lab's: the whole block) or "drafted" (the last token and one mask
+    # per drafted slot; `DrafterConfig.draft_pass`). None: the drafter's own setting, else the step table's best row's
+    # when generate takes its layout from the table, else "block". Output is the same either way in law (greedy:
+    # token for token); only acceptance and the draft's cost move.
+    draft_pass: str | None = None
     eos_ids: Any = None  # None = the target config's `eos_token_id`; () = no EOS; or an id / ids
     seed: int = 0  # one key stream per row, folded from this seed
     max_cache_len: int | None = None  # a context limit below the target's max_position_embeddings
@@ -56,7 +61,7 @@ class GenerationOptions(Replaceable):
 
 
 # keywords autoregressive decoding does not take
-SPECULATIVE_ONLY = ("draft_length", "tree_budget", "p_min", "draft_sampling", "plain_when_slower")
+SPECULATIVE_ONLY = ("draft_length", "tree_budget", "draft_pass", "p_min", "draft_sampling", "plain_when_slower")
 _OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationOptions))
 _SAMPLING_DEFAULTS = {name: p.default for name, p in inspect.signature(SamplingParams.make).parameters.items()
                       if name != "cls"}
@@ -99,7 +104,7 @@ def settings(call: str, keywords: dict, *, speculative: bool, sampling: Sampling
         if given_options:
             raise ValueError(f"give generation settings either as options= or as keywords, not both (got options= "
                              f"and {sorted(given_options)})")
-        for name in ("draft_length", "tree_budget"):
+        for name in ("draft_length", "tree_budget", "draft_pass"):
             if not speculative and getattr(options, name) is not None:
                 raise ValueError(f"{name} is a speculative setting: autoregressive decoding does not take it")
     elif "max_new_tokens" not in given_options:

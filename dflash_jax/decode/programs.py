@@ -34,7 +34,7 @@ import numpy as np
 from dflash_jax import execution
 from dflash_jax.config import check_pair
 from dflash_jax.decode import buckets
-from dflash_jax.decode.draft_length import default_layout
+from dflash_jax.decode.draft_length import default_setting
 from dflash_jax.decode.call import PROGRAM_PREFIX, ProgramCall, to_host
 from dflash_jax.decode.loop import Budget, autoregressive_loop, speculative_loop
 from dflash_jax.decode.options import GenerationOptions, keyword_signature, settings
@@ -162,19 +162,34 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
     return ProgramCall(name=name, args=args, prefill_static=prefill_static, loop_static=loop_static,
                        context=context, max_new=int(max_new), draft_length=D, tree_budget=tree_budget, eos=eos,
                        prefill_program=_program("prefill"), loop_program=_program(name), batch=batch, prompts=prompts,
-                       return_prompt=bool(options.return_prompt))
+                       return_prompt=bool(options.return_prompt),
+                       draft_pass=None if drafter is None else drafter.config.draft_pass)
+
+
+def with_draft_pass(drafter: Drafter, draft_pass: str) -> Drafter:
+    """The drafter drafting with `draft_pass` ("block" or "drafted"; refused by its config where it cannot: an
+    unknown name, "drafted" for DFlash2)."""
+    if drafter.config.draft_pass == draft_pass:
+        return drafter
+    try:
+        return drafter.replace(config=drafter.config.replace(draft_pass=draft_pass))
+    except ValueError as e:
+        raise ValueError(f"draft_pass={draft_pass!r}: {e}") from None
 
 
 def _speculative(target: Target, drafter: Drafter, prompt, sampling: SamplingParams,
                  options: GenerationOptions) -> ProgramCall:
     check_pair(drafter.config, target.config)
+    if options.draft_pass is not None:
+        drafter = with_draft_pass(drafter, options.draft_pass)
     if options.tree_budget is None and options.draft_length is None:
         # the drafter's measured best for this pair, platform and batch: a chain or a draft tree (a tree only where
         # the sampling rule allows one), else a chain of block_size - 1; plain decoding where even the best is slower
         trees = not sampling.use_p_min and sampling.draft_sampling == "sample"
-        D, N = default_layout(drafter, target, batch=len(prompt) if hasattr(prompt, "__len__") else 1, trees=trees,
-                              plain_when_slower=options.plain_when_slower,
-                              q8=options.q8_activations or execution.current().q8_activations)
+        D, N, draft_pass = default_setting(drafter, target, batch=len(prompt) if hasattr(prompt, "__len__") else 1,
+                                           trees=trees, plain_when_slower=options.plain_when_slower,
+                                           q8=options.q8_activations or execution.current().q8_activations)
+        drafter = with_draft_pass(drafter, draft_pass)
         if D == 0:
             return _prepare("autoregressive", target, None, prompt,
                             SamplingParams.make(sampling.temperature, sampling.top_k, sampling.top_p), options)
@@ -184,6 +199,8 @@ def _speculative(target: Target, drafter: Drafter, prompt, sampling: SamplingPar
     else:  # the tree's depth stands for the draft length from here on (positions drafted, tokens per step - 1)
         options = options.replace(draft_length=check_tree(drafter, options.tree_budget, options.draft_length,
                                                           sampling))
+    # the pass the loop runs, named (None and "block" are one program)
+    drafter = with_draft_pass(drafter, drafter.config.draft_pass or "block")
     call = _prepare("speculative", target, drafter, prompt, sampling, options)
     warn_short_drafter_context(drafter, int(np.max(to_host(call.args[3]))) + int(options.max_new_tokens))
     return call

@@ -32,11 +32,18 @@ def read_step_table(folder: Path) -> StepTable | None:
     f = next((Path(folder) / n for n in names if (Path(folder) / n).is_file()), Path(folder) / FILE_NAME)
     if not f.is_file():
         return None
+    table, why = _parse(f)
+    if why is not None:
+        warnings.warn(f"{f}: ignored ({why})", stacklevel=3)
+    return table
+
+
+def _parse(f: Path) -> tuple[StepTable | None, str | None]:
+    """(the file's table, None), or (None, why it is not one)."""
     try:
-        return StepTable.from_dict(json.loads(f.read_text()))
+        return StepTable.from_dict(json.loads(f.read_text())), None
     except (ValueError, json.JSONDecodeError) as e:
-        warnings.warn(f"{f}: ignored ({e})", stacklevel=3)
-        return None
+        return None, str(e)
 
 
 def write_step_table(folder: Path, table: StepTable) -> Path:
@@ -44,10 +51,7 @@ def write_step_table(folder: Path, table: StepTable) -> Path:
     build's table (each build keeps its own)."""
     f = Path(folder) / FILE_NAME
     if table.cpu_kernel and f.is_file():
-        try:
-            other = StepTable.from_dict(json.loads(f.read_text()))
-        except (ValueError, json.JSONDecodeError):
-            other = None
+        other, _ = _parse(f)  # a malformed file is overwritten
         if other is not None and other.cpu_kernel and other.cpu_kernel != table.cpu_kernel:
             f = Path(folder) / build_file_name(table.cpu_kernel)
     f.parent.mkdir(parents=True, exist_ok=True)

@@ -145,6 +145,23 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
     return inv
 
 
+def _ut_transform(q, k, v, beta, cum, sees):
+    """The UT transform of `chunked_rule` and `tree_rule` over one group of tokens (a chunk, or a tree's nodes):
+    q, k [.., T, dk], v [.., T, dv], beta and cum (log decay from the group's start through t) [.., T], sees [.., T, T]
+    (t sees s: s <= t in a chunk, s on t's path in a tree). Returns (new_v [.., T, dv], k_cum [.., T, dk], intra
+    [.., T, T]): (I + strictly_lower(ut))^-1 applied to v * beta and to the decayed k * beta (unit diagonal: ut's own
+    is ignored), and the decayed q . k pairs."""
+    k_beta = k * beta[..., None]
+    v_beta = v * beta[..., None]
+    # exp(cum_t - cum_s) where t sees s, else 0 (masked before exp: the difference may be > 0 elsewhere)
+    pair = jnp.exp(jnp.where(sees, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [.., T, T]
+    ut = jnp.einsum("...ik,...jk->...ij", k_beta, k) * pair
+    intra = jnp.einsum("...ik,...jk->...ij", q, k) * pair
+    inverse = unit_lower_inverse(ut)  # [.., T, T]
+    solve = lambda rhs: jnp.matmul(inverse, rhs, precision=jax.lax.Precision.HIGHEST)
+    return solve(v_beta), solve(k_beta * jnp.exp(cum)[..., None]), intra
+
+
 def chunked_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     """The gated delta rule over chunks of `chunk` tokens (HF's `torch_chunk_gated_delta_rule`): inside a chunk a
     UT transform turns the sequential delta updates into a unit-lower-triangular inverse and matmuls; a `lax.scan`
@@ -162,19 +179,9 @@ def chunked_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
         return x.reshape(B, nV, n, C, *x.shape[3:])
 
     q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))  # g, beta: [B, nV, n, C]
-    k_beta = k * beta[..., None]
-    v_beta = v * beta[..., None]
     cum = jnp.cumsum(g, axis=-1)  # [B, nV, n, C] log decay from the chunk's start through t
     lower = jnp.tril(jnp.ones((C, C), bool))  # j <= i
-    # exp(cum_i - cum_j) for j <= i, else 0 (masked before exp: cum_i - cum_j > 0 above the diagonal could overflow)
-    pair = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [B, nV, n, C, C]
-    ut = jnp.einsum("bhnik,bhnjk->bhnij", k_beta, k) * pair
-    intra = jnp.einsum("bhnik,bhnjk->bhnij", q, k) * pair
-    # (I + strictly_lower(ut))^-1 applied to v_beta and to the decayed k_beta (unit diagonal: ut's own is ignored)
-    inverse = unit_lower_inverse(ut)  # [B, nV, n, C, C]
-    solve = lambda rhs: jnp.matmul(inverse, rhs, precision=jax.lax.Precision.HIGHEST)
-    new_v = solve(v_beta)  # [B, nV, n, C, dv]
-    k_cum = solve(k_beta * jnp.exp(cum)[..., None])  # [B, nV, n, C, dk]
+    new_v, k_cum, intra = _ut_transform(q, k, v, beta, cum, lower)  # [.., C, dv], [.., C, dk], [.., C, C]
     q_dec = q * jnp.exp(cum)[..., None]
     k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
     chunk_decay = jnp.exp(cum[..., -1])  # [B, nV, n]
@@ -207,17 +214,7 @@ def tree_rule(q, k, v, g, beta, state, mask: jax.Array) -> jax.Array:
     q, k, v = (jnp.moveaxis(x, 2, 1) for x in (q, k, v))  # [B, nV, T, d]
     g, beta = jnp.moveaxis(g, 2, 1), jnp.moveaxis(beta, 2, 1)  # [B, nV, T]
     cum = jnp.einsum("bts,bhs->bht", mask.astype(jnp.float32), g)  # log decay from the root through t, on its path
-    k_beta = k * beta[..., None]
-    v_beta = v * beta[..., None]
-    sees = mask[:, None]  # [B, 1, T, T]
-    # exp(cum_t - cum_s) for s on t's path, else 0 (masked before exp: the difference may be > 0 off the path)
-    pair = jnp.exp(jnp.where(sees, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [B, nV, T, T]
-    ut = jnp.einsum("bhik,bhjk->bhij", k_beta, k) * pair
-    intra = jnp.einsum("bhik,bhjk->bhij", q, k) * pair
-    inverse = unit_lower_inverse(ut)  # [B, nV, T, T]
-    solve = lambda rhs: jnp.matmul(inverse, rhs, precision=jax.lax.Precision.HIGHEST)
-    new_v = solve(v_beta)  # [B, nV, T, dv]
-    k_cum = solve(k_beta * jnp.exp(cum)[..., None])  # [B, nV, T, dk]
+    new_v, k_cum, intra = _ut_transform(q, k, v, beta, cum, mask[:, None])  # [B, nV, T, dv], [.., dk], [.., T]
     v_new = new_v - jnp.einsum("bhck,bhkv->bhcv", k_cum, state)
     o = jnp.einsum("bhck,bhkv->bhcv", q * jnp.exp(cum)[..., None], state) + jnp.einsum("bhij,bhjv->bhiv", intra,
                                                                                       v_new)

@@ -147,17 +147,17 @@ def head_logits(drafter: Drafter, target: Target, h: jax.Array, *, full_vocabula
     return pad_vocabulary(logits, V) if padded else logits  # [.., V] or [.., n]
 
 
-def draft_block(drafter: Drafter, last: jax.Array) -> jax.Array:
-    """The block a draft step passes [B, block_size]: the last committed token [B], then mask tokens, as z-lab's
-    loop drafts it, whatever the number of slots D the step uses (slots 1..D).
-
-    Tried and not kept (2026-12-05, seventh session; docs/cpu-step.md, "Tried: the draft pass over the drafted slots
-    only"): [last, D mask tokens] cuts the drafter's rows from block_size to D + 1 (c 0.28 -> 0.20 at D 1 on the
-    default pair under Q8 activations, tau 1.4588 -> 1.4564), but the code-5m drafter (block 16) lost 3% of its tau
-    at D 7 and its NVFP4 form fell below 97% of the dense tau (`tests/test_quantize.py`). The width is this one
-    place, for when it is measured per pair."""
+def draft_block(drafter: Drafter, last: jax.Array, num_slots: int) -> jax.Array:
+    """The block a draft step passes [B, W]: the last committed token [B], then mask tokens; slots 1..num_slots
+    are the drafted ones. W by the config's `draft_pass`: block_size ("block", and None: z-lab's loop), or
+    num_slots + 1 ("drafted": the slots past the drafted ones propose nothing, and each costs a row of every drafter
+    layer). Which one a pair runs is measured, not assumed (`DrafterConfig.draft_pass`): on the default pair the
+    drafted slots alone kept held-out tau (1.4588 -> 1.4564 at D 1) and cut c at D 1 by a third; the code-5m drafter
+    (block 16) lost 3% of its tau at D 7 without the block's trailing mask keys (docs/cpu-step.md, "Draft pass: the
+    whole block or the drafted slots only")."""
     cfg = drafter.config
-    return jnp.full((last.shape[0], cfg.block_size), cfg.mask_token_id, jnp.int32).at[:, 0].set(last)
+    width = min(int(num_slots) + 1, cfg.block_size) if cfg.draft_pass == "drafted" else cfg.block_size
+    return jnp.full((last.shape[0], width), cfg.mask_token_id, jnp.int32).at[:, 0].set(last)
 
 
 def block_hidden(drafter: Drafter, target: Target, block: jax.Array, cache: KVCache) -> jax.Array:
@@ -237,7 +237,7 @@ def draft_logits(target: Target, drafter: Drafter, features, block, *,
     final_logit_softcapping; for DFlash2 these are the base logits the selector starts from).
 
     features [B, C, K*H]: target layer outputs of context positions 0..C-1; block [B, W] at positions C..C+W-1
-    (generate passes the whole block, W = bs, as z-lab's loop: `draft_block`).
+    (generate passes the block `draft_block` builds: the whole block, W = bs, as z-lab's loop, or D + 1 slots).
     nvfp4_backend: for NVFP4 weights (see `dflash_jax.quant.linear`); None = the current default, resolved per call.
     """
     target, drafter = _target_first(target, drafter, "draft_logits")

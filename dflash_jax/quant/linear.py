@@ -32,6 +32,8 @@ holding that name.
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import math
 import os
@@ -279,6 +281,14 @@ def q8_activations_scope(on: bool):
     """Inside the block, GGML weights' products on a CPU round x to Q8 blocks: llama.cpp's integer dot (the execution
     context's `q8_activations`; `generate(..., q8_activations=True)` sets it for its programs)."""
     return execution.changed(q8_activations=bool(on))
+
+
+def q8_scope(on: bool):
+    """A command's `--q8-activations` (`bench.flags`): for the command's duration (on: True), GGML products run as
+    Q8 integer dots (`ExecutionContext.q8_activations`): every program it compiles is traced under it, and a
+    drafter's step table is read for that build. Off leaves the caller's setting as it is. Scoped, not the process
+    default: a caller running several commands in one process (the docs test) gets each one's own setting."""
+    return q8_activations_scope(True) if on else contextlib.nullcontext()
 
 
 def cpu_kernel_runs() -> bool:
