@@ -163,7 +163,7 @@ def test_where_even_the_best_row_is_slower_generate_decodes_plainly(pair):
     kw = dict(max_new_tokens=10, eos_ids=())
     want = dj.generate_autoregressive(target, prompts, **kw).token_lists()
     dl._WARNED.clear()
-    with pytest.warns(UserWarning, match=r"predicts 0.8[78]x for its best setting at batch 4 \(draft length 1, measured "
+    with pytest.warns(UserWarning, match=r"predicts 0\.875x for its best setting at batch 4 \(draft length 1, measured "
                                          r"at batch 4\): decoding plainly"):
         res = dj.generate(target, d, prompts, **kw)
     assert res.draft_length == 0 and res.tau == 1.0 and res.token_lists() == want

@@ -87,8 +87,9 @@ def default_setting(drafter: Drafter, target: Target, batch: int = 1, trees: boo
     own_pass = drafter.config.draft_pass or "block"
     row, why = _table_row(drafter, target, batch, trees, q8)
     if plain_when_slower and _slower(row):
-        layout = f"a draft tree of {row.tree_budget}" if row.tree_budget else f"draft length {row.draft_length}"
-        _warn_once(f"generate: the drafter's step table predicts {row.predicted_speedup:.2f}x for its best setting at "
+        layout = (f"a draft tree of {row.tree_budget}" if row.tree_budget else f"draft length {row.draft_length}") + (
+            ", over the drafted slots only" if row.draft_pass == "drafted" else "")
+        _warn_once(f"generate: the drafter's step table predicts {row.predicted_speedup:.3f}x for its best setting at "
                    f"batch {batch} ({layout}, measured at batch {row.batch}): decoding plainly (the same tokens at "
                    "temperature 0, the target's law above it). Give draft_length= or tree_budget= to speculate "
                    "anyway, or plain_when_slower=False for the table's best")
