@@ -31,7 +31,7 @@ from dflash_jax.bench import speculative as bench
 from dflash_jax.bench import tree as tree_bench
 from dflash_jax.bench.step_costs import draft_costs, format_draft_costs, format_step_costs, step_costs
 from dflash_jax.config import DrafterConfig, TargetConfig
-from dflash_jax.decode.programs import generate
+from dflash_jax.decode.programs import generate, with_draft_pass
 from dflash_jax.io.audit_file import audit_file
 from dflash_jax.io.checkpoint import load_drafter
 from dflash_jax.io.shipped import DRAFTER_FOLDERS, checkpoints_dir, default_model, load_default
@@ -106,7 +106,7 @@ def step_table(args, target, drafter, prompts):
     budgets = tuple(TREE_BUDGETS if args.tree_budgets is None else args.tree_budgets)
     budgets = budgets if not drafter.config.is_dflash2 else ()
     for p in passes or (drafter.config.draft_pass,):
-        d = drafter if p is None else drafter.replace(config=drafter.config.replace(draft_pass=p))
+        d = drafter if p is None else with_draft_pass(drafter, p)
         rows += tree_bench.tree_rows(target, d, prompts, budgets=budgets, max_new_tokens=args.new_tokens[0],
                                      reps=args.reps)
     rows = bench.pool_verify_costs(rows)
