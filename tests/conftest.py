@@ -65,8 +65,10 @@ _WORKER_FIGURES: list[str] = []  # lines sent back by pytest-xdist workers (the 
 # file measured alone elsewhere: scale its old figure by the after / before ratio of its CPU seconds).
 FILE_SECONDS = {  # seconds per file in a full local run with this file's XLA flags (2026-12-03, after the
     # sampling modules' large-batch programs; test_docs_commands.py re-estimated 2026-12-04, when its commands began
-    # to run on the default SmolLM2 pair: +~220 s, test_smollm2.py's subprocess run of the first command moving there)
-    "test_docs_commands.py": 600, "test_pallas_nvfp4.py": 270, "test_notebooks.py": 270, "test_sampling.py": 255,
+    # to run on the default SmolLM2 pair: +~220 s, test_smollm2.py's subprocess run of the first command moving there;
+    # 2026-12-06 its bench commands moved to test_docs_bench_commands.py, from CI's durations)
+    "test_docs_bench_commands.py": 950, "test_docs_commands.py": 450, "test_pallas_nvfp4.py": 270,
+    "test_notebooks.py": 270, "test_sampling.py": 255,
     "test_hybrid.py": 250, "test_sharding.py": 170, "test_quantize.py": 150, "test_train_dflash2.py": 125,
     "test_generate.py": 120, "test_compile.py": 105, "test_train.py": 100, "test_shipped.py": 95,
     "test_dflash2_sampling.py": 80, "test_programs.py": 75, "test_unlikelihood.py": 75, "test_attention.py": 70,
