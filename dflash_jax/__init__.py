@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-# public name -> the module that defines it (a module itself where the name is the module's last part)
+# public name -> the module that defines it, or for the names in _MODULES, the module it is
 _WHERE = {
     "nvfp4": "dflash_jax.quant.nvfp4", "NVFP4Array": "dflash_jax.quant.nvfp4",
     "audit_scales": "dflash_jax.quant.audit", "ScaleAudit": "dflash_jax.quant.audit",
@@ -43,6 +43,8 @@ _WHERE = {
     "GGUFError": "dflash_jax.io.gguf",
 }
 
+_MODULES = frozenset({"nvfp4", "sharding"})
+
 __all__ = list(_WHERE)
 
 
@@ -51,7 +53,7 @@ def __getattr__(name: str):
     if where is None:
         raise AttributeError(f"module 'dflash_jax' has no attribute {name!r}")
     module = importlib.import_module(where)
-    value = module if where.rsplit(".", 1)[-1] == name else getattr(module, name)
+    value = module if name in _MODULES else getattr(module, name)  # `audit_file` is a function of io.audit_file
     globals()[name] = value  # read once: later reads are plain attribute reads
     return value
 

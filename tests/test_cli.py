@@ -19,6 +19,7 @@ def test_bench_command_small(capsys):
 # -- help lines: every subcommand and every option says what it does -----------------------------------------------
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -249,3 +250,30 @@ def test_help_and_the_package_import_load_no_jax():
             "print('jax' in sys.modules, sorted(set(dflash_jax.__all__) - set(dir(dflash_jax))))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[:2] == ["False", "True []"], out
+
+
+def test_the_package_names_static_tools_see_are_the_names_it_loads():
+    """The package lists its public names twice: `_WHERE` (what `__getattr__` loads on first use) and the
+    `TYPE_CHECKING` imports (what type checkers and IDEs read). Both name the same modules, and every name loads the
+    very object the eager import gives (`dflash_jax.audit_file` is the function, not its module of the same name)."""
+    import ast
+    import importlib
+
+    import dflash_jax
+
+    tree = ast.parse(Path(dflash_jax.__file__).read_text())
+    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    static = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom), ast.unparse(node)
+        for alias in node.names:
+            assert alias.asname is None, ast.unparse(node)
+            static[alias.name] = node.module
+            eager = getattr(importlib.import_module(node.module), alias.name, None)
+            if eager is None:  # `from package import module`, the module not imported yet
+                eager = importlib.import_module(f"{node.module}.{alias.name}")
+            assert getattr(dflash_jax, alias.name) is eager, alias.name
+            assert (alias.name in dflash_jax._MODULES) == (type(eager) is type(dflash_jax)), alias.name
+    where = {n: m.rsplit(".", 1)[0] if n in dflash_jax._MODULES else m for n, m in dflash_jax._WHERE.items()}
+    assert static == where
+    assert callable(dflash_jax.audit_file) and callable(dflash_jax.generate)
