@@ -1,13 +1,23 @@
 """The dflash-jax command on the embedded models."""
 
 from dflash_jax import cli
+from dflash_jax.decode import programs
 
 
-def test_generate_command(capsys):
-    cli.main(["generate", "def fibonacci(n):", "--max-new-tokens", "24"])
+def test_generate_command(capsys, monkeypatch):
+    monkeypatch.setattr(programs, "_COMPILED", {})  # trace everything anew: count this command's programs
+    before = dict(programs.TRACE_COUNTS)
+    cli.main(["generate", "def fibonacci(n):", "--max-new-tokens", "24", "--draft-length", "3"])
     out = capsys.readouterr().out
     assert out.startswith("def fibonacci(n):")
     assert "identical to autoregressive" in out and "tau" in out and "tokens/s" in out
+    # The untimed first runs (2 new tokens) are the timed runs' programs: one prefill per pair of models, one loop each
+    traced = {k: programs.TRACE_COUNTS[k] - before[k] for k in before}
+    assert traced == {"prefill": 2, "speculative": 1, "autoregressive": 1}, traced
+
+
+def test_the_untimed_first_run_is_short_only_where_it_runs_the_same_program():
+    assert [cli._same_program_budget(n) for n in (1, 2, 24, 256, 257, 1000)] == [1, 2, 2, 2, 257, 1000]
 
 
 def test_bench_command_small(capsys):
