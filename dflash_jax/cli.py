@@ -91,8 +91,7 @@ def _same_program_budget(max_new_tokens: int) -> int:
     from dflash_jax.decode import buckets  # lazily: `dflash-jax --help` imports no JAX
 
     short = min(2, max_new_tokens)
-    key = lambda n: buckets.bucket(n, buckets.BUDGET_BUCKET_MIN)  # noqa: E731
-    return short if key(short) == key(max_new_tokens) else max_new_tokens
+    return short if buckets.budget_bucket(short) == buckets.budget_bucket(max_new_tokens) else max_new_tokens
 
 
 def _kernel_note(target=None) -> str:

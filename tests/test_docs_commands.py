@@ -401,7 +401,8 @@ def run_documented(command: str, tmp_path: Path, monkeypatch, capsys) -> None:
     """Run one documented command as a user would (shrunk), or skip it with the reason it runs elsewhere."""
     same = _same_tiny_run(command)
     if same is not None:
-        via = "" if _covered_by(same) is None else f", part of the run of {_covered_by(same)[0]!r}"
+        cover = _covered_by(same)
+        via = "" if cover is None else f", part of the run of {cover[0]!r}"
         pytest.skip(f"shrunk, it is the same run as {same!r}{via}")
     covered = _covered_by(command)
     if covered is not None:

@@ -43,6 +43,12 @@ def bucket(n: int, minimum: int = PROMPT_BUCKET_MIN) -> int:
     return max(int(minimum), 1 << (max(int(n), 1) - 1).bit_length())
 
 
+def budget_bucket(max_new_tokens: int) -> int:
+    """The loop program's budget bucket (its `out_len`): the budget itself is a traced value, so every budget of one
+    bucket runs the same program."""
+    return bucket(max_new_tokens, BUDGET_BUCKET_MIN)
+
+
 def prompt_bucket(n: int) -> int:
     """Prompt length bucket (the prefill program's key): a power of two >= n (at least 16) up to 4096, then the
     multiple of 1024 >= n."""
@@ -115,6 +121,6 @@ def padded_eos(eos: tuple[int, ...]) -> np.ndarray:
 
 
 __all__ = ["PAD", "PROMPT_BUCKET_MIN", "BUDGET_BUCKET_MIN", "CACHE_BUCKET_MIN", "FINE_ABOVE", "FINE_STEP",
-           "BATCH_FINE_ABOVE", "EOS_WIDTH", "LIVE_LENGTH_LOOP", "batch_bucket", "bucket", "cache_bucket", "cache_slots",
-           "default_eos_ids", "eos_set", "mesh_platform", "padded_eos", "prompt_bucket", "round_up",
-           "uses_live_length_loop"]
+           "BATCH_FINE_ABOVE", "EOS_WIDTH", "LIVE_LENGTH_LOOP", "batch_bucket", "bucket", "budget_bucket",
+           "cache_bucket", "cache_slots", "default_eos_ids", "eos_set", "mesh_platform", "padded_eos", "prompt_bucket",
+           "round_up", "uses_live_length_loop"]

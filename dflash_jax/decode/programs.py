@@ -116,7 +116,7 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
     max_new = options.max_new_tokens
     limit = check_budget(target, lens, max_new, options.max_cache_len)
     eos = buckets.eos_set(buckets.default_eos_ids(target) if options.eos_ids is None else options.eos_ids, vocab)
-    out_len = buckets.bucket(int(max_new), buckets.BUDGET_BUCKET_MIN)
+    out_len = buckets.budget_bucket(int(max_new))
     # A host callback in a program spanning several processes would run in each of them: time prefill by a rerun.
     stamp = options.prefill_timing == "stamp" and (mesh is None or jax.process_count() == 1)
     # What the programs run under besides their arguments: the caller's context (its attention block size) with the
