@@ -12,7 +12,8 @@
 // Exactness, as for the float path: x's rounding reads only that row's block, the integer sums are exact, and the
 // float part is one fixed chain per output (8 lanes over blocks in block order, then one fixed reduction, plus
 // Q4_1's min term as one scalar chain): a row's result depends on nothing but that row, in every build (AVX-512 and
-// AVX2 CPUs run the AVX2 code below; the portable build computes the same lanes in plain C++).
+// AVX2 CPUs run the AVX2 code below, an AVX-512 CPU with VNNI summing each lane's 4 products in one instruction and
+// 8 rows a pass instead of 4; the portable build computes the same lanes in plain C++).
 
 // A weight block's float16 scale (exact either way; F16C's conversion is one instruction, the portable one a dozen).
 inline float scale_of(uint16_t h) {
@@ -27,6 +28,8 @@ inline float scale_of(uint16_t h) {
 struct ActQ8 {
   std::vector<int8_t> q;  // [M, K]
   std::vector<float> d, s;  // [M, K / 32]
+  std::vector<float> s_by_block;  // s transposed, [K / 32, M]: a tile's rows' min terms of one block side by side
+  int64_t M = 0;
 };
 
 // Rounds each 32-wide block of x [M, K] to int8 with d = max|x| / 127, q = round-half-even(x * (1 / d)), as
@@ -37,6 +40,8 @@ inline void quantize_rows_q8(const float* x, int64_t M, int64_t K, ActQ8& a) {
   a.q.resize(size_t(M * K));
   a.d.resize(size_t(M * nb));
   a.s.resize(size_t(M * nb));
+  a.s_by_block.resize(size_t(M * nb));
+  a.M = M;
   for (int64_t r = 0; r < M * nb; ++r) {
     const float* xb = x + r * kBlock;
     float amax = 0.f;
@@ -54,6 +59,7 @@ inline void quantize_rows_q8(const float* x, int64_t M, int64_t K, ActQ8& a) {
     }
     a.d[size_t(r)] = finite ? d : NAN;
     a.s[size_t(r)] = a.d[size_t(r)] * float(sum);
+    a.s_by_block[size_t((r % nb) * M + r / nb)] = a.s[size_t(r)];
   }
 }
 
@@ -77,7 +83,12 @@ template <bool kSigned>
 inline void acc8_block(const WBlock& wb, const int8_t* xq, float scale, Acc8& acc) {
   __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
   if constexpr (kSigned) x = _mm256_sign_epi8(x, wb.w);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  // VNNI's vpdpbusd sums the same 4 exact products per lane in one instruction (no pair sum can saturate: see above)
+  const __m256i lanes = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wb.u, x);
+#else
   const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(wb.u, x), _mm256_set1_epi16(1));
+#endif
   acc.v = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(lanes), acc.v);
 }
 inline float acc8_sum(const Acc8& a) {  // (l + l+4), then (+2), then (+1)
@@ -111,39 +122,84 @@ inline float acc8_sum(const Acc8& a) {
 }
 #endif
 
+// out[b] = (weight block b's scale) * dx[b] for b < nb: the scale products of one weight row and one row of x, 8 at a
+// time (each the same single rounding as the scalar product), so the inner loop broadcasts them from memory instead
+// of spending a multiply and a broadcast per block and row on the vector pipes.
+inline void scale_products(const uint16_t* dw, const float* dx, int64_t nb, float* out) {
+  int64_t b = 0;
+#if defined(DFLASH_X86_AVX2)
+  for (; b + 8 <= nb; b += 8) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw + b)));
+    _mm256_storeu_ps(out + b, _mm256_mul_ps(d, _mm256_loadu_ps(dx + b)));
+  }
+#endif
+  for (; b < nb; ++b) out[b] = scale_of(dw[b]) * dx[b];
+}
+
+// Q4_1's min terms of T rows, accm[i] = fma(m_b, s[i, b], accm[i]) over blocks b in order (one scalar chain per row);
+// four rows as the lanes of one vector where the build has them (the same fma per lane).
+template <int T>
+struct MinTerms {
+  float v[T] = {};
+  void add(float m, const float* s) { for (int i = 0; i < T; ++i) v[i] = std::fma(m, s[i], v[i]); }
+  float operator[](int i) const { return v[i]; }
+};
+#if defined(DFLASH_X86_AVX2)
+template <>
+struct MinTerms<4> {
+  __m128 v = _mm_setzero_ps();
+  void add(float m, const float* s) { v = _mm_fmadd_ps(_mm_set1_ps(m), _mm_loadu_ps(s), v); }
+  float operator[](int i) const { alignas(16) float f[4]; _mm_store_ps(f, v); return f[i]; }
+};
+#if defined(__AVX512VL__)
+template <>
+struct MinTerms<8> {
+  __m256 v = _mm256_setzero_ps();
+  void add(float m, const float* s) { v = _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_loadu_ps(s), v); }
+  float operator[](int i) const { alignas(32) float f[8]; _mm256_store_ps(f, v); return f[i]; }
+};
+#endif
+#endif
+
 // One pass over weight rows [n0, n1) for T rows of x (as Q8 blocks); F is kQ4_1_Q8 or kQ8_0_Q8.
 template <Format F, int T>
 void tile_q8(const Weight& w, const ActQ8& a, float* y, int64_t m0, int64_t n0, int64_t n1) {
   const int64_t K = w.K, nb = K / kBlock;
   const uint16_t* dw = reinterpret_cast<const uint16_t*>(w.scale);
   const uint16_t* mw = reinterpret_cast<const uint16_t*>(w.mins);
+  thread_local std::vector<float> scales;  // [T, nb]: this weight row's block scales times each row's d
+  scales.resize(size_t(T * nb));
   for (int64_t n = n0; n < n1; ++n) {
+    for (int i = 0; i < T; ++i) scale_products(dw + n * nb, a.d.data() + (m0 + i) * nb, nb, scales.data() + i * nb);
     Acc8 acc[T];
-    float accm[T];
-    for (int i = 0; i < T; ++i) { acc[i] = acc8_zero(); accm[i] = 0.f; }
+    MinTerms<T> accm;
+    for (int i = 0; i < T; ++i) acc[i] = acc8_zero();
     for (int64_t b = 0; b < nb; ++b) {
-      const float d = scale_of(dw[n * nb + b]);
       if constexpr (F == kQ4_1_Q8) {
         const WBlock wb = q4_1_block(w.codes + n * (K / 2) + b * 16);
-        const float m = scale_of(mw[n * nb + b]);
-        for (int i = 0; i < T; ++i) {
-          const int64_t r = (m0 + i) * nb + b;
-          acc8_block<false>(wb, a.q.data() + r * kBlock, d * a.d[size_t(r)], acc[i]);
-          accm[i] = std::fma(m, a.s[size_t(r)], accm[i]);
-        }
+        for (int i = 0; i < T; ++i)
+          acc8_block<false>(wb, a.q.data() + ((m0 + i) * nb + b) * kBlock, scales[size_t(i * nb + b)], acc[i]);
+        accm.add(scale_of(mw[n * nb + b]), a.s_by_block.data() + b * a.M + m0);
       } else {
         const WBlock wb = q8_0_block(reinterpret_cast<const int8_t*>(w.codes) + n * K + b * kBlock);
-        for (int i = 0; i < T; ++i) {
-          const int64_t r = (m0 + i) * nb + b;
-          acc8_block<true>(wb, a.q.data() + r * kBlock, d * a.d[size_t(r)], acc[i]);
-        }
+        for (int i = 0; i < T; ++i)
+          acc8_block<true>(wb, a.q.data() + ((m0 + i) * nb + b) * kBlock, scales[size_t(i * nb + b)], acc[i]);
       }
     }
-    for (int i = 0; i < T; ++i) y[(m0 + i) * w.N + n] = (acc8_sum(acc[i]) + accm[i]) * w.tensor_scale;
+    for (int i = 0; i < T; ++i) {
+      const float minterm = F == kQ4_1_Q8 ? accm[i] : 0.f;
+      y[(m0 + i) * w.N + n] = (acc8_sum(acc[i]) + minterm) * w.tensor_scale;
+    }
   }
 }
 
+// Rows of x per pass over the weights: 8 where AVX-512's 32 vector registers hold their accumulators, else 4 (the AVX2
+// build's 16 registers).
+#if defined(__AVX512VL__)
+constexpr int kTileQ8 = 8;
+#else
 constexpr int kTileQ8 = 4;
+#endif
 
 template <Format F>
 void rows_q8_of(const Weight& w, const ActQ8& a, float* y, int64_t M, int64_t n0, int64_t n1) {
@@ -152,7 +208,15 @@ void rows_q8_of(const Weight& w, const ActQ8& a, float* y, int64_t M, int64_t n0
       case 1: tile_q8<F, 1>(w, a, y, m0, n0, n1); break;
       case 2: tile_q8<F, 2>(w, a, y, m0, n0, n1); break;
       case 3: tile_q8<F, 3>(w, a, y, m0, n0, n1); break;
+#if defined(__AVX512VL__)
+      case 4: tile_q8<F, 4>(w, a, y, m0, n0, n1); break;
+      case 5: tile_q8<F, 5>(w, a, y, m0, n0, n1); break;
+      case 6: tile_q8<F, 6>(w, a, y, m0, n0, n1); break;
+      case 7: tile_q8<F, 7>(w, a, y, m0, n0, n1); break;
+      default: tile_q8<F, 8>(w, a, y, m0, n0, n1); break;
+#else
       default: tile_q8<F, 4>(w, a, y, m0, n0, n1); break;
+#endif
     }
   }
 }
