@@ -38,7 +38,10 @@ ENV_SWITCH = "DFLASH_JAX_CPU_KERNEL"
 ENV_CACHE = "DFLASH_JAX_KERNEL_CACHE"
 TARGET_NAME = "dflash_block_matmul"
 ATTENTION_TARGET = "dflash_row_attention"
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+# -ffp-contract=off: g++ fuses a * b + c into one FMA wherever the target has FMA (even with -std=c++17), so without it
+# the AVX2 / AVX-512 builds rounded the row attention's sums differently from the portable one (no FMA there); every
+# FMA the kernel means to run is an explicit intrinsic or std::fma.
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC", "-fno-math-errno")
 # Which of the kernel's builds to compile: the best this CPU runs (AVX-512, else AVX2 + FMA + F16C, else portable
 # C++), or a lower one on purpose (the tests build each and compare them value for value).
 ENV_ISA = "DFLASH_JAX_KERNEL_ISA"
