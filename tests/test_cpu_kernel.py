@@ -238,8 +238,8 @@ def test_concurrent_calls_from_several_threads_agree():
 
 def _products_of_every_format(out: str) -> None:
     """Every format's product at 1, 3, 8 and 9 rows (whole, ragged and half blocks; GGML's also with x as Q8 blocks) and
-    the row attention's sums, saved to `out` (npz): what
-    `test_every_build_computes_the_same_values` compares across the kernel's builds (run in a subprocess there)."""
+    the row attention's sums, saved to `out` (npz): what `test_every_build_computes_the_same_values` compares across
+    the kernel's builds (run in a subprocess there)."""
     found = {}
     for K in (96, 80, 48):
         x = jnp.asarray(np.random.default_rng(7).standard_normal((9, K)), jnp.float32)
@@ -255,9 +255,9 @@ def _products_of_every_format(out: str) -> None:
             return jnp.asarray(rng.standard_normal(shape), jnp.float32)
         vis_c = jnp.asarray(rng.random((2, T, S)) < 0.8, jnp.uint8)
         vis_f = jnp.asarray(np.tril(np.ones((T, T)))[None].repeat(2, 0), jnp.uint8)
-        l, o = jax.jit(cpu_kernel.attention_rows, static_argnums=3)(
-            arr(2, T, 2, 3, hd), (arr(2, S, 2, hd), arr(2, S, 2, hd), vis_c), (arr(2, T, 2, hd), arr(2, T, 2, hd), vis_f),
-            hd ** -0.5)
+        q = arr(2, T, 2, 3, hd)
+        cached, fresh = (arr(2, S, 2, hd), arr(2, S, 2, hd), vis_c), (arr(2, T, 2, hd), arr(2, T, 2, hd), vis_f)
+        l, o = jax.jit(cpu_kernel.attention_rows, static_argnums=3)(q, cached, fresh, hd ** -0.5)
         found[f"attention-T{T}-l"], found[f"attention-T{T}-o"] = np.asarray(l), np.asarray(o)
     np.savez(out, **found)
 
@@ -270,8 +270,8 @@ def _cpu_has(*features: str) -> bool:
 def test_every_build_computes_the_same_values(tmp_path):
     """The kernel has three builds (AVX-512, AVX2 + FMA + F16C, portable C++) of the same chains; the best one this CPU
     runs is the default, and DFLASH_JAX_KERNEL_ISA builds a lower one. Each must give every format's products (and
-    the row attention's sums) bit for bit, so a machine's speed never changes a value (and the AVX2 and portable builds, which CI's CPU may never
-    pick by itself, are held to the one this CPU picks)."""
+    the row attention's sums) bit for bit, so a machine's speed never changes a value (and the AVX2 and portable
+    builds, which CI's CPU may never pick by itself, are held to the one this CPU picks)."""
     isas = ["portable"] + (["avx2"] if _cpu_has("avx2", "fma", "f16c") else [])
     assert cpu_kernel.isa() in ("avx512", "avx2", "portable")
     _products_of_every_format(str(tmp_path / "native.npz"))

@@ -61,6 +61,20 @@ inline F8 f8_exp(F8 x) {
 // (0 / 1); l [B, nKV, G, T], o [B, nKV, G, T, hd]. hd a multiple of 8, at most 128.
 struct KeySource { const float* k; const float* v; const uint8_t* vis; int64_t n; };
 
+// The scores of N keys for one query row: each key's chain is the products of 8-lane slices added in order, then
+// f8_sum, times scale; N > 1 only interleaves N independent chains (the same operations per key).
+template <int N>
+inline void key_scores(const float* qr, const float* const* keys, int64_t nv, float scale, float* s) {
+  F8 a[N];
+  F8 q8 = f8_load(qr);
+  for (int k = 0; k < N; ++k) a[k] = q8 * f8_load(keys[k]);
+  for (int64_t j = 1; j < nv; ++j) {
+    q8 = f8_load(qr + 8 * j);
+    for (int k = 0; k < N; ++k) a[k] = a[k] + q8 * f8_load(keys[k] + 8 * j);
+  }
+  for (int k = 0; k < N; ++k) s[k] = f8_sum(a[k]) * scale;
+}
+
 // The query rows of one (b, h, g) are one unit of work, run on the kernel's threads (`Workers`, cpu_matmul.cc): a
 // row's sums are the same whichever thread computes it, and the units share nothing but their inputs.
 void attention_rows(const float* q, const KeySource (&src)[2], float scale, int64_t B, int64_t T, int64_t nKV,
@@ -90,33 +104,10 @@ void attention_rows(const float* q, const KeySource (&src)[2], float scale, int6
           ++count;
         }
       }
-      // Each key's score is the same chain (products of 8-lane slices added in order, then f8_sum); four keys at a
-      // time only interleave four independent chains.
-      float m = -INFINITY;
       int64_t i = 0;
-      for (; i + 4 <= count; i += 4) {
-        const float *k0 = keys[size_t(i)], *k1 = keys[size_t(i + 1)];
-        const float *k2 = keys[size_t(i + 2)], *k3 = keys[size_t(i + 3)];
-        F8 q8 = f8_load(qr);
-        F8 a0 = q8 * f8_load(k0), a1 = q8 * f8_load(k1), a2 = q8 * f8_load(k2), a3 = q8 * f8_load(k3);
-        for (int64_t j = 1; j < nv; ++j) {
-          q8 = f8_load(qr + 8 * j);
-          a0 = a0 + q8 * f8_load(k0 + 8 * j);
-          a1 = a1 + q8 * f8_load(k1 + 8 * j);
-          a2 = a2 + q8 * f8_load(k2 + 8 * j);
-          a3 = a3 + q8 * f8_load(k3 + 8 * j);
-        }
-        s[size_t(i)] = f8_sum(a0) * scale;
-        s[size_t(i + 1)] = f8_sum(a1) * scale;
-        s[size_t(i + 2)] = f8_sum(a2) * scale;
-        s[size_t(i + 3)] = f8_sum(a3) * scale;
-      }
-      for (; i < count; ++i) {
-        const float* kr = keys[size_t(i)];
-        F8 acc = f8_load(qr) * f8_load(kr);
-        for (int64_t j = 1; j < nv; ++j) acc = acc + f8_load(qr + 8 * j) * f8_load(kr + 8 * j);
-        s[size_t(i)] = f8_sum(acc) * scale;
-      }
+      for (; i + 4 <= count; i += 4) key_scores<4>(qr, &keys[size_t(i)], nv, scale, &s[size_t(i)]);
+      for (; i < count; ++i) key_scores<1>(qr, &keys[size_t(i)], nv, scale, &s[size_t(i)]);
+      float m = -INFINITY;
       for (int64_t c = 0; c < count; ++c) m = std::max(m, s[size_t(c)]);
       F8 acc[16];  // hd <= 128
       for (int64_t j = 0; j < nv; ++j) acc[j] = f8_splat(0.f);

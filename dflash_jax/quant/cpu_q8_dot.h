@@ -27,8 +27,8 @@ inline float scale_of(uint16_t h) {
 // x as Q8 blocks: per row and block, 32 int8 values q, the scale d (q * d ~ x) and s = d * sum(q) (Q4_1's min term).
 struct ActQ8 {
   std::vector<int8_t> q;  // [M, K]
-  std::vector<float> d, s;  // [M, K / 32]
-  std::vector<float> s_by_block;  // s transposed, [K / 32, M]: a tile's rows' min terms of one block side by side
+  std::vector<float> d;  // [M, K / 32]
+  std::vector<float> s;  // [K / 32, M]: block-major, so a tile's rows' min terms of one block sit side by side
   int64_t M = 0;
 };
 
@@ -40,7 +40,6 @@ inline void quantize_rows_q8(const float* x, int64_t M, int64_t K, ActQ8& a) {
   a.q.resize(size_t(M * K));
   a.d.resize(size_t(M * nb));
   a.s.resize(size_t(M * nb));
-  a.s_by_block.resize(size_t(M * nb));
   a.M = M;
   for (int64_t r = 0; r < M * nb; ++r) {
     const float* xb = x + r * kBlock;
@@ -58,8 +57,7 @@ inline void quantize_rows_q8(const float* x, int64_t M, int64_t K, ActQ8& a) {
       sum += q;
     }
     a.d[size_t(r)] = finite ? d : NAN;
-    a.s[size_t(r)] = a.d[size_t(r)] * float(sum);
-    a.s_by_block[size_t((r % nb) * M + r / nb)] = a.s[size_t(r)];
+    a.s[size_t((r % nb) * M + r / nb)] = a.d[size_t(r)] * float(sum);
   }
 }
 
@@ -179,7 +177,7 @@ void tile_q8(const Weight& w, const ActQ8& a, float* y, int64_t m0, int64_t n0, 
         const WBlock wb = q4_1_block(w.codes + n * (K / 2) + b * 16);
         for (int i = 0; i < T; ++i)
           acc8_block<false>(wb, a.q.data() + ((m0 + i) * nb + b) * kBlock, scales[size_t(i * nb + b)], acc[i]);
-        accm.add(scale_of(mw[n * nb + b]), a.s_by_block.data() + b * a.M + m0);
+        accm.add(scale_of(mw[n * nb + b]), a.s.data() + b * a.M + m0);
       } else {
         const WBlock wb = q8_0_block(reinterpret_cast<const int8_t*>(w.codes) + n * K + b * kBlock);
         for (int i = 0; i < T; ++i)
