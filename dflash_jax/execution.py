@@ -56,10 +56,11 @@ class ExecutionContext(Replaceable):
 
 def rows_in_fixed_order() -> bool:
     """Whether forwards traced now compute each row's reductions (attention's sums, RMSNorm's mean) in an order that
-    depends on that row alone: the CPU loop programs under Q8 activations, whose rounding would turn XLA's
-    shape-dependent ulps between a decode and a verify into different tokens (`models.attention`, `models.layers`)."""
-    context = current()
-    return context.cpu_kernel and context.q8_activations
+    depends on that row alone (`models.attention`, `models.layers`): the CPU loop programs, float32 or Q8 activations
+    alike. With the kernel's matmul rows, a row's values then never depend on how many rows share the step, so a
+    verify's row equals the decode of the same token bit for bit (XLA's reductions pick their order by shape: a few
+    ulps apart, which Q8 rounding turns into different tokens and float32 into a near-tie's flip)."""
+    return current().cpu_kernel
 
 
 # Thread-local values over a process-wide default (`set_process_default`), both part of jit cache keys.

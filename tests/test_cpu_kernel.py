@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
+from dflash_jax import execution
+from dflash_jax.models.target import KVCache, forward_with_cache
 from dflash_jax.train.drafter_data import target_fingerprint
 from dflash_jax.io.gguf import GGUFFile
 from dflash_jax.params import named_leaves
@@ -299,3 +301,37 @@ def test_an_unknown_kernel_build_is_refused_by_name():
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "False" in res.stdout and "DFLASH_JAX_KERNEL_ISA='avx9000'" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("q8", [False, True])
+def test_a_cpu_loop_forwards_row_is_the_same_bits_alone_and_in_a_verify(q8):
+    """In the CPU loop programs (float32 or Q8 activations) every reduction of a row runs in an order of its own:
+    the kernel's matmul rows, its fixed-order attention, RMSNorm's fixed tree. So the logits of a token verified as
+    one of 8 rows equal, bit for bit, those of the decode of that token after the tokens before it: greedy
+    speculative output equals autoregressive output by construction, not only where no two logits nearly tie.
+    Control: outside the loops (XLA's attention and reductions) the same rows are only close."""
+    cfg = tiny_qwen3(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     vocab_size=96, num_hidden_layers=2)
+    rng = np.random.default_rng(3)
+    target = dj.init_target(cfg, jax.random.key(4))
+    target = target.replace(params=jax.tree.map(lambda a: a * 3.0, target.params))  # far from uniform attention
+    prompt = jnp.asarray(rng.integers(0, 96, (2, 30)), jnp.int32)
+    block = jnp.asarray(rng.integers(0, 96, (2, 8)), jnp.int32)
+
+    def logits(loops: bool):
+        with execution.changed(cpu_kernel=loops, q8_activations=q8 and loops, live_length_loop=loops):
+            step = jax.jit(lambda t, c: forward_with_cache(target, t, c)[::2])
+            _, cache = step(prompt, KVCache.empty(cfg, 2, 64))
+            verify, _ = step(block, cache)
+            decodes = []
+            for t in range(8):
+                row, cache = step(block[:, t:t + 1], cache)
+                decodes.append(np.asarray(row[:, 0]))
+        return np.asarray(verify), np.stack(decodes, axis=1)
+
+    verify, decodes = logits(True)
+    np.testing.assert_array_equal(verify, decodes)
+    if not q8:
+        xla_verify, xla_decodes = logits(False)
+        np.testing.assert_allclose(xla_verify, verify, rtol=1e-4, atol=1e-4)
+        assert not np.array_equal(xla_verify, xla_decodes)  # XLA's shape-dependent orders: close, not equal

@@ -23,6 +23,7 @@ from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.decode import programs as G
 from dflash_jax.models.attention import attention_chunk
 from dflash_jax import execution
+from dflash_jax.quant import cpu_kernel
 from random_models import make_drafter, make_target, nontrivial_dflash2
 
 CFG = TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -65,23 +66,30 @@ def test_speculative_step_has_no_data_dependent_loop_or_conditional(models, kind
 
 def test_cpu_program_uses_the_live_length_loop_and_the_cuda_export_does_not(models):
     """Same call, two platforms: the loop program `generate` builds on this CPU host (lowered for it, as it runs) and
-    a CPU export hold attention's data-dependent chunk loops nested in the generation loop (its trip count follows
-    the longest live row); the CUDA export, made on this same host, holds none (the accelerators' rule)."""
+    a CPU export attend to their live keys only: through the CPU kernel's fixed-order rows where it is built (one
+    call per layer that visits the visible keys alone: no loop at all), else in attention's data-dependent chunk
+    loops nested in the generation loop (their trip count follows the longest live row); the CUDA export, made on
+    this same host, holds neither (the accelerators' rule: static block loops)."""
     if jax.default_backend() != "cpu":
         pytest.skip("the CPU rule is checked on a CPU host")
     target, drafters = models
     with attention_chunk(CHUNK):
         call = G.speculative_call(target, drafters["dflash"], PROMPTS, max_new_tokens=16)
-        built = loop_report(call.lower()[1].as_text())  # the program generate compiles here
+        built_text = call.lower()[1].as_text()  # the program generate compiles here
     assert call.context.live_length_loop is True and call.context.attention_chunk == CHUNK
-    cpu = loop_report(_export(target, drafters["dflash"], platform="cpu"))
-    cuda = loop_report(_export(target, drafters["dflash"]))
-    for rep in (built, cpu):
-        # the generation loop, and attention's live-length loops nested in it (target cache, drafter context)
-        assert rep["dynamic_at_top"] == 1 and rep["dynamic"] >= 3 and rep["dynamic_nested"] >= 2, rep
-        assert rep["conditionals"] == 0, rep
+    cpu_text = _export(target, drafters["dflash"], platform="cpu")
+    cuda_text = _export(target, drafters["dflash"])
+    for text in (built_text, cpu_text):
+        rep = loop_report(text)
+        assert rep["dynamic_at_top"] == 1 and rep["conditionals"] == 0, rep
+        if cpu_kernel.available():  # the target's cache and the drafter's context, through the kernel
+            assert text.count(cpu_kernel.ATTENTION_TARGET) >= 2 and rep["dynamic_nested"] == 0, rep
+        else:  # the generation loop, and attention's live-length loops nested in it
+            assert rep["dynamic"] >= 3 and rep["dynamic_nested"] >= 2, rep
+    cuda = loop_report(cuda_text)
     assert cuda["dynamic"] == 1 and cuda["dynamic_at_top"] == 1 and cuda["conditionals"] == 0, cuda
     assert cuda["static"] >= 2, cuda  # its attention block loops, with static trip counts
+    assert cpu_kernel.ATTENTION_TARGET not in cuda_text
 
 
 def test_nvfp4_drafter_on_pallas_lowers_without_loops_or_conditionals(models):

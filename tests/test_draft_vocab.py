@@ -17,11 +17,13 @@ import pytest
 
 import dflash_jax as dj
 from helpers import COPY_MAX_NEW, COPY_PROMPTS, PDCFG, assert_same, build_copy_pair, context_and_block
+from dflash_jax.bench import tree as bench_tree
 from dflash_jax.decode.draft_step import draft_step
+from dflash_jax.decode.prefill import prefill
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.io.gguf_drafter import load_drafter_gguf, save_gguf
 from dflash_jax.io.zlab_config import drafter_config_from_hf, drafter_config_to_hf
-from dflash_jax.models.drafter import cached_context
+from dflash_jax.models.drafter import cached_context, draft_block, head_logits
 from dflash_jax.quant.linear import linear
 from dflash_jax.quant.nvfp4 import quantize
 
@@ -120,3 +122,29 @@ def test_round_trips_through_hf_orbax_and_gguf(copy_pair, tmp_path):
     # a drafter without one keeps drafting over everything after a round trip
     dj.save_hf(tmp_path / "hf_full", drafter)
     assert dj.load_drafter(tmp_path / "hf_full").config.draft_vocab_size is None
+
+
+def test_the_step_tables_tree_draft_ranks_the_draft_vocabulary_alone(copy_pair, monkeypatch):
+    """The step table times a tree's draft as the loop's tree step runs it (`decode.loop._tree_step`): the tree is
+    built from the draft vocabulary's n logits, not from them padded to the whole vocabulary (whose log-softmax and
+    top-k cost SmolLM2's tree step ~0.5 ms the loop never pays: c overstated by ~0.04 per decode step). Control: the
+    padded logits do put V-wide rows in the program."""
+    target, drafter = copy_pair
+    drafter = _with_vocab(drafter, N)
+    V, depth, budget = drafter.config.model.vocab_size, 3, 4
+    prompt = jnp.asarray(np.arange(12)[None] % N, jnp.int32)
+    _, feats, _, dcache = prefill(target, prompt, jnp.array([12], jnp.int32), 32, drafter=drafter)
+    args = (drafter, target, dcache, feats[:, -(depth + 1):], draft_block(drafter, prompt[:, -1], depth), depth, budget)
+
+    def widths():  # the last axis of every value the program makes, nested programs included
+        def walk(jaxpr):
+            for eq in jaxpr.eqns:
+                yield from (v.aval.shape[-1] for v in eq.outvars if getattr(v.aval, "shape", ()))
+                for sub in jax.extend.core.jaxprs_in_params(eq.params):
+                    yield from walk(sub)
+        fresh = lambda *a: bench_tree._draft_tree(*a, depth, budget)  # a new function: no cached trace
+        return set(walk(jax.make_jaxpr(fresh)(*args[:5]).jaxpr))
+
+    assert V not in widths() and N in widths()
+    monkeypatch.setattr(bench_tree, "head_logits", lambda *a, **k: head_logits(*a, **{**k, "padded": True}))
+    assert V in widths()  # the control: padded logits are seen

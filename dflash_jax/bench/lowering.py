@@ -27,6 +27,8 @@ from dflash_jax.quant import cpu_kernel
 # kernels here; neither is a stable export target, which these exports only inspect).
 TRITON = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
 CPU_KERNEL = export.DisabledSafetyCheck.custom_call(cpu_kernel.TARGET_NAME)
+CPU_ATTENTION = export.DisabledSafetyCheck.custom_call(cpu_kernel.ATTENTION_TARGET)
+UNCHECKED = [TRITON, CPU_KERNEL, CPU_ATTENTION]  # custom calls an export may hold (no compatibility guarantee)
 
 
 def _walk(op):
@@ -99,7 +101,7 @@ def speculative_module(target, drafter, prompts, *, platform: str = "cuda", chun
     # only XLA:CPU has)
     cpu = uses_live_length_loop(platform)
     with execution.using(call.context.replace(attention_chunk=chunk, live_length_loop=cpu, cpu_kernel=cpu)):
-        exp = export.export(call.loop_program, platforms=[platform], disabled_checks=[TRITON, CPU_KERNEL])(
+        exp = export.export(call.loop_program, platforms=[platform], disabled_checks=UNCHECKED)(
             target, drafter, pre, keys, sampling, budget, **call.loop_static)
     return exp.mlir_module()
 
@@ -110,7 +112,7 @@ def prefill_module(target, drafter, prompts, *, platform: str = "cuda", chunk: i
     call = G.speculative_call(target, drafter, prompts, prefill_timing="rerun", **generate_kw)
     target, drafter, prompt, lens = call.args[:4]
     with execution.using(call.prefill_context.replace(attention_chunk=chunk)):
-        exp = export.export(call.prefill_program, platforms=[platform], disabled_checks=[TRITON, CPU_KERNEL])(
+        exp = export.export(call.prefill_program, platforms=[platform], disabled_checks=UNCHECKED)(
             target, drafter, prompt, lens, **call.prefill_static)
     return exp.mlir_module()
 

@@ -43,7 +43,9 @@ def _draft_tree(drafter, target, dcache, pending, block, depth, budget):
     B = block.shape[0]
     dc = append_context(drafter, pending, jnp.full((B,), pending.shape[1], jnp.int32), dcache)
     h = block_hidden(drafter, target, block, dc)[:, 1:1 + depth]
-    logp = tree.draft_scores(head_logits(drafter, target, h), SamplingParams())
+    # the draft vocabulary's logits alone, as the loop's tree step ranks them (`decode.loop._tree_step`): padded to
+    # the whole vocabulary, their log-softmax and top-k would cost this step ~0.5 ms the loop never pays
+    logp = tree.draft_scores(head_logits(drafter, target, h, padded=False), SamplingParams())
     return tree.build(logp, block[:, 0], budget), dc
 
 

@@ -226,10 +226,17 @@ def attention(q: jax.Array, q_pos: jax.Array, *, cache_k: jax.Array | None = Non
     cache_len = None if cache_len is None else cache_len.astype(jnp.int32)
     k_pos = None if k_pos is None else k_pos.astype(jnp.int32)
     args = (cache_k, cache_v, cache_len, k, v, k_pos, k_mask)
-    if execution.rows_in_fixed_order() and cpu_kernel.available() and T <= q_block:  # CPU loops, Q8 activations
-        if hd % 8 or hd > 128:
+    fixed = execution.rows_in_fixed_order() and cpu_kernel.available() and T <= q_block  # the CPU loops
+    if fixed and (hd % 8 or hd > 128):
+        if context.q8_activations:  # Q8 rounding would turn XLA's shape-dependent ulps into different tokens
             raise ValueError(f"Q8 activations: attention's fixed-order rows need a head dim that is a multiple of 8 "
                              f"up to 128, got {hd}")
+        fixed = False  # float32: XLA's blocks (a row a few ulps apart between a decode and a verify)
+    if fixed and not context.q8_activations and q.dtype != jnp.float32:
+        fixed = False  # bfloat16 compute: the kernel would read a float32 copy of the whole cache every layer
+    if fixed:
+        # The kernel's rows: sums that depend on the row alone, at 1-2 ms of a SmolLM2 step where XLA's blocks
+        # (their head-major cache slices, scores, merges) took ~5 ms
         l, o = _rows_in_fixed_order(qg, q_pos, *args, causal, window)
     elif T <= q_block:
         _, l, o = _attend(qg, q_pos, *args, causal, window, chunk, live_chunk)

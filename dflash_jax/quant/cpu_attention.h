@@ -8,6 +8,8 @@
 // can move the next layer's input by a whole rounding step and a different token follows. Here every sum of a row
 // (its scores over the head dimension, its softmax weights and weighted values over the keys it sees, in key order)
 // depends on that row's query and visible keys alone, so a decode and a verify of one token give the same bits.
+// Every CPU generation loop runs it (float32 and Q8 activations alike): on SmolLM2 it is also 3x cheaper in a step
+// than XLA's key blocks, which copied each layer's cache slice head-major before their two products.
 //
 // Vectors are GCC/Clang vector extensions of 8 floats (any ISA: the compiler maps them to AVX2, NEON or pairs of SSE
 // registers), with no FMA contraction (the build passes -ffp-contract=off): each operation rounds on its own, the same
