@@ -1,4 +1,5 @@
-# usage (from the repo root): python reports/experiments/tree_score_depth_penalty.py SCALE PENALTY [BUDGETS...]; one process per setting
+# usage (from the repo root):
+#   python reports/experiments/tree_score_depth_penalty.py SCALE PENALTY [BUDGETS...]   (one process per setting)
 # held-out tau of draft trees (8 eval requests, 256 tokens, greedy, EOS) with the tree's scores re-tempered:
 # logp = log_softmax(logits / TAU) - PEN * (depth - 1)   [argv: TAU PEN budgets...]
 import sys, json, jax, jax.numpy as jnp
