@@ -251,7 +251,7 @@ def _products_of_every_format(out: str) -> None:
                 if name in ("q4_1", "q8_0"):  # x as Q8 blocks (llama.cpp's integer dot: cpu_q8_dot.h)
                     with q8_activations_scope(True):
                         found[f"{name}-q8-K{K}-M{M}"] = np.asarray(_kernel_linear(x[:M], w))
-    rng = np.random.default_rng(9)  # the fixed-order row attention (cpu_attention.h) of Q8 activations' programs
+    rng = np.random.default_rng(9)  # the fixed-order row attention (cpu_attention.h) of the CPU loops
     for T, S, hd in ((1, 37, 64), (5, 11, 128)):
         def arr(*shape):
             return jnp.asarray(rng.standard_normal(shape), jnp.float32)

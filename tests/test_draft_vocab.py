@@ -18,6 +18,7 @@ import pytest
 import dflash_jax as dj
 from helpers import COPY_MAX_NEW, COPY_PROMPTS, PDCFG, assert_same, build_copy_pair, context_and_block
 from dflash_jax.bench import tree as bench_tree
+from dflash_jax.decode import draft_step as draft_step_mod
 from dflash_jax.decode.draft_step import draft_step
 from dflash_jax.decode.prefill import prefill
 from dflash_jax.decode.sampling import SamplingParams
@@ -125,10 +126,10 @@ def test_round_trips_through_hf_orbax_and_gguf(copy_pair, tmp_path):
 
 
 def test_the_step_tables_tree_draft_ranks_the_draft_vocabulary_alone(copy_pair, monkeypatch):
-    """The step table times a tree's draft as the loop's tree step runs it (`decode.loop._tree_step`): the tree is
-    built from the draft vocabulary's n logits, not from them padded to the whole vocabulary (whose log-softmax and
-    top-k cost SmolLM2's tree step ~0.5 ms the loop never pays: c overstated by ~0.04 per decode step). Control: the
-    padded logits do put V-wide rows in the program."""
+    """The step table times a tree's draft as the loop's tree step runs it (both call `decode.draft_step.draft_tree`):
+    the tree is built from the draft vocabulary's n logits, not from them padded to the whole vocabulary (whose
+    log-softmax and top-k cost SmolLM2's tree step ~0.5 ms the loop never pays: c overstated by ~0.04 per decode
+    step). Control: the padded logits do put V-wide rows in the program."""
     target, drafter = copy_pair
     drafter = _with_vocab(drafter, N)
     V, depth, budget = drafter.config.model.vocab_size, 3, 4
@@ -146,5 +147,5 @@ def test_the_step_tables_tree_draft_ranks_the_draft_vocabulary_alone(copy_pair, 
         return set(walk(jax.make_jaxpr(fresh)(*args[:5]).jaxpr))
 
     assert V not in widths() and N in widths()
-    monkeypatch.setattr(bench_tree, "head_logits", lambda *a, **k: head_logits(*a, **{**k, "padded": True}))
+    monkeypatch.setattr(draft_step_mod, "head_logits", lambda *a, **k: head_logits(*a, **{**k, "padded": True}))
     assert V in widths()  # the control: padded logits are seen

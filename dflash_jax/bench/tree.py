@@ -22,9 +22,10 @@ import numpy as np
 from dflash_jax.bench.speculative import compare
 from dflash_jax.bench.step_costs import Step, _as_in_the_loop, _decode_rolled_back, interleaved_ms
 from dflash_jax.decode import tree
+from dflash_jax.decode.draft_step import draft_tree
 from dflash_jax.decode.prefill import prefill
 from dflash_jax.decode.sampling import SamplingParams, sample_tokens
-from dflash_jax.models.drafter import Drafter, append_context, block_hidden, draft_block, head_logits
+from dflash_jax.models.drafter import Drafter, append_context, draft_block
 from dflash_jax.models.target import Target, TreeLayout, commit_tree, forward_tree
 from dflash_jax.quant.linear import program_backend
 
@@ -38,15 +39,12 @@ def _layout(target: Target, tr: tree.DraftTree, start: jax.Array, depth: int) ->
 
 
 def _draft_tree(drafter, target, dcache, pending, block, depth, budget):
-    """The tree step's drafting, as the loop does it (greedy): append the pending context, one block pass, the
-    draft logits of `depth` positions, the tree of `budget` nodes. -> (tree, the draft cache after the append)."""
+    """The tree step's drafting, the loop's own (greedy): append the pending context, then `draft_tree` (one block
+    pass, the draft vocabulary's logits of `depth` positions, the tree of `budget` nodes). -> (tree, the draft cache
+    after the append)."""
     B = block.shape[0]
     dc = append_context(drafter, pending, jnp.full((B,), pending.shape[1], jnp.int32), dcache)
-    h = block_hidden(drafter, target, block, dc)[:, 1:1 + depth]
-    # the draft vocabulary's logits alone, as the loop's tree step ranks them (`decode.loop._tree_step`): padded to
-    # the whole vocabulary, their log-softmax and top-k would cost this step ~0.5 ms the loop never pays
-    logp = tree.draft_scores(head_logits(drafter, target, h, padded=False), SamplingParams())
-    return tree.build(logp, block[:, 0], budget), dc
+    return draft_tree(drafter, target, block, dc, depth, budget, SamplingParams()), dc
 
 
 @functools.partial(jax.jit, static_argnums=(5, 6, 7), donate_argnums=(2,))

@@ -9,6 +9,7 @@ proposals are drawn sequentially and each q_t is conditioned on the previous pro
 accepted prefix whenever slot t is tested, so the rule stays lossless. With p_min, a DFlash2 slot's confidence is the
 selector's own top probability (softmax of its scores at T, or at 1 when greedy); z-lab does not define this
 interaction.
+A draft tree (`draft_tree`) ranks prefixes of the same pass's per-position distributions (`decode.tree`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.decode import tree
 from dflash_jax.models import selector
 from dflash_jax.models.drafter import Drafter, block_hidden, head_logits, pad_vocabulary, propose_from_hidden
 from dflash_jax.models.layers import first_argmax
@@ -55,4 +57,14 @@ def draft_step(drafter: Drafter, target: Target, block: jax.Array, cache: KVCach
     return prop.tokens, prop.logits, (q, prop.candidates), keys
 
 
-__all__ = ["draft_step"]
+def draft_tree(drafter: Drafter, target: Target, block: jax.Array, cache: KVCache, depth: int, budget: int,
+               sp: SamplingParams) -> tree.DraftTree:
+    """A draft tree step's drafting: one pass over block [B, W] (slot 0 = last committed token, its root) on the
+    draft cache, the draft vocabulary's logits of slots 1..depth (ids past it never become nodes, and their padded
+    -inf would only cost a log-softmax and a top-k over the whole vocabulary), the `budget` best prefixes."""
+    h = block_hidden(drafter, target, block, cache)[:, 1:1 + depth]  # [B, depth, H]
+    d_logits = head_logits(drafter, target, h, padded=False)  # [B, depth, n]
+    return tree.build(tree.draft_scores(d_logits, sp), block[:, 0], budget)
+
+
+__all__ = ["draft_step", "draft_tree"]

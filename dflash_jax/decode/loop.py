@@ -26,12 +26,12 @@ import jax.numpy as jnp
 from dflash_jax import execution
 from dflash_jax.decode import tree
 from dflash_jax.decode.buckets import PAD
-from dflash_jax.decode.draft_step import draft_step
+from dflash_jax.decode.draft_step import draft_step, draft_tree
 from dflash_jax.decode.prefill import Prefilled
 from dflash_jax.decode.sampling import SamplingParams, accept_block, sample_tokens
 from dflash_jax.frozen import Replaceable
 from dflash_jax.models.cache import KVCache
-from dflash_jax.models.drafter import Drafter, append_context, block_hidden, draft_block, head_logits
+from dflash_jax.models.drafter import Drafter, append_context, draft_block
 from dflash_jax.models.target import (Target, TreeLayout, commit_states, commit_tree, forward_tree,
                                       forward_with_cache)
 from dflash_jax.parallel import sharding as shd
@@ -123,9 +123,7 @@ def _tree_step(target: Target, drafter: Drafter, s: LoopState, sampling: Samplin
     B, D, N = s.last.shape[0], depth, budget_nodes
     dcache = append_context(drafter, s.pending, s.n_pending, s.dcache)
     block = draft_block(drafter, s.last, D)  # [B, W]: W = bs, or D + 1 (`draft_pass`)
-    h = block_hidden(drafter, target, block, dcache)[:, 1:1 + D]  # [B, D, H]: one draft pass, as the chain's
-    d_logits = head_logits(drafter, target, h, padded=False)  # [B, D, n]: ids past a draft vocabulary never nodes
-    tr = tree.build(tree.draft_scores(d_logits, sampling), s.last, N)
+    tr = draft_tree(drafter, target, block, dcache, D, N, sampling)  # one draft pass, as the chain's
     kernel = tcfg.linear_conv_kernel_dim if tcfg.is_hybrid else 1
     anc = tree.ancestors(tr, max(D, kernel - 1))  # [B, 1 + N, >= D + 1]
     layout = TreeLayout(positions=tree.positions(tr, s.start), mask=tree.ancestor_mask(anc[..., :D + 1]),

@@ -29,6 +29,8 @@ extra, and a step then pays for its live context, not for the capacity of the ca
 one large bucket; the generation programs switch it on for CPU only (`dflash_jax.decode.buckets`). It is never on
 for an accelerator, and never where a gradient is taken (a loop with a traced trip count has no reverse mode). Like
 the block size it is a field of the execution context (`dflash_jax.execution`), set by `with live_length_loop(on):`.
+Inside the CPU generation loops most attention runs instead as the CPU kernel's fixed-order rows, which visit each
+row's live keys alone (`_rows_in_fixed_order`); the loop serves what they cannot take (see `attention`).
 
 On top of validity, a key at position k is visible to a query at position q (z-lab's rule):
   causal: k <= q;   sliding window w (None = full): q - k < w, and when not causal also k - q < w.
@@ -227,14 +229,13 @@ def attention(q: jax.Array, q_pos: jax.Array, *, cache_k: jax.Array | None = Non
     k_pos = None if k_pos is None else k_pos.astype(jnp.int32)
     args = (cache_k, cache_v, cache_len, k, v, k_pos, k_mask)
     fixed = execution.rows_in_fixed_order() and cpu_kernel.available() and T <= q_block  # the CPU loops
-    if fixed and (hd % 8 or hd > 128):
-        if context.q8_activations:  # Q8 rounding would turn XLA's shape-dependent ulps into different tokens
-            raise ValueError(f"Q8 activations: attention's fixed-order rows need a head dim that is a multiple of 8 "
-                             f"up to 128, got {hd}")
-        fixed = False  # float32: XLA's blocks (a row a few ulps apart between a decode and a verify)
-    if fixed and not context.q8_activations and q.dtype != jnp.float32:
-        fixed = False  # bfloat16 compute: the kernel would read a float32 copy of the whole cache every layer
-    if fixed:
+    head_fits = hd % 8 == 0 and hd <= 128  # what the kernel's chains take
+    if fixed and context.q8_activations and not head_fits:  # Q8 rounding would turn XLA's ulps into other tokens
+        raise ValueError(f"Q8 activations: attention's fixed-order rows need a head dim that is a multiple of 8 "
+                         f"up to 128, got {hd}")
+    # Otherwise XLA's blocks take what the kernel cannot (a row a few ulps apart between a decode and a verify): a head
+    # dim it has no chain for, and bfloat16 compute (it would read a float32 copy of the whole cache every layer).
+    if fixed and head_fits and (context.q8_activations or q.dtype == jnp.float32):
         # The kernel's rows: sums that depend on the row alone, at 1-2 ms of a SmolLM2 step where XLA's blocks
         # (their head-major cache slices, scores, merges) took ~5 ms
         l, o = _rows_in_fixed_order(qg, q_pos, *args, causal, window)
