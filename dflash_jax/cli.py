@@ -61,7 +61,7 @@ def _generate(args):
               seed=args.seed, prefill_timing="rerun")
     if args.no_compare:  # the text alone: one speculative run, nothing timed
         sp = generate(target, drafter, [ids], draft_length=args.draft_length, tree_budget=args.tree_budget,
-                      draft_pass=args.draft_pass, **kw)
+                      context_lookup=args.context_lookup, draft_pass=args.draft_pass, **kw)
         print(show(sp.token_lists()[0]))
         print("-" * 72)
         print(f"{int(sp.num_tokens[0])} tokens in {sp.num_steps} steps: {_acceptance(sp)}")
@@ -73,7 +73,7 @@ def _generate(args):
     for run in (first, kw):
         ar = generate_autoregressive(target, [ids], **run)
         sp = generate(target, drafter, [ids], draft_length=args.draft_length, tree_budget=args.tree_budget,
-                      draft_pass=args.draft_pass, **run)
+                      context_lookup=args.context_lookup, draft_pass=args.draft_pass, **run)
     print(show(sp.token_lists()[0]))
     print("-" * 72)
     same = "identical to" if sp.token_lists() == ar.token_lists() else "differs from (sampling)"
@@ -131,7 +131,9 @@ def _drafted(res) -> str:
     """What a step drafted: a chain of D tokens, or a draft tree (its depth bounds what a step accepts)."""
     if res.tree_budget:
         over = ", drafted from the tree's depth only" if res.draft_pass == "drafted" else ""
-        return f"depth {res.draft_length} (a draft tree of {res.tree_budget} nodes{over})"
+        copied = (f"; or the continuation of a {res.context_lookup}+ token repeat in the output, where one exists"
+                  if res.context_lookup else "")
+        return f"depth {res.draft_length} (a draft tree of {res.tree_budget} nodes{over}{copied})"
     if res.draft_length == 0:
         return "none (plain decoding: the drafter's step table predicts no speedup here)"
     drafted = f"{res.draft_length} drafted"
@@ -202,6 +204,9 @@ def main(argv=None):
                         "for this pair and platform, a chain or a draft tree; without one block_size-1)")
     g.add_argument("--tree-budget", type=int, default=None,
                    help="draft a tree of N nodes per step instead of a chain (one choice with --draft-length)")
+    g.add_argument("--context-lookup", type=int, default=None, metavar="K",
+                   help="with a draft tree: a step whose output ends in a repeat of K+ tokens verifies what followed "
+                        "its last occurrence instead of the drafter's tree (same cost and output; default 2; 0: off)")
     g.add_argument("--draft-pass", choices=("block", "drafted"), default=None,
                    help="the block a draft pass reads: the whole block (z-lab's) or the drafted slots only (default: "
                         "the step table's best row's, else the whole block)")

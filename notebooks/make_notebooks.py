@@ -335,7 +335,9 @@ drafter), two held-out requests in one batch, greedy, no EOS stop; the chain of 
 nodes) is the reference line. tau counts the bonus; speedup = decode tokens/s over autoregressive decoding in the
 same run (second runs, compilation excluded). Timings are this machine's at the time of the run; tau is the
 models'. On CPU the matmul kernel reads the weights once per 8 rows of a product, so a verify of 1 + N nodes costs
-about ceil((1 + N) / 8) weight reads.""",
+about ceil((1 + N) / 8) weight reads. Each tree runs twice: with context lookup (the default: a row whose output ends
+in a repeat of 2+ tokens verifies what followed its last occurrence instead of the drafter's tree that step, the same
+number of nodes) and without it (`context_lookup=0`: the drafter's trees alone).""",
     SETUP + """
 import os
 import dflash_jax as dj
@@ -362,6 +364,8 @@ def second_run(fn, *args, **more):
 
 ar = second_run(dj.generate_autoregressive, target, prompts)
 runs = {f"tree_N{N}": second_run(dj.generate, target, drafter, prompts, tree_budget=N) for N in BUDGETS}
+runs.update({f"tree_N{N}_no_lookup": second_run(dj.generate, target, drafter, prompts, tree_budget=N,
+                                                context_lookup=0) for N in BUDGETS})
 if CHAIN:
     runs[f"chain_D{CHAIN}"] = second_run(dj.generate, target, drafter, prompts, draft_length=CHAIN)
 for name, r in runs.items():
@@ -376,11 +380,11 @@ keep("timings", **{f"speedup_{k}": r.decode_tokens_per_second / ar.decode_tokens
     """md:## The figure""",
     """
 fig, axs = plt.subplots(1, 2, figsize=(11, 3.5))
-trees = [runs[f"tree_N{N}"] for N in BUDGETS]
 for ax, value, label in [(axs[0], lambda r: r.tau, "tau (tokens per step)"),
                          (axs[1], lambda r: r.decode_tokens_per_second / ar.decode_tokens_per_second,
                           "speedup vs autoregressive (this run)")]:
-    ax.plot(BUDGETS, [value(r) for r in trees], "-o", label="draft tree")
+    ax.plot(BUDGETS, [value(runs[f"tree_N{N}"]) for N in BUDGETS], "-o", label="draft tree, context lookup")
+    ax.plot(BUDGETS, [value(runs[f"tree_N{N}_no_lookup"]) for N in BUDGETS], "-s", label="draft tree alone")
     if CHAIN:
         ax.axhline(value(runs[f"chain_D{CHAIN}"]), color="C1", ls="--", label=f"chain, D {CHAIN}")
     ax.set(xscale="log", xlabel="tree budget N (nodes besides the root)", ylabel=label)

@@ -437,7 +437,9 @@ def _tree_run(target, drafter, programs, rows=ts.N, **kw):
 
 
 SAMPLED = [("close", dict(temperature=1.0)), ("close", dict(temperature=0.6)), ("distant", dict(temperature=1.0)),
-           ("close", dict(temperature=1.0, top_k=6, top_p=0.8))]
+           ("close", dict(temperature=1.0, top_k=6, top_p=0.8)),
+           # context lookup from single-token repeats: on a vocabulary of 8 most steps past the third token copy
+           ("close", dict(temperature=1.0, context_lookup=1))]
 
 
 @pytest.mark.parametrize("pair,kw", SAMPLED, ids=[ts._label(*c).replace(" ", ",") for c in SAMPLED])

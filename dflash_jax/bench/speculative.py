@@ -31,16 +31,19 @@ PREFILL_TIMING = "rerun"
 
 def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
             draft_length: int | None = None, eos_ids=(), warmup: bool = True, drafters: dict | None = None,
-            temperature: float = 0.0, seed: int = 0, tree_budget: int | None = None) -> dict:
+            temperature: float = 0.0, seed: int = 0, tree_budget: int | None = None,
+            context_lookup: int | None = None) -> dict:
     """Per prompt (batch 1): AR and DFlash decode tokens/s, tau, acceptance. Medians over prompts.
 
     `drafters` may name extra drafters (e.g. {"nvfp4": q}) measured on the same prompts in the same run.
-    tree_budget: every drafter drafts trees of that many nodes (draft_length then stays None).
+    tree_budget: every drafter drafts trees of that many nodes (draft_length then stays None); context_lookup: the
+    trees' (`GenerationOptions.context_lookup`; None: generate's default).
     """
     drafters = {"dflash": drafter, **(drafters or {})}
     kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=temperature, seed=seed,
               prefill_timing=PREFILL_TIMING)
-    spec = dict(draft_length=draft_length) if tree_budget is None else dict(tree_budget=tree_budget)
+    spec = (dict(draft_length=draft_length) if tree_budget is None
+            else dict(tree_budget=tree_budget, context_lookup=context_lookup))
     if warmup:  # compile every program shape before timing
         generate_autoregressive(target, [list(prompts[0])], **kw)
         for d in drafters.values():
@@ -54,6 +57,7 @@ def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], 
         for name, d in drafters.items():
             res = generate(target, d, [list(p)], **spec, **kw)
             r = rows[name]
+            r["context_lookup"] = res.context_lookup
             r["tps"].append(res.decode_tokens_per_second)
             acc = res.acceptance_lengths[res.acceptance_lengths > 0]
             r["tau_steps"].extend(acc.tolist())
@@ -75,6 +79,7 @@ def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], 
             "speedup": statistics.median(r["tps"]) / statistics.median(ar_tps),
             "exact_match": f"{sum(r['exact'])}/{len(r['exact'])}",
             "position_acceptance": np.mean(np.stack(r["position"]), axis=0),
+            "context_lookup": r.get("context_lookup", 0),
         }
     return out
 

@@ -114,6 +114,7 @@ def tree_rows(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]]
         x = res["dflash"]
         rows.append({"draft_length": c["draft_length"], "tree_budget": N, "draft_vocab": vocab,
                      "draft_vocab_size": n, "draft_pass": drafter.config.draft_pass or "block", "batch": 1, "r": c["r"],
+                     "context_lookup": x["context_lookup"],
                      "c": c["c"], "decode_ms": c["decode_ms"], "verify_ms": c["verify_ms"], "draft_ms": c["draft_ms"],
                      "tau": x["tau"], "predicted": x["tau"] / (c["r"] + c["c"]), "speedup": x["speedup"],
                      "exact_match": x["exact_match"], "max_new_tokens": max_new_tokens,

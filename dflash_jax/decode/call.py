@@ -48,6 +48,7 @@ class ProgramCall:
     prompts: tuple = ()  # the caller's rows (real tokens), for return_prompt
     return_prompt: bool = False
     tree_budget: int | None = None  # draft-tree nodes per step (None: chains)
+    context_lookup: int = 0  # a tree step's shortest repeat copied from the output (0: off; `decode.lookup`)
     draft_pass: str | None = None  # the drafter's `draft_pass` as the loop runs it (None: nothing drafted)
 
     @property
@@ -141,6 +142,7 @@ class ProgramCall:
             out = _with_prompts(self.prompts, out, n_out)
         return GenerationResult(tokens=out, num_tokens=n_out, acceptance_lengths=acc, finish_reason=reasons,
                                 num_steps=steps, draft_length=self.draft_length, tree_budget=self.tree_budget,
+                                context_lookup=self.context_lookup,
                                 draft_pass=self.draft_pass,
                                 timings=timings,
                                 prompt_lengths=lens.astype(np.int32), includes_prompt=self.return_prompt)

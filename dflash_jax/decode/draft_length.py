@@ -23,6 +23,7 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
 from dflash_jax.quant import cpu_kernel
 from dflash_jax.params import named_leaves
+from dflash_jax.step_table import NOISE_MARGIN
 
 _WARNED: set[str] = set()
 
@@ -79,7 +80,8 @@ def default_setting(drafter: Drafter, target: Target, batch: int = 1, trees: boo
     the largest measured batch <= `batch`, and of the drafter's `draft_pass` where it names one; tree rows only when
     `trees`): (D, None, pass) for a chain, (depth, N, pass) for a draft tree of N nodes; (block_size - 1, None, the
     drafter's pass or "block") when there is no table or it does not apply (warned). plain_when_slower: (0, None, ..),
-    plain decoding (warned), where the table applies and even its best row predicts a slowdown (tau / (r + c) < 1);
+    plain decoding (warned), where the table applies and even its best row predicts no gain beyond the table's noise
+    (tau / (r + c) < 1 + NOISE_MARGIN);
     the shipped SmolLM2 table predicts 1.12x at batch 1 (a tree of 2) and at most 0.82x at batch 4, where a verify of
     several rows costs more decode steps than the drafts save. q8: whether the programs take Q8 activations (None:
     the execution context's), for the build the table is held to."""
@@ -90,8 +92,9 @@ def default_setting(drafter: Drafter, target: Target, batch: int = 1, trees: boo
         layout = (f"a draft tree of {row.tree_budget}" if row.tree_budget else f"draft length {row.draft_length}") + (
             ", over the drafted slots only" if row.draft_pass == "drafted" else "")
         _warn_once(f"generate: the drafter's step table predicts {row.predicted_speedup:.3f}x for its best setting at "
-                   f"batch {batch} ({layout}, measured at batch {row.batch}): decoding plainly (the same tokens at "
-                   "temperature 0, the target's law above it). Give draft_length= or tree_budget= to speculate "
+                   f"batch {batch} ({layout}, measured at batch {row.batch}): decoding plainly (a gain under "
+                   f"{NOISE_MARGIN:.0%} is within the table's noise; the same tokens at temperature 0, the target's "
+                   "law above it). Give draft_length= or tree_budget= to speculate "
                    "anyway, or plain_when_slower=False for the table's best")
         return 0, None, own_pass
     if row is not None:
@@ -113,7 +116,10 @@ def running_cpu_kernel(q8: bool | None = None) -> str | None:
 
 
 def _slower(row) -> bool:
-    return row is not None and row.predicted_speedup < 1.0
+    """Whether the best row predicts no gain beyond the table's noise: within NOISE_MARGIN of 1.0 is a tie with plain
+    decoding, which then runs (the Zen 4 Q8 table of 2026-12-06 predicted a tree of 2 at 1.02x, measured 0.97x there
+    and 0.85-0.90x beside llama.cpp; rows are ranked by the same margin, `StepTable.best`)."""
+    return row is not None and row.predicted_speedup < 1.0 + NOISE_MARGIN
 
 
 def _warn_once(message: str) -> None:
@@ -123,9 +129,9 @@ def _warn_once(message: str) -> None:
 
 
 def slower_than_plain(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True):
-    """The step table's best row for this pair, platform and batch when even it predicts speculation slower than
-    plain decoding, else None (it predicts a speedup, or there is no table that applies): where `default_layout`
-    with plain_when_slower gives plain decoding."""
+    """The step table's best row for this pair, platform and batch when even it predicts no gain over plain decoding
+    beyond the table's noise (`_slower`), else None (it predicts a speedup, or there is no table that applies): where
+    `default_layout` with plain_when_slower gives plain decoding."""
     row, _ = _table_row(drafter, target, batch, trees)
     return row if _slower(row) else None
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import execution
-from dflash_jax.decode import tree
+from dflash_jax.decode import lookup, tree
 from dflash_jax.decode.buckets import PAD
 from dflash_jax.decode.draft_step import draft_step, draft_tree
 from dflash_jax.decode.prefill import Prefilled
@@ -115,15 +115,18 @@ def _run(body, state: LoopState, budget: Budget):
 
 
 def _tree_step(target: Target, drafter: Drafter, s: LoopState, sampling: SamplingParams, depth: int,
-               budget_nodes: int):
+               budget_nodes: int, context_lookup: int = 0):
     """One draft-tree step on the loop state: (committed tokens [B, D + 1], n_acc [B], target cache with the
     accepted path committed (lengths advanced only for active rows), pending features [B, D + 1, K*H], draft cache,
-    keys). D = depth, N = budget_nodes; T = 1 + N verified nodes."""
+    keys). D = depth, N = budget_nodes; T = 1 + N verified nodes. context_lookup > 0: rows whose output ends in a
+    repeat of at least that many tokens take the continuation of its last occurrence as their tree (`lookup`)."""
     tcfg, dcfg = target.config, drafter.config
     B, D, N = s.last.shape[0], depth, budget_nodes
     dcache = append_context(drafter, s.pending, s.n_pending, s.dcache)
     block = draft_block(drafter, s.last, D)  # [B, W]: W = bs, or D + 1 (`draft_pass`)
     tr = draft_tree(drafter, target, block, dcache, D, N, sampling)  # one draft pass, as the chain's
+    if context_lookup:
+        tr, _ = lookup.prefer_context(tr, s.out, s.n_out, D, context_lookup)
     kernel = tcfg.linear_conv_kernel_dim if tcfg.is_hybrid else 1
     anc = tree.ancestors(tr, max(D, kernel - 1))  # [B, 1 + N, >= D + 1]
     layout = TreeLayout(positions=tree.positions(tr, s.start), mask=tree.ancestor_mask(anc[..., :D + 1]),
@@ -141,12 +144,14 @@ def _tree_step(target: Target, drafter: Drafter, s: LoopState, sampling: Samplin
 
 
 def speculative_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sampling: SamplingParams,
-                     budget: Budget, *, draft_length: int, out_len: int, tree_budget: int | None = None):
+                     budget: Budget, *, draft_length: int, out_len: int, tree_budget: int | None = None,
+                     context_lookup: int = 0):
     """The speculative loop program over prefill's handoff `pre`: (out, n_out, acc, steps, caches) (see `_run`).
-    tree_budget: draft trees of that many nodes (draft_length is then the trees' depth); None: chains."""
+    tree_budget: draft trees of that many nodes (draft_length is then the trees' depth); None: chains.
+    context_lookup: the shortest repeat a tree step copies its continuation from (0: never; trees only)."""
     if tree_budget is not None:
         return _tree_loop(target, drafter, pre, keys, sampling, budget, depth=draft_length, out_len=out_len,
-                          budget_nodes=tree_budget)
+                          budget_nodes=tree_budget, context_lookup=context_lookup)
     dcfg = drafter.config
     layer_ids = dcfg.target_layer_ids
     D = draft_length
@@ -187,7 +192,7 @@ def speculative_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sam
 
 
 def _tree_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sampling: SamplingParams, budget: Budget, *,
-               depth: int, out_len: int, budget_nodes: int):
+               depth: int, out_len: int, budget_nodes: int, context_lookup: int = 0):
     """`speculative_loop` with draft trees of `budget_nodes` nodes, at most `depth` deep."""
     B, D = pre.lens.shape[0], depth
     feat_dim = len(drafter.config.target_layer_ids) * target.config.hidden_size
@@ -197,7 +202,8 @@ def _tree_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sampling:
 
     def body(s: LoopState) -> LoopState:
         active = ~s.done
-        committed, n_acc, tcache, feats, dcache, keys = _tree_step(target, drafter, s, sampling, D, budget_nodes)
+        committed, n_acc, tcache, feats, dcache, keys = _tree_step(target, drafter, s, sampling, D, budget_nodes,
+                                                                   context_lookup)
         out, n_out, done = _commit(s, committed, n_acc + 1, budget)
         bonus = jnp.take_along_axis(committed, n_acc[:, None], axis=1)[:, 0]
         return s.replace(

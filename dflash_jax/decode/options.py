@@ -34,6 +34,12 @@ class GenerationOptions(Replaceable):
     # depth follows from its budget and the drafter's block, min(tree_budget, block_size - 1). None: the chain.
     # DFlash drafters only (DFlash2's selector drafts sequentially).
     tree_budget: int | None = None
+    # Context lookup in draft trees: a row whose output ends in a repeat of at least this many tokens verifies the
+    # continuation of their last occurrence (copied from its own output, a chain of up to the tree's depth) instead
+    # of the drafter's tree that step: same verify, the target's own tokens walked as for any tree, so the output is
+    # unchanged in law (greedy: token for token) and only acceptance moves (`decode.lookup`). None: 2 with a tree
+    # (measured best, docs/cpu-step.md "Context lookup"); 0: off. Draft trees only.
+    context_lookup: int | None = None
     # The block the draft pass reads: "block" (z-lab's: the whole block) or "drafted" (the last token and one mask
     # per drafted slot; `DrafterConfig.draft_pass`). None: the drafter's own setting, else the step table's best row's
     # when generate takes its layout from the table, else "block". Output is the same either way in law (greedy:
@@ -49,8 +55,9 @@ class GenerationOptions(Replaceable):
     prompt_lengths: Any = None  # [B] for a right-padded int prompt
     return_prompt: bool = False  # `tokens` holds each row's prompt, then its new tokens
     # With neither draft_length nor tree_budget given: where the drafter's step table applies and predicts even its
-    # best setting slower than plain decoding for this batch (`decode.draft_length.slower_than_plain`), decode plainly
-    # (the same tokens at temperature 0, the target's law above it; the result's draft_length is 0). False:
+    # best setting no faster than plain decoding for this batch (a gain under the table's 5% noise margin;
+    # `decode.draft_length.slower_than_plain`), decode plainly (the same tokens at temperature 0, the target's law
+    # above it; the result's draft_length is 0). False:
     # speculate with that best setting anyway (benchmarks that measure it).
     plain_when_slower: bool = True
     # GGML targets and drafters on a CPU: x rounded to Q8 blocks in their products, llama.cpp's integer dot (the
@@ -61,7 +68,8 @@ class GenerationOptions(Replaceable):
 
 
 # keywords autoregressive decoding does not take
-SPECULATIVE_ONLY = ("draft_length", "tree_budget", "draft_pass", "p_min", "draft_sampling", "plain_when_slower")
+SPECULATIVE_ONLY = ("draft_length", "tree_budget", "context_lookup", "draft_pass", "p_min", "draft_sampling",
+                    "plain_when_slower")
 _OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationOptions))
 _SAMPLING_DEFAULTS = {name: p.default for name, p in inspect.signature(SamplingParams.make).parameters.items()
                       if name != "cls"}
@@ -104,7 +112,7 @@ def settings(call: str, keywords: dict, *, speculative: bool, sampling: Sampling
         if given_options:
             raise ValueError(f"give generation settings either as options= or as keywords, not both (got options= "
                              f"and {sorted(given_options)})")
-        for name in ("draft_length", "tree_budget", "draft_pass"):
+        for name in ("draft_length", "tree_budget", "context_lookup", "draft_pass"):
             if not speculative and getattr(options, name) is not None:
                 raise ValueError(f"{name} is a speculative setting: autoregressive decoding does not take it")
     elif "max_new_tokens" not in given_options:

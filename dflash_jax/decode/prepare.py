@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.decode.buckets import prompt_bucket
+from dflash_jax.decode.lookup import DEFAULT_MIN_MATCH, MAX_MATCH
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
 
@@ -164,6 +165,21 @@ def check_tree(drafter: Drafter, tree_budget, draft_length, sampling) -> int:
     return depth
 
 
+def check_context_lookup(context_lookup, tree_budget: int | None) -> int:
+    """The shortest repeat a tree step copies from (`decode.lookup`): None -> the default with a tree (0 without);
+    0 = off; 1..MAX_MATCH. A chain takes none."""
+    if context_lookup is None:
+        return DEFAULT_MIN_MATCH if tree_budget is not None else 0
+    if (not isinstance(context_lookup, (int, np.integer)) or isinstance(context_lookup, bool)
+            or not 0 <= context_lookup <= MAX_MATCH):
+        raise ValueError(f"context_lookup must be an integer in 0..{MAX_MATCH} (the shortest repeat of the output's "
+                         f"last tokens a draft tree copies from; 0: off), got {context_lookup!r}")
+    if context_lookup and tree_budget is None:
+        raise ValueError(f"context_lookup={context_lookup}: context lookup fills a draft tree's nodes; this call runs "
+                         "a chain (give tree_budget=, or leave context_lookup at None)")
+    return int(context_lookup)
+
+
 def check_tree_fits(tree_budget: int, cache_slots: int) -> None:
     """The verify of root + tree_budget nodes must fit in the cache bucket of the call (its fresh K/V and mask are
     sized by the tree, its scratch never outgrows the cache it extends)."""
@@ -189,5 +205,5 @@ def row_keys(seed: int, batch: int) -> np.ndarray:
     return np.asarray(jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(base, i)))(jnp.arange(batch)))
 
 
-__all__ = ["check_budget", "check_draft_length", "check_tree", "check_tree_fits", "prepare_prompt", "row_keys", "unpad",
-           "warn_short_drafter_context"]
+__all__ = ["check_budget", "check_context_lookup", "check_draft_length", "check_tree", "check_tree_fits",
+           "prepare_prompt", "row_keys", "unpad", "warn_short_drafter_context"]

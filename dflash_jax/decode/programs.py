@@ -39,8 +39,8 @@ from dflash_jax.decode.call import PROGRAM_PREFIX, ProgramCall, to_host
 from dflash_jax.decode.loop import Budget, autoregressive_loop, speculative_loop
 from dflash_jax.decode.options import GenerationOptions, keyword_signature, settings
 from dflash_jax.decode.prefill import prefill_program
-from dflash_jax.decode.prepare import (check_budget, check_draft_length, check_tree, check_tree_fits, prepare_prompt,
-                                       row_keys, unpad, warn_short_drafter_context)
+from dflash_jax.decode.prepare import (check_budget, check_context_lookup, check_draft_length, check_tree,
+                                       check_tree_fits, prepare_prompt, row_keys, unpad, warn_short_drafter_context)
 from dflash_jax.decode.result import GenerationResult
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.models.drafter import Drafter, as_compiled
@@ -72,7 +72,7 @@ def _jit_program(name: str, program, static: tuple[str, ...], donate: tuple[int,
 
 
 PREFILL_STATIC = ("cache_len", "stamp")
-SPECULATIVE_STATIC = ("draft_length", "out_len", "tree_budget")
+SPECULATIVE_STATIC = ("draft_length", "out_len", "tree_budget", "context_lookup")
 AUTOREGRESSIVE_STATIC = ("out_len",)
 _DEFS = {"prefill": (prefill_program, PREFILL_STATIC, ()),
          "speculative": (speculative_loop, SPECULATIVE_STATIC, (2,)),
@@ -138,9 +138,11 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
     tree_budget = None if drafter is None else options.tree_budget
     if drafter is not None:
         loop_static["draft_length"] = D
+    min_match = 0 if drafter is None else check_context_lookup(options.context_lookup, tree_budget)
     if tree_budget is not None:  # checked against the cache bucket here, before anything is traced
         check_tree_fits(tree_budget, prefill_static["cache_len"])
         loop_static["tree_budget"] = int(tree_budget)
+        loop_static["context_lookup"] = min_match
     budget = Budget(max_new=np.int32(max_new), max_steps=np.int32(int(max_new) - 1), eos=buckets.padded_eos(eos))
     batch = len(lens)
     # The batch is bucketed, and on a mesh it goes along "data": padded to a multiple of the axis too. Padding rows
@@ -161,6 +163,7 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
     args = (_as_compiled(target), _as_compiled(drafter), padded, lens, keys, sampling, budget)
     return ProgramCall(name=name, args=args, prefill_static=prefill_static, loop_static=loop_static,
                        context=context, max_new=int(max_new), draft_length=D, tree_budget=tree_budget, eos=eos,
+                       context_lookup=min_match,
                        prefill_program=_program("prefill"), loop_program=_program(name), batch=batch, prompts=prompts,
                        return_prompt=bool(options.return_prompt),
                        draft_pass=None if drafter is None else drafter.config.draft_pass)
