@@ -131,7 +131,7 @@ def _drafted(res) -> str:
     """What a step drafted: a chain of D tokens, or a draft tree (its depth bounds what a step accepts)."""
     if res.tree_budget:
         over = ", drafted from the tree's depth only" if res.draft_pass == "drafted" else ""
-        copied = (f"; or the continuation of a {res.context_lookup}+ token repeat in the output, where one exists"
+        copied = (f"; or the continuation of a {res.context_lookup}+ token repeat in the text, where one exists"
                   if res.context_lookup else "")
         return f"depth {res.draft_length} (a draft tree of {res.tree_budget} nodes{over}{copied})"
     if res.draft_length == 0:
@@ -205,8 +205,9 @@ def main(argv=None):
     g.add_argument("--tree-budget", type=int, default=None,
                    help="draft a tree of N nodes per step instead of a chain (one choice with --draft-length)")
     g.add_argument("--context-lookup", type=int, default=None, metavar="K",
-                   help="with a draft tree: a step whose output ends in a repeat of K+ tokens verifies what followed "
-                        "its last occurrence instead of the drafter's tree (same cost and output; default 2; 0: off)")
+                   help="with a draft tree: a step whose text (prompt and output) ends in a repeat of K+ tokens "
+                        "verifies what followed its last occurrence instead of the drafter's tree (same cost and "
+                        "output; default 2; 0: off)")
     g.add_argument("--draft-pass", choices=("block", "drafted"), default=None,
                    help="the block a draft pass reads: the whole block (z-lab's) or the drafted slots only (default: "
                         "the step table's best row's, else the whole block)")

@@ -1,9 +1,10 @@
 """Context lookup in draft trees (`generate(..., tree_budget=N, context_lookup=k)`, decode/lookup.py): a row whose
-output ends in a repeat of k+ tokens verifies the continuation of the repeat's last occurrence instead of the
-drafter's tree that step.
+text (its prompt's tail, then its output) ends in a repeat of k+ tokens verifies the continuation of the repeat's
+last occurrence instead of the drafter's tree that step.
 
 1. The search against a plain-Python reference (the longest match up to MAX_MATCH, then the latest; token 0 is a
-   token; entries past the row's length are never read), and the chain it becomes.
+   token; entries past the row's length are never read; the prompt's tail searched first, its padding never a
+   match), and the chain it becomes.
 2. Greedy generation with lookup == autoregressive on ragged batches (Qwen3, Llama, hybrid), where lookup fires
    (tau rises over the same runs without it); a planted bug (the copied nodes hung off the root instead of each
    other) breaks it. The law at temperature > 0 with lookup firing is test_tree.py's (its SAMPLED cases include
@@ -78,6 +79,27 @@ def test_continuation_on_random_rows_and_min_matches():
 def test_junk_past_the_row_is_never_read():
     # junk that would extend the repeat ([5, 6] followed by 5, 6 ...) must not count
     assert run([[5, 6, 1, 5, 6]], 4, 2, junk=5) == [[1, 5, 6]]
+
+
+def test_prompt_tail_right_aligns_the_last_prompt_tokens():
+    prompt = jnp.asarray([[4, 5, 6, 7, 0, 0], [1, 2, 3, 4, 5, 6], [9, 0, 0, 0, 0, 0]], jnp.int32)  # right-padded
+    tail = L.prompt_tail(prompt, jnp.asarray([4, 6, 0], jnp.int32), 5)
+    N = L.NOT_TEXT
+    assert tail.tolist() == [[N, 4, 5, 6, 7], [2, 3, 4, 5, 6], [N, N, N, N, N]]
+
+
+def test_the_prompt_is_searched_before_the_output_and_its_padding_never_matches():
+    N = L.NOT_TEXT
+    prefix = jnp.asarray([[N, N, 3, 8, 9, 4], [N, N, N, N, N, N], [N, N, N, N, 5, 6]], jnp.int32)
+    out = jnp.asarray([[8, 9, 0, 0], [5, 5, 0, 0], [1, 5, 6, 0]], jnp.int32)
+    tokens, n = L.continuation(out, jnp.asarray([2, 2, 3], jnp.int32), 3, 2, prefix)
+    got = [np.asarray(tokens)[b, :int(n[b])].tolist() for b in range(3)]
+    # row 0: [8, 9] occurred in the prompt, followed by 4 and then the output's 8, 9; row 1: the padding's run of
+    # NOT_TEXT never counts as a repeat; row 2: [5, 6] ends the prompt and the output, followed by the output's 1, 5
+    assert got == [[4, 8, 9], [], [1, 5, 6]]
+    # the same rows as one list each, against the reference search
+    rows = [[3, 8, 9, 4, 8, 9], [5, 5], [5, 6, 1, 5, 6]]
+    assert got == [reference(r, 3, 2) for r in rows]
 
 
 def test_prefer_context_takes_the_chain_where_a_row_matches():

@@ -115,18 +115,19 @@ def _run(body, state: LoopState, budget: Budget):
 
 
 def _tree_step(target: Target, drafter: Drafter, s: LoopState, sampling: SamplingParams, depth: int,
-               budget_nodes: int, context_lookup: int = 0):
+               budget_nodes: int, context_lookup: int = 0, prompt_tail: jax.Array | None = None):
     """One draft-tree step on the loop state: (committed tokens [B, D + 1], n_acc [B], target cache with the
     accepted path committed (lengths advanced only for active rows), pending features [B, D + 1, K*H], draft cache,
     keys). D = depth, N = budget_nodes; T = 1 + N verified nodes. context_lookup > 0: rows whose output ends in a
-    repeat of at least that many tokens take the continuation of its last occurrence as their tree (`lookup`)."""
+    repeat of at least that many tokens (in prompt_tail [B, W], then the output) take the continuation of its last
+    occurrence as their tree (`lookup`)."""
     tcfg, dcfg = target.config, drafter.config
     B, D, N = s.last.shape[0], depth, budget_nodes
     dcache = append_context(drafter, s.pending, s.n_pending, s.dcache)
     block = draft_block(drafter, s.last, D)  # [B, W]: W = bs, or D + 1 (`draft_pass`)
     tr = draft_tree(drafter, target, block, dcache, D, N, sampling)  # one draft pass, as the chain's
     if context_lookup:
-        tr, _ = lookup.prefer_context(tr, s.out, s.n_out, D, context_lookup)
+        tr, _ = lookup.prefer_context(tr, s.out, s.n_out, D, context_lookup, prompt_tail)
     kernel = tcfg.linear_conv_kernel_dim if tcfg.is_hybrid else 1
     anc = tree.ancestors(tr, max(D, kernel - 1))  # [B, 1 + N, >= D + 1]
     layout = TreeLayout(positions=tree.positions(tr, s.start), mask=tree.ancestor_mask(anc[..., :D + 1]),
@@ -203,7 +204,7 @@ def _tree_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sampling:
     def body(s: LoopState) -> LoopState:
         active = ~s.done
         committed, n_acc, tcache, feats, dcache, keys = _tree_step(target, drafter, s, sampling, D, budget_nodes,
-                                                                   context_lookup)
+                                                                   context_lookup, pre.prompt_tail)
         out, n_out, done = _commit(s, committed, n_acc + 1, budget)
         bonus = jnp.take_along_axis(committed, n_acc[:, None], axis=1)[:, 0]
         return s.replace(

@@ -34,9 +34,9 @@ class GenerationOptions(Replaceable):
     # depth follows from its budget and the drafter's block, min(tree_budget, block_size - 1). None: the chain.
     # DFlash drafters only (DFlash2's selector drafts sequentially).
     tree_budget: int | None = None
-    # Context lookup in draft trees: a row whose output ends in a repeat of at least this many tokens verifies the
-    # continuation of their last occurrence (copied from its own output, a chain of up to the tree's depth) instead
-    # of the drafter's tree that step: same verify, the target's own tokens walked as for any tree, so the output is
+    # Context lookup in draft trees: a row whose text (its prompt's last 512 tokens, then its output) ends in a repeat
+    # of at least this many tokens verifies the continuation of their last occurrence (a chain of up to the tree's
+    # depth) instead of the drafter's tree that step: same verify, the target's own tokens walked as for any tree, so the output is
     # unchanged in law (greedy: token for token) and only acceptance moves (`decode.lookup`). None: 2 with a tree
     # (measured best, docs/cpu-step.md "Context lookup"); 0: off. Draft trees only.
     context_lookup: int | None = None

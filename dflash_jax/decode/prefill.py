@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from dflash_jax.decode import lookup
 from dflash_jax.models.cache import KVCache
 from dflash_jax.models.drafter import Drafter, append_context, empty_draft_cache
 from dflash_jax.models.target import Target, forward_with_cache
@@ -77,17 +78,21 @@ class Prefilled:
     tcache: KVCache  # the target cache, lengths = lens
     dcache: KVCache | None  # the drafter's context cache (every prompt position), None without a drafter
     step: jax.Array  # [] int32 0 (the prefill stamp's result when timed by callback)
+    # [B, W] int32 each row's last W prompt tokens, right-aligned (`decode.lookup.prompt_tail`), for a draft tree's
+    # context lookup; None where the loop does not look up
+    prompt_tail: jax.Array | None = None
 
 
-def prefill_program(target: Target, drafter: Drafter | None, prompt, lens, *, cache_len: int, stamp: bool
-                    ) -> Prefilled:
+def prefill_program(target: Target, drafter: Drafter | None, prompt, lens, *, cache_len: int, stamp: bool,
+                    lookup_window: int = 0) -> Prefilled:
     """What the prefill program traces: prompt [B, Tp] int32 and lens [B] -> the handoff to the loop (stamped when
-    prefill is timed by callback)."""
+    prefill is timed by callback; with the prompts' last `lookup_window` tokens for context lookup when > 0)."""
     B, _ = prompt.shape
     chex.assert_shape(lens, (B,))
     logits, _, tcache, dcache = prefill(target, prompt, lens, cache_len, drafter=drafter)
     step = _mark_prefill_done(logits) if stamp else jnp.zeros((), jnp.int32)
-    return Prefilled(logits=logits, lens=lens, tcache=tcache, dcache=dcache, step=step)
+    tail = lookup.prompt_tail(prompt, lens, lookup_window) if lookup_window else None
+    return Prefilled(logits=logits, lens=lens, tcache=tcache, dcache=dcache, step=step, prompt_tail=tail)
 
 
 __all__ = ["Prefilled", "STAMPS", "prefill", "prefill_program"]

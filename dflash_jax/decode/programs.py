@@ -36,6 +36,7 @@ from dflash_jax.config import check_pair
 from dflash_jax.decode import buckets
 from dflash_jax.decode.draft_length import default_setting
 from dflash_jax.decode.call import PROGRAM_PREFIX, ProgramCall, to_host
+from dflash_jax.decode.lookup import PROMPT_WINDOW
 from dflash_jax.decode.loop import Budget, autoregressive_loop, speculative_loop
 from dflash_jax.decode.options import GenerationOptions, keyword_signature, settings
 from dflash_jax.decode.prefill import prefill_program
@@ -71,7 +72,7 @@ def _jit_program(name: str, program, static: tuple[str, ...], donate: tuple[int,
     return jax.jit(traced, static_argnames=static, donate_argnums=donate, compiler_options=compiler_options)
 
 
-PREFILL_STATIC = ("cache_len", "stamp")
+PREFILL_STATIC = ("cache_len", "stamp", "lookup_window")
 SPECULATIVE_STATIC = ("draft_length", "out_len", "tree_budget", "context_lookup")
 AUTOREGRESSIVE_STATIC = ("out_len",)
 _DEFS = {"prefill": (prefill_program, PREFILL_STATIC, ()),
@@ -143,6 +144,8 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
         check_tree_fits(tree_budget, prefill_static["cache_len"])
         loop_static["tree_budget"] = int(tree_budget)
         loop_static["context_lookup"] = min_match
+        if min_match:  # the prompts' last tokens, handed to the loop for the search
+            prefill_static["lookup_window"] = PROMPT_WINDOW
     budget = Budget(max_new=np.int32(max_new), max_steps=np.int32(int(max_new) - 1), eos=buckets.padded_eos(eos))
     batch = len(lens)
     # The batch is bucketed, and on a mesh it goes along "data": padded to a multiple of the axis too. Padding rows
