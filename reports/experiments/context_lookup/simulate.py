@@ -10,8 +10,8 @@ def lookup_k(seq, t, D, kmax=6):
             if seq[j - k + 1:j + 1] == pat:
                 return k, seq[j + 1:min(j + 1 + D, t + 1)]
     return 0, []
-def ddtree(ids, lps, N):
-    # nodes: list of (prefix tuple); best-first over sums of per-depth log-probs, top-K=min(N,4) per depth
+def ddtree_list(ids, lps, N):
+    """The N best prefixes in pop order: best-first over sums of per-depth log-probs, top-K = min(N, 4) per depth."""
     D = min(N, 7); K = min(N, 4)
     nodes = []; heap = [(-lps[0][0], (0,))]
     while heap and len(nodes) < N:
@@ -19,11 +19,12 @@ def ddtree(ids, lps, N):
         nodes.append(tuple(ids[d][r] for d, r in enumerate(ranks)))
         d = len(ranks) - 1
         if ranks[-1] + 1 < K:
-            sib = ranks[:-1] + (ranks[-1] + 1,)
-            heapq.heappush(heap, (negs + lps[d][ranks[-1]] - lps[d][ranks[-1] + 1], sib))
+            heapq.heappush(heap, (negs + lps[d][ranks[-1]] - lps[d][ranks[-1] + 1], ranks[:-1] + (ranks[-1] + 1,)))
         if d + 1 < D:
             heapq.heappush(heap, (negs - lps[d + 1][0], ranks + (0,)))
-    return set(nodes)
+    return nodes
+def ddtree(ids, lps, N):
+    return set(ddtree_list(ids, lps, N))
 def accepted(nodes, seq, t):
     a = 0
     while t + 1 + a < len(seq) and tuple(seq[t + 1:t + 2 + a]) in nodes: a += 1
@@ -62,18 +63,6 @@ for N in (1, 2, 3, 4, 7, 8):
         res.append(f"split {N-L}+L{L} {sim(pol2):.3f}")
     print("  ".join(res), flush=True)
 print("variants")
-def ddtree_list(ids, lps, N):
-    D = min(N, 7); K = min(N, 4)
-    nodes = []; heap = [(-lps[0][0], (0,))]
-    while heap and len(nodes) < N:
-        negs, ranks = heapq.heappop(heap)
-        nodes.append(tuple(ids[d][r] for d, r in enumerate(ranks)))
-        d = len(ranks) - 1
-        if ranks[-1] + 1 < K:
-            heapq.heappush(heap, (negs + lps[d][ranks[-1]] - lps[d][ranks[-1] + 1], ranks[:-1] + (ranks[-1] + 1,)))
-        if d + 1 < D:
-            heapq.heappush(heap, (negs - lps[d + 1][0], ranks + (0,)))
-    return nodes
 for N in (1, 2, 3, 4, 7):
     res = [f"N{N}"]
     for kthr in (1, 2, 3):
