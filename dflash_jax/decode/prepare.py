@@ -172,8 +172,9 @@ def check_context_lookup(context_lookup, tree_budget: int | None) -> int:
         return DEFAULT_MIN_MATCH if tree_budget is not None else 0
     if (not isinstance(context_lookup, (int, np.integer)) or isinstance(context_lookup, bool)
             or not 0 <= context_lookup <= MAX_MATCH):
-        raise ValueError(f"context_lookup must be an integer in 0..{MAX_MATCH} (the shortest repeat of the output's "
-                         f"last tokens a draft tree copies from; 0: off), got {context_lookup!r}")
+        raise ValueError(f"context_lookup must be an integer in 0..{MAX_MATCH} (the shortest repeat of the row's "
+                         f"last tokens, in its prompt and output, a draft tree copies from; 0: off), got "
+                         f"{context_lookup!r}")
     if context_lookup and tree_budget is None:
         raise ValueError(f"context_lookup={context_lookup}: context lookup fills a draft tree's nodes; this call runs "
                          "a chain (give tree_budget=, or leave context_lookup at None)")
