@@ -377,6 +377,77 @@ def test_processed_probs_matches_reference(temperature, top_k, top_p):
         assert ((got > 0).sum(-1) <= top_k).all()
 
 
+@pytest.mark.parametrize("V", [5, 128, 300, 49152])
+def test_categorical_is_the_inverse_cdf_and_never_picks_a_token_without_mass(V):
+    """The two-level inverse CDF (block masses, then one block's cumulative sum) picks the index a float64 inverse CDF
+    over the whole row picks, up to rounding at a boundary; and never an index without mass, even for u at the top
+    of (0, 1) with the mass ending before the last block (a top-k / top-p row, or the padding after V)."""
+    rng = np.random.default_rng(V)
+    rows = 400
+    probs = rng.dirichlet(np.full(V, 0.3), size=rows).astype(np.float32)
+    probs[: rows // 2, rng.random(V) < 0.6] = 0.0  # sparse rows: most entries filtered out
+    probs[: rows // 2, 0] += 1e-3  # every row keeps some mass
+    probs[rows // 4: rows // 2, V // 2:] = 0.0  # the mass ends mid-row
+    u = rng.random(rows).astype(np.float32)
+    u[::7] = np.float32(1.0) - np.float32(2.0**-23)  # the largest uniform _draw can give
+    u[1::7] = np.finfo(np.float32).tiny
+    got = np.asarray(jax.jit(sampling._categorical)(jnp.asarray(u), jnp.asarray(probs)))
+    assert got.shape == (rows,) and (got >= 0).all() and (got < V).all()
+    assert (probs[np.arange(rows), got] > 0).all()
+    cdf = np.cumsum(probs.astype(np.float64), axis=-1)
+    want = np.minimum((cdf < (u.astype(np.float64) * cdf[:, -1])[:, None]).sum(-1), V - 1)
+    agree = got == want
+    # where they differ, the uniform sits within float32 rounding of the boundary between the two picks
+    lo = np.minimum(got, want)
+    gap = np.abs(cdf[np.arange(rows), lo] - u * cdf[:, -1]) / cdf[:, -1]
+    assert (agree | (gap < 1e-5)).all(), np.flatnonzero(~agree)
+    assert agree.mean() > 0.95, agree.mean()
+
+
+def test_categorical_where_the_block_sum_and_the_in_block_sum_round_apart():
+    """A block's mass (one reduction) and the cumulative sum inside it (a scan) add in different orders, so at u near
+    1 the in-block sum can end just short of the block's share: the pick is then the block's last entry with mass,
+    not the entry after it (here a filtered one, with no mass)."""
+    rng = np.random.default_rng(0)
+    probs = np.zeros((2000, 2 * sampling.CDF_BLOCK), np.float32)
+    probs[:, : sampling.CDF_BLOCK - 3] = rng.random((2000, sampling.CDF_BLOCK - 3)) ** 8  # the last 3 have no mass
+    u = jnp.full((2000,), np.float32(1.0) - np.float32(2.0**-23))
+    got = np.asarray(jax.jit(sampling._categorical)(u, jnp.asarray(probs)))
+    assert (probs[np.arange(2000), got] > 0).all(), np.flatnonzero(probs[np.arange(2000), got] == 0)
+
+
+def _ref_top_p_keep(p, top_p):
+    """The top-p set of one stable full ordering (float64), as `ref_probs` keeps it."""
+    order = np.argsort(-p, axis=-1, kind="stable")
+    sorted_p = np.take_along_axis(p, order, axis=-1).astype(np.float64)
+    keep = np.zeros(p.shape, bool)
+    np.put_along_axis(keep, order, np.cumsum(sorted_p, axis=-1) - sorted_p < top_p, axis=-1)
+    return keep
+
+
+@pytest.mark.parametrize("V", [7, 1000, 49152])
+@pytest.mark.parametrize("top_p", [1e-6, 0.3, 0.9, 0.999])
+def test_top_p_by_bisection_is_the_top_p_set_of_a_full_ordering(V, top_p):
+    """`_top_p_keep` (no ordering of the vocabulary) keeps exactly the set a stable full ordering keeps, ties at the
+    cut split by id, wherever the cut is not within float32 rounding of top_p."""
+    rng = np.random.default_rng(V)
+    logits = rng.standard_normal((6, V)).astype(np.float32) * np.float32(3.0)
+    logits[1] = np.round(logits[1])  # many exact ties: a cut inside a run of equal probabilities
+    logits[2] = 0.0  # all equal: keep the lowest ids
+    logits[3, : V // 2] = -np.inf  # half the vocabulary has no mass
+    probs = np.asarray(jax.nn.softmax(jnp.asarray(logits), axis=-1))
+    got = np.asarray(jax.jit(sampling._top_p_keep)(jnp.asarray(probs), np.float32(top_p)))
+    want = _ref_top_p_keep(probs, top_p)
+    for r in range(len(probs)):
+        if not (got[r] == want[r]).all():  # only where float32 and float64 sums disagree about the cut
+            order = np.argsort(-probs[r], kind="stable")
+            mass_before = np.cumsum(probs[r][order].astype(np.float64)) - probs[r][order]
+            boundary = mass_before[np.flatnonzero(got[r][order] != want[r][order])]
+            assert (np.abs(boundary - top_p) < 1e-5).all(), (r, boundary)
+        assert got[r][np.argmax(probs[r])] and (probs[r][got[r]] > 0).all()
+    assert got[2].sum() == min(V, max(1, int(np.ceil(top_p * V - 1e-3)))) and got[2][: got[2].sum()].all()  # lowest ids
+
+
 def test_top_p_keeps_smallest_prefix_reaching_the_mass():
     logits = _logits_from_probs([[0.5, 0.3, 0.15, 0.05]])
     for top_p, keep in [(0.45, 1), (0.55, 2), (0.79, 2), (0.81, 3), (0.94, 3), (0.96, 4), (1.0, 4)]:
