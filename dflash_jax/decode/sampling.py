@@ -30,6 +30,8 @@ import numpy as np
 
 from dflash_jax.models.layers import first_argmax
 
+CDF_BLOCK = 128  # ids per block of the two-level searches (`_categorical`, `_nth_true`)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +116,7 @@ def _top_p_keep(probs: jax.Array, top_p) -> jax.Array:
     Non-negative float32 values order as their bit patterns, so a bisection over the bits finds the smallest
     probability c whose strictly larger ones hold less than top_p (31 passes, each one masked sum over the row): all
     tokens above c are kept, and of the tokens at exactly c the first n (by id) while c's earlier ones' mass stays
-    below top_p, n found by a second bisection over the ids (only where ties split, which real logits rarely do)."""
+    below top_p (the n-th tied id found in two levels, `_nth_true`)."""
     lead, V = probs.shape[:-1], probs.shape[-1]
     p = probs.reshape(-1, V)  # [R, V]
     bits = jax.lax.bitcast_convert_type(p, jnp.int32)  # [R, V] ordered as p (p >= 0)
@@ -140,10 +142,22 @@ def _top_p_keep(probs: jax.Array, top_p) -> jax.Array:
     room = jnp.ceil((top_p - mass_above(c)) / jnp.maximum(value, jnp.finfo(jnp.float32).tiny))
     n_keep = jnp.clip(room, 1, n_tied).astype(jnp.int32)
     ids = jnp.arange(V, dtype=jnp.int32)
-    last = smallest(jnp.zeros((rows,), jnp.int32), jnp.full((rows,), V - 1, jnp.int32),
-                    lambda m: jnp.sum(at_c & (ids <= m[:, None]), axis=-1) >= n_keep, max(1, (V - 1).bit_length()))
-    keep = (bits > c[:, None]) | (at_c & (ids <= last[:, None]))
+    keep = (bits > c[:, None]) | (at_c & (ids <= _nth_true(at_c, n_keep)[:, None]))
     return keep.reshape(lead + (V,))
+
+
+def _nth_true(mask: jax.Array, n: jax.Array) -> jax.Array:
+    """mask [R, V] bool, n [R] in 1..count -> [R] the id of each row's n-th True, in two levels as `_categorical`:
+    the blocks' counts and their cumulative sum pick the block, one block's cumulative count the id (exact: integers)."""
+    R, V = mask.shape
+    nb = -(-V // CDF_BLOCK)
+    blocks = jnp.pad(mask.astype(jnp.int32), ((0, 0), (0, nb * CDF_BLOCK - V))).reshape(R, nb, CDF_BLOCK)
+    cum = jnp.cumsum(blocks.sum(axis=-1), axis=-1)  # [R, nb]
+    j = jnp.minimum(jnp.sum(cum < n[:, None], axis=-1), nb - 1)  # [R] the block holding the n-th
+    before = jnp.where(j > 0, jnp.take_along_axis(cum, jnp.maximum(j - 1, 0)[:, None], axis=-1)[:, 0], 0)
+    block = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]  # [R, CDF_BLOCK]
+    inside = jnp.sum(jnp.cumsum(block, axis=-1) < (n - before)[:, None], axis=-1)
+    return jnp.minimum(j * CDF_BLOCK + inside, V - 1)
 
 
 def _draw(keys: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
@@ -160,9 +174,6 @@ def _draw(keys: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     new_keys, bits = jax.vmap(one)(keys)
     u = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0  # [0, 1), 23 bits
     return new_keys.astype(keys.dtype), jnp.maximum(u, jnp.finfo(jnp.float32).tiny)
-
-
-CDF_BLOCK = 128  # entries per block of the two-level inverse CDF
 
 
 def _categorical(u: jax.Array, probs: jax.Array) -> jax.Array:
