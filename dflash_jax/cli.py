@@ -57,8 +57,8 @@ def _generate(args):
             return f"user: {args.prompt}\nassistant: {tok.decode(tokens, skip_special=True)}"
         return args.prompt + tok.decode(tokens)
     # prefill timed by a rerun rather than a host callback: programs with callbacks never enter the compile cache
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_ids=(tok.eos_id,),
-              seed=args.seed, prefill_timing="rerun")
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+              eos_ids=(tok.eos_id,), seed=args.seed, prefill_timing="rerun")
     if args.no_compare:  # the text alone: one speculative run, nothing timed
         sp = generate(target, drafter, [ids], draft_length=args.draft_length, tree_budget=args.tree_budget,
                       context_lookup=args.context_lookup, draft_pass=args.draft_pass, **kw)
@@ -189,6 +189,22 @@ def _compilation_cache():
     enable_compilation_cache()
 
 
+def _add_filters(parser):
+    """--top-p / --top-k: the sampling filters at temperature > 0 (target and drafter alike; no effect when greedy)."""
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="at temperature > 0: sample from the smallest set of most likely tokens whose mass "
+                             "reaches P (0 < P <= 1; default 1: off)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="at temperature > 0: sample from the K most likely tokens (default 0: off)")
+
+
+def _check_filters(ap, args):
+    if not 0 < args.top_p <= 1:
+        ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        ap.error(f"--top-k must be >= 0 (0: off), got {args.top_k}")
+
+
 def main(argv=None):
     from dflash_jax.bench.flags import add_q8_flag  # lazily, as above
 
@@ -213,6 +229,7 @@ def main(argv=None):
                         "the step table's best row's, else the whole block)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (output identical to autoregressive); > 0 = lossless rejection sampling")
+    _add_filters(g)
     g.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     g.add_argument("--nvfp4", action="store_true", help="quantize the drafter to NVFP4 first")
     g.add_argument("--no-compare", action="store_true",
@@ -278,6 +295,7 @@ def main(argv=None):
     b.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy (default); > 0 = rejection sampling (then 'exact' is not expected to hold); "
                         "--pair-table runs 0 and 0.7 unless given")
+    _add_filters(b)
     b.add_argument("--bf16-exactness", action="store_true",
                    help="greedy speculative vs autoregressive with the shipped pair in bfloat16 compute: mismatch rate "
                         "(rows differing) and first-divergence position (default 32 prompts x 256 tokens, batched)")
@@ -333,6 +351,8 @@ def main(argv=None):
         _compilation_cache()
         return train_main(rest)
     args = ap.parse_args(argv)
+    if args.cmd in ("generate", "bench"):
+        _check_filters(ap, args)
     _compilation_cache()
     if args.cmd == "audit":
         return _audit(args)

@@ -1,5 +1,7 @@
 """The dflash-jax command on the embedded models."""
 
+import re
+
 from dflash_jax import cli
 from dflash_jax.decode import programs
 
@@ -230,6 +232,41 @@ def test_bench_tables_take_their_draft_lengths_from_the_drafter(monkeypatch, tmp
     assert "draft length 3 (block 4)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"--draft-length 7: the drafter's block holds 4 tokens .*so 1\.\.3"):
         cli.main(["bench", "--pair-table", "--draft-length", "7", "--prompts", "1", "--new-tokens", "4"])
+
+
+@pytest.mark.parametrize("bad,message", [(["--top-p", "0"], r"--top-p must be in \(0, 1\], got 0.0"),
+                                         (["--top-p", "1.5"], r"--top-p must be in \(0, 1\], got 1.5"),
+                                         (["--top-k", "-1"], r"--top-k must be >= 0 \(0: off\), got -1")])
+@pytest.mark.parametrize("command", [["generate", "def f():"], ["bench", "--pair-table"]])
+def test_bad_sampling_filters_are_refused_before_anything_loads(command, bad, message, capsys, monkeypatch):
+    from dflash_jax.io import shipped
+
+    monkeypatch.setattr(shipped, "load_default", lambda **kw: pytest.fail("loaded the models"))
+    with pytest.raises(SystemExit):
+        cli.main(command + bad)
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_the_sampling_filters_reach_both_runs(monkeypatch, tmp_path, capsys):
+    """`--top-p` / `--top-k` go to the speculative and the autoregressive run alike (what the table compares), and
+    the header names them."""
+    from dflash_jax.bench import command, speculative
+
+    pair = _tiny_pair_with_block(4)
+    monkeypatch.setattr(command, "load_default", lambda **kw: pair)
+    seen = []
+    for name in ("generate", "generate_autoregressive"):
+        real = getattr(speculative, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            seen.append((_name, k.get("temperature"), k.get("top_p"), k.get("top_k")))
+            return _real(*a, **k)
+        monkeypatch.setattr(speculative, name, spy)
+    cli.main(["bench", "--pair-table", "--temperature", "0.7", "--top-p", "0.9", "--top-k", "20", "--prompts", "1",
+              "--new-tokens", "4"])
+    assert "rejection sampling with top-p 0.9, top-k 20" in capsys.readouterr().out
+    assert {n for n, *_ in seen} == {"generate", "generate_autoregressive"}
+    assert {tuple(x) for _, *x in seen} == {(0.7, 0.9, 20)}, seen
 
 
 def test_the_acceptance_line_of_plain_decoding_has_no_rate():

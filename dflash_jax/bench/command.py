@@ -185,12 +185,13 @@ def speculative_vs_autoregressive(args, target, drafter, prompts):
     print(f"embedded models, {len(prompts)} held-out stdlib prompts, batch 1, greedy, draft length {D} (block "
           f"{drafter.config.block_size}); decode tokens/s exclude prefill and compile; medians over prompts; one run")
     if args.temperature:
-        print(f"temperature {args.temperature}: rejection sampling; 'exact' compares with one AR sample (not expected "
-              "to match)")
+        print(f"temperature {args.temperature}{_filters(args)}: rejection sampling; 'exact' compares with one AR "
+              "sample (not expected to match)")
     results = []
     for n in args.new_tokens:
         results.append(bench.compare(target, drafter, prompts, max_new_tokens=n, draft_length=D, drafters=extra,
-                                     temperature=args.temperature, seed=args.seed))
+                                     temperature=args.temperature, seed=args.seed, top_p=args.top_p,
+                                     top_k=args.top_k))
     print(bench.format_compare_table(results, names))
     if names2:
         print()
@@ -228,18 +229,24 @@ def bf16_exactness(args):
     return d
 
 
+def _filters(args) -> str:
+    """The sampling filters of a sampled run, as the header names them (empty when off)."""
+    parts = ([f"top-p {args.top_p}"] if args.top_p < 1 else []) + ([f"top-k {args.top_k}"] if args.top_k else [])
+    return f" with {', '.join(parts)}" if parts else ""
+
+
 def pair_table(args, target, drafter, prompts):
     lengths = (args.draft_length,) if args.draft_length else draft_lengths([drafter], (7, 15))
     temps = (args.temperature,) if args.temperature is not None else (0.0, 0.7)
     print(f"embedded pair, {len(prompts)} held-out prompts, batch 1, dense and NVFP4 (RTN) DFlash drafter; decode "
           f"tokens/s exclude prefill and compile; speedup = median drafter tok/s / median AR tok/s, same run; at T > 0 "
-          f"rejection sampling (output not expected to equal the AR sample)")
+          f"rejection sampling{_filters(args)} (output not expected to equal the AR sample)")
     budgets = () if args.tree_budgets is None or drafter.config.is_dflash2 else tuple(args.tree_budgets)
     if budgets and not args.draft_length:
         lengths = ()  # --tree-budgets alone: the tree rows only
     rows = bench.pair_table(target, {"dense": drafter, "nvfp4": quantize_nvfp4(drafter)}, prompts,
                             new_tokens=args.new_tokens, draft_lengths=lengths, temperatures=temps, seed=args.seed,
-                            tree_budgets=budgets)
+                            tree_budgets=budgets, top_p=args.top_p, top_k=args.top_k)
     print(bench.format_pair_table(rows, ("dense", "nvfp4")))
     print(bench.format_pair_goals(rows))
 

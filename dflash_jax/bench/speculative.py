@@ -32,16 +32,17 @@ PREFILL_TIMING = "rerun"
 def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
             draft_length: int | None = None, eos_ids=(), warmup: bool = True, drafters: dict | None = None,
             temperature: float = 0.0, seed: int = 0, tree_budget: int | None = None,
-            context_lookup: int | None = None) -> dict:
+            context_lookup: int | None = None, top_p: float = 1.0, top_k: int = 0) -> dict:
     """Per prompt (batch 1): AR and DFlash decode tokens/s, tau, acceptance. Medians over prompts.
 
     `drafters` may name extra drafters (e.g. {"nvfp4": q}) measured on the same prompts in the same run.
     tree_budget: every drafter drafts trees of that many nodes (draft_length then stays None); context_lookup: the
-    trees' (`GenerationOptions.context_lookup`; None: generate's default).
+    trees' (`GenerationOptions.context_lookup`; None: generate's default); top_p / top_k: the sampling filters at
+    temperature > 0 (both runs).
     """
     drafters = {"dflash": drafter, **(drafters or {})}
     kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=temperature, seed=seed,
-              prefill_timing=PREFILL_TIMING)
+              top_p=top_p, top_k=top_k, prefill_timing=PREFILL_TIMING)
     spec = (dict(draft_length=draft_length) if tree_budget is None
             else dict(tree_budget=tree_budget, context_lookup=context_lookup))
     if warmup:  # compile every program shape before timing
@@ -68,7 +69,7 @@ def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], 
     if tree_budget is not None:
         D = min(tree_budget, drafter.config.block_size - 1)  # the tree's depth
     out = {"max_new_tokens": max_new_tokens, "draft_length": D, "prompts": len(prompts), "temperature": temperature,
-           "ar_tokens_per_s": statistics.median(ar_tps), "tree_budget": tree_budget}
+           "top_p": top_p, "top_k": top_k, "ar_tokens_per_s": statistics.median(ar_tps), "tree_budget": tree_budget}
     for name, r in rows.items():
         steps = np.asarray(r["tau_steps"])
         out[name] = {
@@ -282,10 +283,11 @@ def format_tau_table(rows: list[dict]) -> str:
 
 
 def pair_table(target: Target, drafters: dict, prompts: Sequence[Sequence[int]], *, new_tokens=(128, 512, 1024),
-               draft_lengths=(7, 15), temperatures=(0.0, 0.7), seed: int = 0, tree_budgets=()) -> list[dict]:
+               draft_lengths=(7, 15), temperatures=(0.0, 0.7), seed: int = 0, tree_budgets=(), top_p: float = 1.0,
+               top_k: int = 0) -> list[dict]:
     """The shipped pair's summary grid: for each temperature and setting (a chain of each draft length, then a draft
     tree of each budget), `compare` at every output length with all `drafters` (e.g. dense and NVFP4) on the same
-    prompts; one autoregressive baseline per cell."""
+    prompts; one autoregressive baseline per cell. top_p / top_k: the sampling filters of the sampled rows."""
     (first, d0), *rest = drafters.items()
     settings = [dict(draft_length=D) for D in draft_lengths] + [dict(tree_budget=b) for b in tree_budgets]
     rows = []
@@ -293,7 +295,7 @@ def pair_table(target: Target, drafters: dict, prompts: Sequence[Sequence[int]],
         for spec in settings:
             for n in new_tokens:
                 r = compare(target, d0, prompts, max_new_tokens=n, drafters=dict(rest), temperature=temperature,
-                            seed=seed, **spec)
+                            seed=seed, top_p=top_p, top_k=top_k, **spec)
                 r[first] = r.pop("dflash")  # `compare` names its first drafter "dflash"
                 rows.append(r)
     return rows
