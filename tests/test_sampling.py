@@ -80,12 +80,7 @@ def ref_probs(logits, temperature=1.0, top_k=0, top_p=1.0) -> np.ndarray:
     p = np.exp(x - x.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
     if top_p < 1.0:
-        order = np.argsort(-p, axis=-1, kind="stable")
-        sorted_p = np.take_along_axis(p, order, axis=-1)
-        keep_sorted = np.cumsum(sorted_p, axis=-1) - sorted_p < top_p
-        keep = np.zeros(p.shape, bool)
-        np.put_along_axis(keep, order, keep_sorted, axis=-1)
-        p = np.where(keep, p, 0.0)
+        p = np.where(_ref_top_p_keep(p, top_p), p, 0.0)
         p /= p.sum(axis=-1, keepdims=True)
     return p
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from dflash_jax.models.layers import first_argmax
 
-CDF_BLOCK = 128  # ids per block of the two-level searches (`_categorical`, `_nth_true`)
+CDF_BLOCK = 128  # ids per block of the two-level search (`_first_reaching`)
 
 
 @jax.tree_util.register_dataclass
@@ -85,25 +85,22 @@ def processed_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     is on, else found by bisection (`_top_p_keep`) without ordering the vocabulary.
     """
     x = logits.astype(jnp.float32) / sp.temperature
-    V = x.shape[-1]
-    cap = min(sp.top_k_cap, V) if sp.top_k_cap else 0
-    if cap == 0:
-        probs = jax.nn.softmax(x, axis=-1)
-        if not sp.use_top_p:
-            return probs
-        probs = jnp.where(_top_p_keep(probs, sp.top_p), probs, 0.0)
-        return probs / probs.sum(axis=-1, keepdims=True)
-    vals, order = jax.lax.top_k(x, cap)  # [..., cap] best first (ties: lower index first, as a stable argsort)
-    k = jnp.clip(jnp.asarray(sp.top_k, jnp.int32), 1, cap)  # top_k >= V keeps everything
-    kth = jnp.take(vals, k - 1, axis=-1)[..., None]  # the k-th largest value
-    x = jnp.where(x < kth, -jnp.inf, x)
+    cap = min(sp.top_k_cap, x.shape[-1]) if sp.top_k_cap else 0
+    if cap:
+        vals, order = jax.lax.top_k(x, cap)  # [..., cap] best first (ties: lower index first, as a stable argsort)
+        k = jnp.clip(jnp.asarray(sp.top_k, jnp.int32), 1, cap)  # top_k >= V keeps everything
+        kth = jnp.take(vals, k - 1, axis=-1)[..., None]  # the k-th largest value
+        x = jnp.where(x < kth, -jnp.inf, x)
     probs = jax.nn.softmax(x, axis=-1)
     if not sp.use_top_p:
         return probs
-    sorted_p = jnp.take_along_axis(probs, order, axis=-1)  # [..., cap]
-    mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
-    keep_sorted = mass_before < sp.top_p
-    keep = jnp.zeros(probs.shape, bool).at[tuple(jnp.indices(order.shape)[:-1]) + (order,)].set(keep_sorted)
+    if cap:  # the ordering of the top-k candidates is at hand
+        sorted_p = jnp.take_along_axis(probs, order, axis=-1)  # [..., cap]
+        mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+        keep = jnp.zeros(probs.shape, bool).at[tuple(jnp.indices(order.shape)[:-1]) + (order,)].set(
+            mass_before < sp.top_p)
+    else:
+        keep = _top_p_keep(probs, sp.top_p)
     probs = jnp.where(keep, probs, 0.0)
     return probs / probs.sum(axis=-1, keepdims=True)
 
@@ -147,17 +144,30 @@ def _top_p_keep(probs: jax.Array, top_p) -> jax.Array:
 
 
 def _nth_true(mask: jax.Array, n: jax.Array) -> jax.Array:
-    """mask [R, V] bool, n [R] in 1..count -> [R] the id of each row's n-th True, in two levels as `_categorical`:
-    the blocks' counts and their cumulative sum pick the block, one block's cumulative count the id (exact: integers)."""
-    R, V = mask.shape
+    """mask [R, V] bool, n [R] in 1..count -> [R] the id of each row's n-th True: the first id whose cumulative count
+    reaches n (`_first_reaching`; exact: integers)."""
+    return _first_reaching(mask.astype(jnp.int32), lambda total: n)
+
+
+def _first_reaching(values: jax.Array, target_of) -> jax.Array:
+    """values [R, V] >= 0, target_of: the row sums [R] -> targets [R] (so that a fraction of the total is taken of
+    the very total the search walks) -> [R] int32: the first id whose cumulative sum reaches target, in two levels,
+    because a cumulative sum over the whole vocabulary is slow on a CPU (XLA runs it as a log-depth scan: ~0.25 ms a
+    row over SmolLM2's 49,152 ids): the blocks' sums and their cumulative sum pick the block, then a cumulative sum
+    inside that one block of CDF_BLOCK entries picks the id. The id has a value > 0 (the in-block sum steps up there;
+    where float rounding leaves the in-block sum just short of the block's share, the block's last id with a value)
+    and is < V (padding is 0)."""
+    R, V = values.shape
     nb = -(-V // CDF_BLOCK)
-    blocks = jnp.pad(mask.astype(jnp.int32), ((0, 0), (0, nb * CDF_BLOCK - V))).reshape(R, nb, CDF_BLOCK)
+    blocks = jnp.pad(values, ((0, 0), (0, nb * CDF_BLOCK - V))).reshape(R, nb, CDF_BLOCK)  # [R, nb, CDF_BLOCK]
     cum = jnp.cumsum(blocks.sum(axis=-1), axis=-1)  # [R, nb]
-    j = jnp.minimum(jnp.sum(cum < n[:, None], axis=-1), nb - 1)  # [R] the block holding the n-th
+    target = target_of(cum[:, -1])  # [R]
+    j = jnp.minimum(jnp.sum(cum < target[:, None], axis=-1), nb - 1)  # [R] the first block reaching the target
     before = jnp.where(j > 0, jnp.take_along_axis(cum, jnp.maximum(j - 1, 0)[:, None], axis=-1)[:, 0], 0)
     block = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]  # [R, CDF_BLOCK]
-    inside = jnp.sum(jnp.cumsum(block, axis=-1) < (n - before)[:, None], axis=-1)
-    return jnp.minimum(j * CDF_BLOCK + inside, V - 1)
+    inside = jnp.sum(jnp.cumsum(block, axis=-1) < (target - before)[:, None], axis=-1)
+    last_with_value = CDF_BLOCK - 1 - jnp.argmax(block[:, ::-1] > 0, axis=-1)
+    return jnp.minimum(j * CDF_BLOCK + jnp.minimum(inside, last_with_value), V - 1).astype(jnp.int32)
 
 
 def _draw(keys: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
@@ -180,26 +190,10 @@ def _categorical(u: jax.Array, probs: jax.Array) -> jax.Array:
     """Inverse CDF: one sample per leading index from probs [..., V] (unnormalised is fine), given one uniform per
     leading index, u [...] or [..., 1] in (0, 1): the first index whose cumulative mass reaches u * total mass.
 
-    In two levels, because a cumulative sum over the whole vocabulary is the slowest part of a draw on a CPU (XLA
-    runs it as a log-depth scan: ~0.25 ms a row over SmolLM2's 49,152 ids, against ~0.05 ms for everything else):
-    the blocks' masses and their cumulative sum pick the block where the mass reaches u * total, then a cumulative
-    sum inside that one block of CDF_BLOCK entries picks the index. The chosen index always has mass > 0 (the block's
-    cumulative sum steps up there; where rounding leaves the in-block sum just short of the block's share, the block's
-    last entry with mass) and is < V (padding has no mass)."""
+    In two levels (`_first_reaching`): a cumulative sum over the whole vocabulary is the slowest part of a draw on a
+    CPU. The chosen index always has mass > 0 and is < V."""
     lead, V = probs.shape[:-1], probs.shape[-1]
-    n = -(-V // CDF_BLOCK)
-    p = jnp.pad(probs.astype(jnp.float32).reshape(-1, V), ((0, 0), (0, n * CDF_BLOCK - V)))
-    blocks = p.reshape(-1, n, CDF_BLOCK)  # [R, n, CDF_BLOCK]
-    block_mass = blocks.sum(axis=-1)  # [R, n]
-    cdf = jnp.cumsum(block_mass, axis=-1)  # [R, n]
-    target = u.reshape(-1) * cdf[:, -1]  # [R]
-    j = jnp.minimum(jnp.sum(cdf < target[:, None], axis=-1), n - 1)  # [R] the first block reaching the target
-    before = jnp.where(j > 0, jnp.take_along_axis(cdf, jnp.maximum(j - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
-    block = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]  # [R, CDF_BLOCK]
-    inside = jnp.sum(jnp.cumsum(block, axis=-1) < (target - before)[:, None], axis=-1)
-    last_with_mass = CDF_BLOCK - 1 - jnp.argmax(block[:, ::-1] > 0, axis=-1)
-    idx = j * CDF_BLOCK + jnp.minimum(inside, last_with_mass)
-    return jnp.minimum(idx, V - 1).astype(jnp.int32).reshape(lead)
+    return _first_reaching(probs.astype(jnp.float32).reshape(-1, V), lambda total: u.reshape(-1) * total).reshape(lead)
 
 
 def sample_tokens(logits: jax.Array, keys: jax.Array, sp: SamplingParams, draft: bool = False):
