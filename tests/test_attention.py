@@ -72,7 +72,9 @@ def reference(q, q_pos, ck, cv, clen, k, v, k_pos, k_mask, causal, window):
 
 @functools.partial(jax.jit, static_argnames=("causal", "window", "chunk", "fresh", "live"))
 def _attn(q, q_pos, ck, cv, clen, k, v, k_pos, k_mask, *, causal, window, chunk, fresh, live=False):
+    """ck / cv token-major [B, S, nKV, hd] as `reference` takes them; the cache holds them head-major."""
     kw = dict(k=k, v=v, k_pos=k_pos, k_mask=k_mask) if fresh else {}
+    ck, cv = ck.transpose(0, 2, 1, 3), cv.transpose(0, 2, 1, 3)
     with live_length_loop(live):
         return attention(q, q_pos, cache_k=ck, cache_v=cv, cache_len=clen, causal=causal, window=window,
                          chunk=chunk, **kw)

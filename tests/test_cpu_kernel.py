@@ -258,7 +258,8 @@ def _products_of_every_format(out: str) -> None:
         vis_c = jnp.asarray(rng.random((2, T, S)) < 0.8, jnp.uint8)
         vis_f = jnp.asarray(np.tril(np.ones((T, T)))[None].repeat(2, 0), jnp.uint8)
         q = arr(2, T, 2, 3, hd)
-        cached, fresh = (arr(2, S, 2, hd), arr(2, S, 2, hd), vis_c), (arr(2, T, 2, hd), arr(2, T, 2, hd), vis_f)
+        # the cache's keys head-major [B, nKV, S, hd], the fresh ones as projected [B, T, nKV, hd]
+        cached, fresh = (arr(2, 2, S, hd), arr(2, 2, S, hd), vis_c), (arr(2, T, 2, hd), arr(2, T, 2, hd), vis_f)
         l, o = jax.jit(cpu_kernel.attention_rows, static_argnums=3)(q, cached, fresh, hd ** -0.5)
         found[f"attention-T{T}-l"], found[f"attention-T{T}-o"] = np.asarray(l), np.asarray(o)
     np.savez(out, **found)

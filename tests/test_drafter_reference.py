@@ -262,7 +262,7 @@ def test_chunked_context_equals_draft_logits_and_cache_holds_no_block_kv():
     np.testing.assert_array_equal(np.asarray(cache.lengths), lens)
     # Slots at and beyond each row's length (where a block, rejected drafts or padding could sit) are invisible:
     # fill them with garbage and the drafts do not change.
-    pos = np.arange(cache.max_len)[None, :, None, None]
+    pos = np.arange(cache.max_len)[None, None, :, None]  # slots of the head-major [B, nKV, S, hd]
     stale = pos >= lens[:, None, None, None]
     junk = lambda a: jnp.where(stale, 50.0 * jnp.asarray(rng.standard_normal(a.shape), a.dtype), a)
     dirty = cache.replace(layers=tuple(e.replace(k=junk(e.k), v=junk(e.v)) for e in cache.layers))

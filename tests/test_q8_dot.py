@@ -131,6 +131,7 @@ def test_generation_with_q8_activations_is_greedy_exact_on_a_gguf_target(tmp_pat
 def _attend(q, pos, cache_k, cache_v, lens, *, fixed: bool, window=None):
     from dflash_jax import execution
     from dflash_jax.models.attention import attention
+    cache_k, cache_v = cache_k.transpose(0, 2, 1, 3), cache_v.transpose(0, 2, 1, 3)  # the cache's head-major layout
     with execution.changed(cpu_kernel=fixed, q8_activations=fixed, live_length_loop=True):
         return np.asarray(jax.jit(lambda *a: attention(*a[:2], cache_k=a[2], cache_v=a[3], cache_len=a[4],
                                                        causal=True, window=window))(q, pos, cache_k, cache_v, lens))
@@ -178,11 +179,13 @@ def test_a_tree_nodes_row_equals_the_decode_of_its_path():
     k_pos = jnp.asarray([[n, n, n + 1]], jnp.int32)
     mask = jnp.asarray([[[1, 0, 0], [0, 1, 0], [1, 0, 1]]], bool)
     with execution.changed(cpu_kernel=True, q8_activations=True, live_length_loop=True):
-        tree = np.asarray(jax.jit(lambda q: attention(q, k_pos, cache_k=jnp.asarray(ck), cache_v=jnp.asarray(cv),
+        head_major = (0, 2, 1, 3)  # the cache's layout, [B, nKV, S, hd]
+        tree = np.asarray(jax.jit(lambda q: attention(q, k_pos, cache_k=jnp.asarray(ck.transpose(head_major)),
+                                                      cache_v=jnp.asarray(cv.transpose(head_major)),
                                                       cache_len=jnp.asarray([n], jnp.int32), k=jnp.asarray(fk),
                                                       v=jnp.asarray(fv), k_pos=k_pos, k_mask=mask, causal=True))(q))
         path_k, path_v = ck.copy(), cv.copy()
         path_k[:, n], path_v[:, n], path_k[:, n + 1], path_v[:, n + 1] = fk[:, 0], fv[:, 0], fk[:, 2], fv[:, 2]
         decode = np.asarray(jax.jit(lambda q: attention(q, jnp.asarray([[n + 1]], jnp.int32), cache_k=jnp.asarray(
-            path_k), cache_v=jnp.asarray(path_v), cache_len=jnp.asarray([n + 2], jnp.int32), causal=True))(q[:, 2:3]))
+            path_k.transpose(head_major)), cache_v=jnp.asarray(path_v.transpose(head_major)), cache_len=jnp.asarray([n + 2], jnp.int32), causal=True))(q[:, 2:3]))
     np.testing.assert_array_equal(decode[:, 0], tree[:, 2])

@@ -18,7 +18,7 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax.config import TargetConfig
-from dflash_jax.models.layers import rms_norm, rope, rope_inv_freq, write_rows
+from dflash_jax.models.layers import rms_norm, rope, rope_inv_freq, write_kv, write_rows
 from dflash_jax.params import (abstract_drafter, abstract_target, is_spec, logical_axes, map_named,
                                named_leaves)
 from dflash_jax.models.target import KVCache, Target, forward_with_cache, init_target, target_forward
@@ -248,10 +248,10 @@ def test_writes_beyond_cache_are_dropped_not_clamped(cache_target):
     logits, _, small = _fwd(cache_target, tok[:, 6:], small)  # positions 6..9; 8 and 9 do not fit
     ref_logits, _, _ = _fwd(cache_target, tok, None)
     # Positions that fit are exact; slot 7 holds position 7's key, not position 9's (what a clamp would leave).
-    for ks, kb in zip(_kv(small), _kv(big)):
-        assert ks.shape[1] == 8
-        assert rel_err(ks[:, :8], kb[:, :8]) < CACHE_RTOL
-        assert rel_err(ks[:, 7], kb[:, 9]) > 1e-2
+    for ks, kb in zip(_kv(small), _kv(big)):  # [B, nKV, S, hd]
+        assert ks.shape[2] == 8
+        assert rel_err(ks[:, :, :8], kb[:, :, :8]) < CACHE_RTOL
+        assert rel_err(ks[:, :, 7], kb[:, :, 9]) > 1e-2
     assert rel_err(logits[:, :2], ref_logits[:, 6:8]) < CACHE_RTOL
 
     # The primitive itself, with distinguishable values.
@@ -260,6 +260,11 @@ def test_writes_beyond_cache_are_dropped_not_clamped(cache_target):
     pos = jnp.array([[2, 3, 4, 5], [0, 9, 1, 4]])
     out = np.asarray(write_rows(cache, new, pos))[..., 0]
     np.testing.assert_array_equal(out, [[0, 0, 1, 2], [5, 7, 0, 0]])
+    # and its head-major form for keys and values: new [B, T, nKV, hd] into [B, nKV, S, hd]
+    new_kv = jnp.stack([new, 10 * new], axis=2)  # [2, 4, 2 heads, 1]
+    out = np.asarray(write_kv(jnp.zeros((2, 2, 4, 1)), new_kv, pos))[..., 0]
+    np.testing.assert_array_equal(out[:, 0], [[0, 0, 1, 2], [5, 7, 0, 0]])
+    np.testing.assert_array_equal(out[:, 1], [[0, 0, 10, 20], [50, 70, 0, 0]])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -315,7 +320,7 @@ class ForwardVariantsTest(chex.TestCase):
         l2, _, cache = fwd(target, tok[:, 3:], cache, TAPS)
         chex.assert_trees_all_close(jnp.concatenate([l1, l2], 1), ref_logits, rtol=1e-5, atol=1e-6)
         chex.assert_trees_all_equal(cache.lengths, jnp.array([6, 6], jnp.int32))
-        chex.assert_shape([e.k for e in cache.layers], [(2, 8, CACHE_CFG.num_key_value_heads, CACHE_CFG.head_dim)] * 2)
+        chex.assert_shape([e.k for e in cache.layers], [(2, CACHE_CFG.num_key_value_heads, 8, CACHE_CFG.head_dim)] * 2)
 
 
 def test_bad_layer_id_and_tokens_rejected(cache_target):

@@ -262,8 +262,9 @@ def _verify_gaps(target, **bugs) -> tuple[float, float]:
         if isinstance(got, AttentionCache):
             for b in range(2):
                 n = int(lens[b])
-                cache_gap = max(cache_gap, float(np.abs(np.asarray(got.k)[b, :n] - np.asarray(want.k)[b, :n]).max()),
-                                float(np.abs(np.asarray(got.v)[b, :n] - np.asarray(want.v)[b, :n]).max()))
+                cache_gap = max(cache_gap,  # [B, nKV, S, hd]
+                                float(np.abs(np.asarray(got.k)[b, :, :n] - np.asarray(want.k)[b, :, :n]).max()),
+                                float(np.abs(np.asarray(got.v)[b, :, :n] - np.asarray(want.v)[b, :, :n]).max()))
         else:
             cache_gap = max(cache_gap, float(np.abs(np.asarray(got.conv) - np.asarray(want.conv)).max()),
                             float(np.abs(np.asarray(got.state) - np.asarray(want.state)).max()))

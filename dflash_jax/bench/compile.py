@@ -43,7 +43,7 @@ from dflash_jax.decode.prefill import prefill
 from dflash_jax.decode.programs import generate
 from dflash_jax.io.compile_cache import enable_compilation_cache
 from dflash_jax.io.shipped import load_default
-from dflash_jax.models.layers import decoder_layer, rms_norm, write_rows
+from dflash_jax.models.layers import decoder_layer, rms_norm, write_kv
 from dflash_jax.models.cache import AttentionCache, KVCache
 from dflash_jax.models.target import Target, init_target, lm_logits
 from dflash_jax.params import abstract_target, is_spec
@@ -199,7 +199,7 @@ def scan_section(*, layers: int = 36, hidden: int = 256, steps: int = 64, reps: 
         for layer, entry in zip(target.params.layers, cache.layers):
             x, k, v = decoder_layer(layer, x, pos, cfg, cache_k=entry.k, cache_v=entry.v,
                                     cache_len=cache.lengths, causal=True)
-            entries.append(AttentionCache(k=write_rows(entry.k, k, pos), v=write_rows(entry.v, v, pos)))
+            entries.append(AttentionCache(k=write_kv(entry.k, k, pos), v=write_kv(entry.v, v, pos)))
         logits = lm_logits(target, rms_norm(x, target.params.norm, cfg.rms_norm_eps))
         return jnp.argmax(logits[:, -1], -1), KVCache(tuple(entries), cache.lengths + 1)
 
@@ -211,7 +211,7 @@ def scan_section(*, layers: int = 36, hidden: int = 256, steps: int = 64, reps: 
             layer, ck, cv = xs
             x, k, v = decoder_layer(layer, x, pos, cfg, cache_k=ck, cache_v=cv, cache_len=cache.lengths,
                                     causal=True)
-            return x, (write_rows(ck, k, pos), write_rows(cv, v, pos))
+            return x, (write_kv(ck, k, pos), write_kv(cv, v, pos))
 
         x, (ks, vs) = jax.lax.scan(layer_fn, x, (stacked, cache.layers[0].k, cache.layers[0].v))
         logits = lm_logits(target, rms_norm(x, target.params.norm, cfg.rms_norm_eps))
@@ -228,7 +228,7 @@ def scan_section(*, layers: int = 36, hidden: int = 256, steps: int = 64, reps: 
 
     out = {}
     empty = KVCache.empty(cfg, B, S)
-    # the scanned form holds every layer's keys (values) in one stacked [L, B, S, nKV, hd] array
+    # the scanned form holds every layer's keys (values) in one stacked [L, B, nKV, S, hd] array
     stacked_cache = KVCache((AttentionCache(jnp.stack([e.k for e in empty.layers]),
                                             jnp.stack([e.v for e in empty.layers])),), empty.lengths)
     for name, step, cache in (("unrolled", step_unrolled, empty), ("scan", step_scanned, stacked_cache)):

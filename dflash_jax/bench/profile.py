@@ -47,7 +47,7 @@ CONTAINERS = ("while", "conditional", "call")
 FUNCTION_GROUPS = (
     ("attention", ("attention", "attention_rows", "_attend", "_key_blocks", "_partial", "_merge", "_empty", "visible",
                    "cached_valid", "fresh_valid", "blocks", "one")),  # attention_rows: the kernel's (the CPU loops)
-    ("cache writes", ("write_rows", "append_context", "empty_draft_cache")),
+    ("cache writes", ("write_kv", "write_rows", "append_context", "empty_draft_cache")),
     ("norms", ("rms_norm", "norm", "_qk_norm")),
     ("rope", ("rope", "rope_inv_freq")),
     ("embedding", ("embedding_rows", "take_rows", "_values", "_codes", "embed_block")),

@@ -6,8 +6,9 @@ on XLA:GPU), and its memory is bounded by a block, never by T x T.
 Keys come in two parts. Each part is reduced to a partial softmax (running max `m`, sum of weights `l`, weighted
 values `o`), and the parts are merged by log-sum-exp, so the result is exactly the softmax over their union:
 
-  cached  k/v [B, S, nKV, hd] whose slot s holds position s (a KV cache, or the drafter's context), valid below
-          `cache_len` ([B] per row, or [B, T] per query).
+  cached  k/v [B, nKV, S, hd] whose slot s holds position s (a KV cache, or the drafter's context), valid below
+          `cache_len` ([B] per row, or [B, T] per query). Head-major, so that one head's keys are one sequential
+          stream (the CPU kernel's row attention reads them so: docs/cpu-step.md).
   fresh   k/v [B, Tk, nKV, hd] at explicit positions `k_pos` [B, Tk]: the tokens of this call (a prompt, a verify
           block, the drafter's block), optionally restricted by `k_mask` [B, T, Tk] (training: each query sees only
           its own block).
@@ -89,21 +90,24 @@ def visible(q_pos: jax.Array, k_pos: jax.Array, *, causal: bool, window: int | N
     return vis
 
 
-def _partial(qg, q_pos, k, v, k_pos, valid, causal, window):
-    """Partial softmax of grouped queries qg [B, T, nKV, G, hd] over keys k/v [B, C, nKV, hd] at k_pos [B, C].
+def _partial(qg, q_pos, k, v, k_pos, valid, causal, window, head_major):
+    """Partial softmax of grouped queries qg [B, T, nKV, G, hd] over keys k/v [B, C, nKV, hd] (or, head_major,
+    [B, nKV, C, hd]: a cache's) at k_pos [B, C].
 
     valid [B, T or 1, C]. Returns (m [B, nKV, G, T], l [B, nKV, G, T], o [B, nKV, G, T, hd]), all float32.
     """
     hd = qg.shape[-1]
+    kd = "bkcd" if head_major else "bckd"
     vis = valid & visible(q_pos[:, :, None], k_pos[:, None, :], causal=causal, window=window)  # [B, T, C]
-    s = jnp.einsum("btkgd,bckd->bkgtc", qg, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
+    s = jnp.einsum(f"btkgd,{kd}->bkgtc", qg, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
     s = jnp.where(vis[:, None, None], s, -jnp.inf)
     m = s.max(axis=-1)
     p = jnp.exp(s - jnp.where(m > -jnp.inf, m, 0.0)[..., None])  # exactly 0 where not visible
     # A slot no query sees may hold anything (a rolled-back slot, memory never written): 0 * NaN is NaN, so such
     # values are zeroed rather than trusted to be multiplied by a zero weight.
-    v = jnp.where(vis.any(axis=1)[:, :, None, None], v, jnp.zeros((), v.dtype))
-    o = jnp.einsum("bkgtc,bckd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    seen = vis.any(axis=1)  # [B, C]
+    v = jnp.where(seen[:, None, :, None] if head_major else seen[:, :, None, None], v, jnp.zeros((), v.dtype))
+    o = jnp.einsum(f"bkgtc,{kd}->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return m, p.sum(axis=-1), o
 
 
@@ -122,8 +126,9 @@ def _empty(qg):
     return m, jnp.zeros((B, nKV, G, T), jnp.float32), jnp.zeros((B, nKV, G, T, hd), jnp.float32)
 
 
-def _key_blocks(qg, q_pos, k, v, k_pos, valid: Callable, causal, window, chunk, live=None):
-    """Partial softmax over all S keys of k/v [B, S, nKV, hd] (positions k_pos [B, S]), `chunk` keys at a time.
+def _key_blocks(qg, q_pos, k, v, k_pos, valid: Callable, causal, window, chunk, live=None, head_major=False):
+    """Partial softmax over all S keys of k/v [B, S, nKV, hd] (head_major: [B, nKV, S, hd]; positions k_pos [B, S]),
+    `chunk` keys at a time.
 
     valid(start, size) -> bool [B, T or 1, size]: which of keys start..start+size-1 each query may see.
     The loop runs ceil(S / chunk) times, fixed at trace time; or, with live = (lo, hi) (traced block indices: the
@@ -131,17 +136,18 @@ def _key_blocks(qg, q_pos, k, v, k_pos, valid: Callable, causal, window, chunk, 
     is clamped to end at S (S need not be a multiple of chunk); keys it shares with the block before are counted
     once, by the `>= c * chunk` test.
     """
-    S = k.shape[1]
+    axis = 2 if head_major else 1
+    S = k.shape[axis]
     if S <= chunk:
-        return _partial(qg, q_pos, k, v, k_pos, valid(0, S), causal, window)
+        return _partial(qg, q_pos, k, v, k_pos, valid(0, S), causal, window, head_major)
 
     def body(c, acc):
         start = jnp.minimum(c * chunk, S - chunk)
-        kc = jax.lax.dynamic_slice_in_dim(k, start, chunk, axis=1)  # [B, chunk, nKV, hd]
-        vc = jax.lax.dynamic_slice_in_dim(v, start, chunk, axis=1)
+        kc = jax.lax.dynamic_slice_in_dim(k, start, chunk, axis=axis)  # [B, chunk, nKV, hd] or [B, nKV, chunk, hd]
+        vc = jax.lax.dynamic_slice_in_dim(v, start, chunk, axis=axis)
         pc = jax.lax.dynamic_slice_in_dim(k_pos, start, chunk, axis=1)  # [B, chunk]
         new = (start + jnp.arange(chunk, dtype=jnp.int32)) >= c * chunk  # [chunk]
-        return _merge(acc, _partial(qg, q_pos, kc, vc, pc, valid(start, chunk) & new, causal, window))
+        return _merge(acc, _partial(qg, q_pos, kc, vc, pc, valid(start, chunk) & new, causal, window, head_major))
 
     lo, hi = (0, -(-S // chunk)) if live is None else live
     return jax.lax.fori_loop(lo, hi, body, _empty(qg))
@@ -153,7 +159,7 @@ def _attend(qg, q_pos, cache_k, cache_v, cache_len, k, v, k_pos, k_mask, causal,
     B = qg.shape[0]
     acc = _empty(qg)
     if cache_k is not None:
-        S = cache_k.shape[1]
+        S = cache_k.shape[2]
         lens = cache_len[:, None] if cache_len.ndim == 1 else cache_len  # [B, 1] or [B, T]
         slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
 
@@ -161,12 +167,13 @@ def _attend(qg, q_pos, cache_k, cache_v, cache_len, k, v, k_pos, k_mask, causal,
             return (start + jnp.arange(size, dtype=jnp.int32))[None, None, :] < lens[..., None]  # [B, T|1, size]
 
         if live_chunk is None:
-            acc = _key_blocks(qg, q_pos, cache_k, cache_v, slots, cached_valid, causal, window, chunk)
+            acc = _key_blocks(qg, q_pos, cache_k, cache_v, slots, cached_valid, causal, window, chunk,
+                              head_major=True)
         else:  # blocks from the first a window can reach to the last holding a live slot (data: CPU only)
             hi = (jnp.max(lens) + live_chunk - 1) // live_chunk
             lo = 0 if window is None else jnp.maximum(jnp.min(q_pos) - window + 1, 0) // live_chunk
             acc = _key_blocks(qg, q_pos, cache_k, cache_v, slots, cached_valid, causal, window, live_chunk,
-                              live=(lo, hi))
+                              live=(lo, hi), head_major=True)
     if k is not None:
         def fresh_valid(start, size):
             if k_mask is None:
@@ -186,9 +193,9 @@ def _rows_in_fixed_order(qg, q_pos, cache_k, cache_v, cache_len, k, v, k_pos, k_
     blocks fall."""
     B, T, nKV, _, hd = qg.shape
     none = jnp.zeros((B, 0, nKV, hd), jnp.float32)
-    cached = (none, none, jnp.zeros((B, T, 0), bool))
+    cached = (jnp.zeros((B, nKV, 0, hd), jnp.float32),) * 2 + (jnp.zeros((B, T, 0), bool),)
     if cache_k is not None:
-        S = cache_k.shape[1]
+        S = cache_k.shape[2]
         lens = cache_len[:, None] if cache_len.ndim == 1 else cache_len  # [B, 1] or [B, T]
         slots = jnp.arange(S, dtype=jnp.int32)
         vis = (slots[None, None, :] < lens[..., None]) & visible(q_pos[:, :, None], slots[None, None, :],
@@ -209,7 +216,7 @@ def attention(q: jax.Array, q_pos: jax.Array, *, cache_k: jax.Array | None = Non
               window: int | None = None, chunk: int | None = None) -> jax.Array:
     """GQA softmax attention of q [B, T, nH, hd] at positions q_pos [B, T] over cached and fresh keys.
 
-    cache_k/cache_v [B, S, nKV, hd] (slot = position) valid below cache_len [B] or [B, T]; k/v [B, Tk, nKV, hd] at
+    cache_k/cache_v [B, nKV, S, hd] (slot = position) valid below cache_len [B] or [B, T]; k/v [B, Tk, nKV, hd] at
     k_pos [B, Tk], restricted by k_mask [B, T, Tk] when given. causal / window: the visibility rule (module doc);
     chunk: keys and queries per block (None: the execution context's, else the defaults; see `block_sizes`).
     Under `live_length_loop(True)` cached keys go `chunk` (default LIVE_CHUNK) at a time up to the longest live row.
@@ -222,7 +229,7 @@ def attention(q: jax.Array, q_pos: jax.Array, *, cache_k: jax.Array | None = Non
     # The live-length loop's blocks: a given chunk, else LIVE_CHUNK (the default key block is sized to read a whole
     # cache in one pass, which is what the live-length loop is there to avoid).
     live_chunk = (chunk if explicit else LIVE_CHUNK) if context.live_length_loop else None
-    nKV = (cache_k if cache_k is not None else k).shape[2]
+    nKV = cache_k.shape[1] if cache_k is not None else k.shape[2]
     qg = q.reshape(B, T, nKV, nH // nKV, hd)  # [B, T, nKV, G, hd]
     q_pos = q_pos.astype(jnp.int32)
     cache_len = None if cache_len is None else cache_len.astype(jnp.int32)

@@ -25,8 +25,8 @@ from dflash_jax.models import deltanet as dn
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionCache(Replaceable):
-    k: jax.Array  # [B, S, nKV, hd] post-RoPE keys, slot = position
-    v: jax.Array  # [B, S, nKV, hd]
+    k: jax.Array  # [B, nKV, S, hd] post-RoPE keys, slot = position (head-major: a head's keys are one stream)
+    v: jax.Array  # [B, nKV, S, hd]
 
 
 @jax.tree_util.register_dataclass
@@ -49,7 +49,7 @@ class KVCache(Replaceable):
     @property
     def max_len(self) -> int:
         """Slots per row (the attention entries' S)."""
-        return next(e.k for e in self.layers if isinstance(e, AttentionCache)).shape[1]
+        return next(e.k for e in self.layers if isinstance(e, AttentionCache)).shape[2]
 
     @property
     def has_deferred(self) -> bool:
@@ -75,7 +75,7 @@ def empty_layer(cfg: TargetConfig, i: int, batch: int, max_len: int) -> LayerCac
     if cfg.layer_type(i) == "linear_attention":
         conv, state = dn.empty_states(cfg, batch)
         return DeltaNetCache(conv=conv, state=state)
-    shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
     return AttentionCache(k=jnp.zeros(shape, cfg.dtype), v=jnp.zeros(shape, cfg.dtype))
 
 

@@ -26,7 +26,7 @@ from dflash_jax.models import block_conv, selector
 from dflash_jax import execution
 from dflash_jax.config import DrafterConfig, check_pair
 from dflash_jax.frozen import Replaceable
-from dflash_jax.models.layers import decoder_layer, first_argmax, norm, project_kv, write_rows
+from dflash_jax.models.layers import decoder_layer, first_argmax, norm, project_kv, write_kv
 from dflash_jax.quant.linear import embedding_rows, linear, program_backend
 from dflash_jax.params import (DFlash2Params, DrafterParams, abstract_drafter, committed, init_from_abstract,
                                static_field)
@@ -42,7 +42,7 @@ class Drafter(Replaceable):
 
 
 def empty_draft_cache(cfg: DrafterConfig, batch: int, max_len: int) -> KVCache:
-    """An empty drafter context cache: a `KVCache` (per layer an `AttentionCache` of [B, S, nKV, hd] keys after
+    """An empty drafter context cache: a `KVCache` (per layer an `AttentionCache` of [B, nKV, S, hd] keys after
     k_norm + RoPE, and values; lengths [B] = committed context positions held) shaped by the drafter's own model
     config."""
     return KVCache.empty(cfg.model, batch, max_len)
@@ -58,13 +58,19 @@ def fuse_context(drafter: Drafter, features: jax.Array) -> jax.Array:
     return norm(linear(features.astype(cfg.dtype), drafter.params.fc), drafter.params.hidden_norm, cfg)
 
 
-def context_kv(drafter: Drafter, features: jax.Array, positions: jax.Array) -> tuple[AttentionCache, ...]:
+def _context_rows(drafter: Drafter, features: jax.Array, positions: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
     """Per drafter layer, the context keys (k_norm + RoPE at `positions` [B, C]) and values [B, C, nKV, hd] of target
-    features [B, C, K*H]: what every block query sees of the context. Inference caches them (`append_context`);
-    training uses them directly (slot = position: C covers positions 0..C-1)."""
+    features [B, C, K*H]: what every block query sees of the context."""
     cfg = drafter.config.model
     ctx = fuse_context(drafter, features)
-    return tuple(AttentionCache(*project_kv(layer.self_attn, ctx, positions, cfg)) for layer in drafter.params.layers)
+    return [project_kv(layer.self_attn, ctx, positions, cfg) for layer in drafter.params.layers]
+
+
+def context_kv(drafter: Drafter, features: jax.Array, positions: jax.Array) -> tuple[AttentionCache, ...]:
+    """`_context_rows` as cache entries (head-major, [B, nKV, C, hd]): what training attends directly (slot =
+    position: C covers positions 0..C-1); inference appends the rows to its cache instead (`append_context`)."""
+    return tuple(AttentionCache(k=k.transpose(0, 2, 1, 3), v=v.transpose(0, 2, 1, 3))
+                 for k, v in _context_rows(drafter, features, positions))
 
 
 def append_context(drafter: Drafter, features: jax.Array, n_valid: jax.Array, cache: KVCache) -> KVCache:
@@ -76,8 +82,8 @@ def append_context(drafter: Drafter, features: jax.Array, n_valid: jax.Array, ca
     positions = cache.lengths[:, None] + offsets  # [B, C]
     # Slots past a row's valid count go to an out-of-range index and are dropped by the scatter.
     write_pos = jnp.where(offsets < n_valid[:, None], positions, cache.max_len)
-    layers = tuple(AttentionCache(k=write_rows(old.k, new.k, write_pos), v=write_rows(old.v, new.v, write_pos))
-                   for old, new in zip(cache.layers, context_kv(drafter, features, positions)))
+    layers = tuple(AttentionCache(k=write_kv(old.k, k, write_pos), v=write_kv(old.v, v, write_pos))
+                   for old, (k, v) in zip(cache.layers, _context_rows(drafter, features, positions)))
     return KVCache(layers=layers, lengths=cache.lengths + n_valid.astype(jnp.int32))
 
 
@@ -87,7 +93,7 @@ def block_pass(drafter: Drafter, x: jax.Array, positions: jax.Array, context: Se
     """The drafter layer stack over block queries x [B, Q, H] at positions [B, Q]: Q / block_len whole blocks
     (default block_len = block_size); DFlash2's convolution never crosses from one block into the next.
 
-    context: per layer the context keys/values [B, S, nKV, hd], slot = position, valid below ctx_len ([B] per row,
+    context: per layer the context keys/values [B, nKV, S, hd], slot = position, valid below ctx_len ([B] per row,
     or [B, Q] per query); mask [B, Q, Q]: which block keys each query sees (None: the whole block). Each layer's
     causality and sliding window come from the config (`layer_attention`, z-lab's rule) and are applied by
     `attention` to context and block keys alike, by absolute position. Inference (one block, cache) and training

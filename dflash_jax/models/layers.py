@@ -187,7 +187,7 @@ def decoder_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cfg: 
     """One Qwen3 decoder layer over x [B, T, H] at absolute positions [B, T], with the layer's causality and sliding
     window (None = full): the target's attention layers and every drafter layer.
 
-    write=False: the queries attend to cached keys (cache_k/cache_v [B, S, nKV, hd], slot = position, valid below
+    write=False: the queries attend to cached keys (cache_k/cache_v [B, nKV, S, hd], slot = position, valid below
     cache_len; none when cache_k is None) and to this call's own keys (restricted by mask [B, T, T] when given).
     Returns (x [B, T, H], k, v [B, T, nKV, hd]): this call's post-RoPE keys and values (the drafter drops its block's).
     write=True: this call's keys and values are first written into the cache at `positions`, then the queries attend
@@ -203,7 +203,7 @@ def decoder_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cfg: 
     q, gate = q if cfg.attn_output_gate else (q, None)
     k, v = project_kv(attn, h, positions, cfg, projected=(ky, vy))
     if write:
-        k, v = write_rows(cache_k, k, positions), write_rows(cache_v, v, positions)
+        k, v = write_kv(cache_k, k, positions), write_kv(cache_v, v, positions)
         a = attention(q, positions, cache_k=k, cache_v=v, cache_len=cache_len, causal=causal, window=window,
                       chunk=chunk)
     else:
@@ -243,3 +243,11 @@ def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Ar
     """
     rows = jnp.arange(cache.shape[0])[:, None]
     return cache.at[rows, positions].set(new.astype(cache.dtype), mode="drop")
+
+
+def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """Scatter keys or values new [B, T, nKV, hd] (as the projections make them) into a head-major cache
+    [B, nKV, S, hd] at positions [B, T]; out-of-range positions are dropped, as in `write_rows`."""
+    rows = jnp.arange(cache.shape[0])[:, None]
+    # the index arrays sit on either side of the head slice, so their [B, T] dims lead: the update is [B, T, nKV, hd]
+    return cache.at[rows, :, positions].set(new.astype(cache.dtype), mode="drop")

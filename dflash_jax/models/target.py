@@ -34,7 +34,7 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.frozen import Replaceable
 from dflash_jax.models import deltanet as dn
 from dflash_jax.models.cache import AttentionCache, DeltaNetCache, KVCache
-from dflash_jax.models.layers import decoder_layer, linear_attn_layer, norm, write_rows
+from dflash_jax.models.layers import decoder_layer, linear_attn_layer, norm, write_kv
 from dflash_jax.quant.linear import embedding_rows, linear, program_backend
 from dflash_jax.params import (DecoderLayer, LinearAttnLayer, TargetParams, abstract_target, committed,
                                init_from_abstract, static_field)
@@ -63,7 +63,7 @@ def _attention_step(layer: DecoderLayer, x: jax.Array, entry: AttentionCache | N
     if entry is None or empty_cache:  # the new tokens see each other only
         x, k, v = decoder_layer(layer, x, positions, cfg, causal=True, window=window)
         if entry is not None:
-            entry = AttentionCache(k=write_rows(entry.k, k, positions), v=write_rows(entry.v, v, positions))
+            entry = AttentionCache(k=write_kv(entry.k, k, positions), v=write_kv(entry.v, v, positions))
         return x, entry
     # written at each row's length first, then the cache is attended (slots < length + T)
     x, k, v = decoder_layer(layer, x, positions, cfg, cache_k=entry.k, cache_v=entry.v, cache_len=cache_len,
@@ -193,7 +193,7 @@ def commit_tree(cache: KVCache, pending: tuple, path: jax.Array, n: jax.Array, c
         if isinstance(entry, DeltaNetCache):
             return DeltaNetCache(*dn.commit_path(new, entry.state, path, n, width))
         take = lambda x: jnp.take_along_axis(x, path[:, :, None, None], axis=1)  # [B, P, nKV, hd]
-        return AttentionCache(k=write_rows(entry.k, take(new.k), slots), v=write_rows(entry.v, take(new.v), slots))
+        return AttentionCache(k=write_kv(entry.k, take(new.k), slots), v=write_kv(entry.v, take(new.v), slots))
 
     return KVCache(layers=tuple(commit(e, x) for e, x in zip(cache.layers, pending)), lengths=start + n)
 

@@ -22,8 +22,8 @@ Mesh axes are ("data", "model"). Rules, from the logical axes `params.py` gives 
 
 A Qwen2 target's q/k/v biases carry their projection's out axis (q_heads, kv_heads), so they split with it.
 
-The batch goes along "data"; KV caches (target and drafter context) are [B, S, nKV, hd] over ("data", -, model or
-replicated, -). A sharded axis must be split at whole units (heads, not head_dim columns), so the model axis must
+The batch goes along "data"; KV caches (target and drafter context) are [B, nKV, S, hd] over ("data", model or
+replicated, -, -). A sharded axis must be split at whole units (heads, not head_dim columns), so the model axis must
 divide the head count, the intermediate size and the vocabulary; anything else is refused here, before compiling.
 
 `NVFP4Array` leaves shard like the dense weight they stand for: packed codes [out, in/2] and block scales [out, in/16]
@@ -172,9 +172,9 @@ def param_shardings(model, mesh: Mesh):
 
 
 def cache_sharding(cfg: TargetConfig, mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
-    """(K/V buffers [B, S, nKV, hd], lengths [B]) shardings of a KV cache of a model of config `cfg`."""
+    """(K/V buffers [B, nKV, S, hd], lengths [B]) shardings of a KV cache of a model of config `cfg`."""
     rules = rules_for(cfg, mesh)
-    return (NamedSharding(mesh, P("data", None, "model" if rules.kv_sharded else None, None)),
+    return (NamedSharding(mesh, P("data", "model" if rules.kv_sharded else None, None, None)),
             NamedSharding(mesh, P("data")))
 
 

@@ -59,75 +59,123 @@ inline F8 f8_exp(F8 x) {
 // a query that sees no key gets l = 0, o = 0. One pass over all of a row's keys (no key blocks, no merges of
 // partial softmaxes), so the row's sums are the same whether its keys sit in the cache (a decode, a chain's verify)
 // or partly among the fresh keys (a draft tree's verify).
-// q [B, T, nKV, G, hd]; ck / cv [B, S, nKV, hd] with vis_c [B, T, S]; fk / fv [B, Tk, nKV, hd] with vis_f [B, T, Tk]
-// (0 / 1); l [B, nKV, G, T], o [B, nKV, G, T, hd]. hd a multiple of 8, at most 128.
-struct KeySource { const float* k; const float* v; const uint8_t* vis; int64_t n; };
+// q [B, T, nKV, G, hd]; ck / cv [B, nKV, S, hd] (head-major, as the caches hold them: a head's keys are one stream)
+// with vis_c [B, T, S]; fk / fv [B, Tk, nKV, hd] (as the projections make them) with vis_f [B, T, Tk] (0 / 1);
+// l [B, nKV, G, T], o [B, nKV, G, T, hd]. hd a multiple of 8, at most 128.
+struct KeySource {
+  const float* k;
+  const float* v;
+  const uint8_t* vis;
+  int64_t n;                 // keys per row
+  int64_t batch, key, head;  // floats between rows b, keys c, heads h
+  const float* at(const float* base, int64_t b, int64_t c, int64_t h) const {
+    return base + b * batch + c * key + h * head;
+  }
+};
 
 // The scores of N keys for one query row: each key's chain is the products of 8-lane slices added in order, then
 // f8_sum, times scale; N > 1 only interleaves N independent chains (the same operations per key).
-template <int N>
-inline void key_scores(const float* qr, const float* const* keys, int64_t nv, float scale, float* s) {
+// NV = hd / 8 is a template argument so that the slices' loops unroll and the row's accumulators stay in registers.
+template <int N, int NV>
+inline void key_scores(const float* qr, const float* const* keys, float scale, float* s) {
   F8 a[N];
   F8 q8 = f8_load(qr);
   for (int k = 0; k < N; ++k) a[k] = q8 * f8_load(keys[k]);
-  for (int64_t j = 1; j < nv; ++j) {
+  for (int j = 1; j < NV; ++j) {
     q8 = f8_load(qr + 8 * j);
     for (int k = 0; k < N; ++k) a[k] = a[k] + q8 * f8_load(keys[k] + 8 * j);
   }
   for (int k = 0; k < N; ++k) s[k] = f8_sum(a[k]) * scale;
 }
 
-// The query rows of one (b, h, g) are one unit of work, run on the kernel's threads (`Workers`, cpu_matmul.cc): a
-// row's sums are the same whichever thread computes it, and the units share nothing but their inputs.
+// Keys ahead of the one being read that are prefetched (each a head's hd floats, strided by the other heads').
+constexpr int64_t kPrefetchKeys = 16;
+
+inline void prefetch_row(const float* p, int64_t hd) {
+  for (int64_t i = 0; i < hd; i += 16) __builtin_prefetch(p + i);
+}
+
+// One query row over its `count` visible keys (in order): l = the sum of exp(score - max), o = the exp-weighted sum
+// of the values (a row without keys gets 0 and 0). s and p: scratch of count + 8 floats.
+template <int NV>
+void attend_row(const float* qr, const float* const* keys, const float* const* vals, int64_t count, float scale,
+                float* s, float* p, float* l, float* o) {
+  constexpr int64_t hd = 8 * NV;
+  int64_t i = 0;
+  for (; i + 4 <= count; i += 4) {
+    for (int64_t k = i + kPrefetchKeys; k < std::min(count, i + kPrefetchKeys + 4); ++k) prefetch_row(keys[k], hd);
+    key_scores<4, NV>(qr, keys + i, scale, s + i);
+  }
+  for (; i < count; ++i) key_scores<1, NV>(qr, keys + i, scale, s + i);
+  F8 mv = f8_splat(-INFINITY);  // the row's maximum score (a maximum is exact in any order)
+  int64_t c = 0;
+  for (; c + 8 <= count; c += 8) {
+    const F8 v = f8_load(s + c);
+    mv = v > mv ? v : mv;
+  }
+  float m = -INFINITY;
+  for (int j = 0; j < 8; ++j) m = std::max(m, mv[j]);
+  for (; c < count; ++c) m = std::max(m, s[c]);
+  F8 acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = f8_splat(0.f);
+  F8 lsum = f8_splat(0.f);
+  if (count > 0) {
+    for (int64_t i = count; i < ((count + 7) / 8) * 8; ++i) s[i] = -INFINITY;
+    for (int64_t i = 0; i < count; i += 8) {
+      const F8 e = f8_exp(f8_load(s + i) - f8_splat(m));
+      f8_store(p + i, e);
+      lsum = lsum + e;  // lanes past `count` add exp(-inf) = 0
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      if (i + kPrefetchKeys < count) prefetch_row(vals[i + kPrefetchKeys], hd);
+      const F8 w = f8_splat(p[i]);
+      for (int j = 0; j < NV; ++j) acc[j] = acc[j] + w * f8_load(vals[i] + 8 * j);
+    }
+  }
+  *l = f8_sum(lsum);
+  for (int j = 0; j < NV; ++j) f8_store(o + 8 * j, acc[j]);
+}
+
+using AttendRow = void (*)(const float*, const float* const*, const float* const*, int64_t, float, float*, float*,
+                           float*, float*);
+
+template <int... NV>
+AttendRow attend_row_for(int64_t nv, std::integer_sequence<int, NV...>) {
+  AttendRow found = nullptr;
+  ((found = (nv == NV + 1) ? &attend_row<NV + 1> : found), ...);
+  return found;
+}
+
+// A unit of work is one (b, h, t): the G query rows of one position and kv head, one after the other on one thread
+// (`Workers`, cpu_matmul.cc), so they share the list of visible keys and the later rows read the keys and values
+// from the core's cache (one unit per row fetched them from memory once per row). A row's sums depend on its query
+// and visible keys alone, whichever unit or thread computes it.
 void attention_rows(const float* q, const KeySource (&src)[2], float scale, int64_t B, int64_t T, int64_t nKV,
                     int64_t G, int64_t hd, float* l_out, float* o_out) {
   const int64_t total = src[0].n + src[1].n;
-  const int64_t nv = hd / 8;
-  Workers::get().run(B * nKV * G, [&](int64_t unit) {
-    const int64_t b = unit / (nKV * G), h = (unit / G) % nKV, g = unit % G;
+  const AttendRow attend = attend_row_for(hd / 8, std::make_integer_sequence<int, 16>());
+  Workers::get().run(B * nKV * T, [&](int64_t unit) {
+    const int64_t b = unit / (nKV * T), h = (unit / T) % nKV, t = unit % T;
     thread_local std::vector<float> s, p;
     thread_local std::vector<const float*> keys, vals;
     s.resize(size_t(total + 8));
     p.resize(size_t(total + 8));
     keys.resize(size_t(total + 8));
     vals.resize(size_t(total + 8));
-    for (int64_t t = 0; t < T; ++t) {
-      const float* qr = q + (((b * T + t) * nKV + h) * G + g) * hd;
+    int64_t count = 0;  // the position's visible keys, in order
+    for (const KeySource& ks : src) {
+      const uint8_t* vr = ks.vis + (b * T + t) * ks.n;
+      for (int64_t c = 0; c < ks.n; ++c) {
+        if (!vr[c]) continue;
+        keys[size_t(count)] = ks.at(ks.k, b, c, h);
+        vals[size_t(count)] = ks.at(ks.v, b, c, h);
+        ++count;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
       const int64_t row = ((b * nKV + h) * G + g) * T + t;
-      float* o = o_out + row * hd;
-      int64_t count = 0;  // the row's visible keys, in order
-      for (const KeySource& ks : src) {
-        const uint8_t* vr = ks.vis + (b * T + t) * ks.n;
-        for (int64_t c = 0; c < ks.n; ++c) {
-          if (!vr[c]) continue;
-          const int64_t at = ((b * ks.n + c) * nKV + h) * hd;
-          keys[size_t(count)] = ks.k + at;
-          vals[size_t(count)] = ks.v + at;
-          ++count;
-        }
-      }
-      int64_t i = 0;
-      for (; i + 4 <= count; i += 4) key_scores<4>(qr, &keys[size_t(i)], nv, scale, &s[size_t(i)]);
-      for (; i < count; ++i) key_scores<1>(qr, &keys[size_t(i)], nv, scale, &s[size_t(i)]);
-      float m = -INFINITY;
-      for (int64_t c = 0; c < count; ++c) m = std::max(m, s[size_t(c)]);
-      F8 acc[16];  // hd <= 128
-      for (int64_t j = 0; j < nv; ++j) acc[j] = f8_splat(0.f);
-      F8 lsum = f8_splat(0.f);
-      if (count > 0) {
-        for (int64_t i = count; i < ((count + 7) / 8) * 8; ++i) s[size_t(i)] = -INFINITY;
-        for (int64_t i = 0; i < count; i += 8) {
-          const F8 e = f8_exp(f8_load(&s[size_t(i)]) - f8_splat(m));
-          f8_store(&p[size_t(i)], e);
-          lsum = lsum + e;  // lanes past `count` add exp(-inf) = 0
-        }
-        for (int64_t i = 0; i < count; ++i) {
-          const F8 w = f8_splat(p[size_t(i)]);
-          for (int64_t j = 0; j < nv; ++j) acc[j] = acc[j] + w * f8_load(vals[size_t(i)] + 8 * j);
-        }
-      }
-      l_out[row] = f8_sum(lsum);
-      for (int64_t j = 0; j < nv; ++j) f8_store(o + 8 * j, acc[j]);
+      attend(q + (((b * T + t) * nKV + h) * G + g) * hd, keys.data(), vals.data(), count, scale, s.data(), p.data(),
+             l_out + row, o_out + row * hd);
     }
   });
 }
@@ -139,13 +187,15 @@ ffi::Error RowAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> ck, f
                             ffi::Result<ffi::Buffer<ffi::F32>> o, float scale) {
   const auto qd = q.dimensions(), cd = ck.dimensions(), fd = fk.dimensions();
   if (qd.size() != 5 || cd.size() != 4 || fd.size() != 4)
-    return ffi::Error::InvalidArgument("q [B, T, nKV, G, hd], keys and values [B, n, nKV, hd]");
-  const int64_t B = qd[0], T = qd[1], nKV = qd[2], G = qd[3], hd = qd[4];
-  for (const auto& d : {cd, fd})
-    if (d[0] != B || d[2] != nKV || d[3] != hd) return ffi::Error::InvalidArgument("keys do not match q");
+    return ffi::Error::InvalidArgument("q [B, T, nKV, G, hd], cached keys and values [B, nKV, S, hd], fresh ones "
+                                       "[B, Tk, nKV, hd]");
+  const int64_t B = qd[0], T = qd[1], nKV = qd[2], G = qd[3], hd = qd[4], S = cd[2], Tk = fd[1];
+  if (cd[0] != B || cd[1] != nKV || cd[3] != hd || fd[0] != B || fd[2] != nKV || fd[3] != hd)
+    return ffi::Error::InvalidArgument("keys do not match q");
   if (hd % 8 || hd > 128) return ffi::Error::InvalidArgument("hd is not a multiple of 8 up to 128");
-  const KeySource src[2] = {{ck.typed_data(), cv.typed_data(), vis_c.typed_data(), cd[1]},
-                            {fk.typed_data(), fv.typed_data(), vis_f.typed_data(), fd[1]}};
+  const KeySource src[2] = {
+      {ck.typed_data(), cv.typed_data(), vis_c.typed_data(), S, nKV * S * hd, hd, S * hd},
+      {fk.typed_data(), fv.typed_data(), vis_f.typed_data(), Tk, Tk * nKV * hd, nKV * hd, hd}};
   attention_rows(q.typed_data(), src, scale, B, T, nKV, G, hd, l->typed_data(), o->typed_data());
   return ffi::Error::Success();
 }

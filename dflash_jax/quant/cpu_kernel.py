@@ -210,8 +210,8 @@ def matmul_many(x: jax.Array, weights: list[tuple]) -> tuple[jax.Array, ...]:
 
 def attention_rows(qg: jax.Array, cached: tuple, fresh: tuple, scale: float) -> tuple[jax.Array, jax.Array]:
     """(l [B, nKV, G, T], o [B, nKV, G, T, hd]) float32: the softmax sum and the weighted values (not yet divided by
-    l) of queries qg [B, T, nKV, G, hd] over two key sources, each (k [B, n, nKV, hd], v, visible [B, T, n]): the
-    cache, then this call's fresh keys. Every row's sums run over its visible keys in that order, in one pass
+    l) of queries qg [B, T, nKV, G, hd] over two key sources, each (k, v, visible [B, T, n]): the cache (k, v
+    [B, nKV, S, hd], head-major as the caches hold them), then this call's fresh keys (k, v [B, Tk, nKV, hd]). Every row's sums run over its visible keys in that order, in one pass
     (`cpu_attention.h`), so a row's values never depend on the other rows or on which source holds a key. No
     derivative (generation programs only)."""
     if not available():

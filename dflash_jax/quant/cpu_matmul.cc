@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <functional>
 #include <mutex>
+#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -371,7 +372,7 @@ ffi::Error BlockMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashRowAttention, RowAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q [B, T, nKV, G, hd]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // cached k [B, S, nKV, hd]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // cached k [B, nKV, S, hd]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // cached v
                                   .Arg<ffi::Buffer<ffi::U8>>()    // visible cached keys [B, T, S]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // fresh k [B, Tk, nKV, hd]

@@ -154,17 +154,17 @@ def _ends(tokens: jax.Array, n_new: jax.Array, eos: tuple[int, ...], max_new: in
 
 
 def _scatter_rows(big: KVCache, small: KVCache, rows: jax.Array) -> KVCache:
-    """`big` with rows[i] slots 0..Tp-1 replaced by row i of `small` (every per-slot cache array, whatever the
-    cache's layout); rows == B are dropped (padding of the refill set)."""
-    lengths = big.lengths
+    """`big` with rows[i] slots 0..Tp-1 replaced by row i of `small` (every layer's keys and values, head-major
+    [B, nKV, S, hd]); rows == B are dropped (padding of the refill set)."""
 
-    def put(b, s):
-        chex.assert_equal(b.shape[2:], s.shape[2:])
-        cols = jnp.arange(s.shape[1], dtype=jnp.int32)[None, :]
-        return b.at[rows[:, None], cols].set(s.astype(b.dtype), mode="drop")
+    def put(b, s):  # b [B, nKV, S, hd], s [r, nKV, Tp, hd]
+        chex.assert_equal((b.shape[1], b.shape[3]), (s.shape[1], s.shape[3]))
+        cols = jnp.arange(s.shape[2], dtype=jnp.int32)[None, :]
+        # the index arrays sit on either side of the head slice, so the update is [r, Tp, nKV, hd]
+        return b.at[rows[:, None], :, cols].set(jnp.swapaxes(s, 1, 2).astype(b.dtype), mode="drop")
 
-    merged = jax.tree.map(put, big.replace(lengths=None), small.replace(lengths=None))
-    return merged.replace(lengths=lengths)
+    return big.replace(layers=tuple(e.replace(k=put(e.k, n.k), v=put(e.v, n.v))
+                                    for e, n in zip(big.layers, small.layers)))
 
 
 def _refill(target: Target, s: RowState, rows, prompts, plens, temps, keys, *, layer_ids, eos, max_new) -> RowState:
