@@ -18,8 +18,8 @@ import jax
 
 from dflash_jax.io.checkpoint import load_drafter, load_target
 from dflash_jax.io.placement import loading_dtypes
-from dflash_jax.quant import cpu_kernel
 from dflash_jax.io.tokenizer import Tokenizer, load_tokenizer
+from dflash_jax.quant import cpu_kernel
 
 
 ENV_VAR = "DFLASH_JAX_CHECKPOINTS"
