@@ -136,8 +136,11 @@ def _drafted(res) -> str:
         return f"depth {res.draft_length} (a draft tree of {res.tree_budget} nodes{over}{copied})"
     if res.draft_length == 0:
         return "none (plain decoding: the drafter's step table predicts no speedup here)"
-    drafted = f"{res.draft_length} drafted"
-    return drafted + (" (a draft pass over the drafted slots only)" if res.draft_pass == "drafted" else "")
+    notes = ["a draft pass over the drafted slots only"] if res.draft_pass == "drafted" else []
+    if res.context_lookup:
+        notes.append(f"the first copied from the continuation of a {res.context_lookup}+ token repeat in the text, "
+                     "where one exists")
+    return f"{res.draft_length} drafted" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _bench(args):
@@ -221,9 +224,9 @@ def main(argv=None):
     g.add_argument("--tree-budget", type=int, default=None,
                    help="draft a tree of N nodes per step instead of a chain (one choice with --draft-length)")
     g.add_argument("--context-lookup", type=int, default=None, metavar="K",
-                   help="with a draft tree: a step whose text (prompt and output) ends in a repeat of K+ tokens "
-                        "verifies what followed its last occurrence instead of the drafter's tree (same cost and "
-                        "output; default 2; 0: off)")
+                   help="a step whose text (prompt and output) ends in a repeat of K+ tokens verifies what followed "
+                        "its last occurrence instead of the drafter's tree or first drafts (same cost and output; "
+                        "default 2 with a tree, 0 with a chain; 0: off)")
     g.add_argument("--draft-pass", choices=("block", "drafted"), default=None,
                    help="the block a draft pass reads: the whole block (z-lab's) or the drafted slots only (default: "
                         "the step table's best row's, else the whole block)")

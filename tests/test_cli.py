@@ -277,14 +277,19 @@ def test_the_acceptance_line_of_plain_decoding_has_no_rate():
     from dflash_jax.cli import _acceptance
 
     plain = types.SimpleNamespace(draft_length=0, tree_budget=None, tau=1.0, acceptance_rate=float("nan"),
-                                  draft_pass=None)
+                                  draft_pass=None, context_lookup=0)
     line = _acceptance(plain)
     assert line.startswith("tau 1.00 (no drafts: none (plain decoding") and "nan" not in line, line
-    chain = types.SimpleNamespace(draft_length=3, tree_budget=None, tau=2.5, acceptance_rate=0.5, draft_pass="block")
+    chain = types.SimpleNamespace(draft_length=3, tree_budget=None, tau=2.5, acceptance_rate=0.5, draft_pass="block",
+                                  context_lookup=0)
     assert _acceptance(chain).startswith("tau 2.50 (tokens per draft+verify step, incl. bonus), acceptance rate 50.0%")
     assert _acceptance(chain).endswith("of 3 drafted per step")
     short = types.SimpleNamespace(**{**vars(chain), "draft_pass": "drafted"})
     assert _acceptance(short).endswith("of 3 drafted (a draft pass over the drafted slots only) per step")
+    copying = types.SimpleNamespace(**{**vars(short), "context_lookup": 2})
+    assert _acceptance(copying).endswith("of 3 drafted (a draft pass over the drafted slots only; the first copied "
+                                         "from the continuation of a 2+ token repeat in the text, where one exists) "
+                                         "per step")
 
 
 def test_help_and_the_package_import_load_no_jax():

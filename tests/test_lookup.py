@@ -1,14 +1,15 @@
-"""Context lookup in draft trees (`generate(..., tree_budget=N, context_lookup=k)`, decode/lookup.py): a row whose
-text (its prompt's tail, then its output) ends in a repeat of k+ tokens verifies the continuation of the repeat's
-last occurrence instead of the drafter's tree that step.
+"""Context lookup (`generate(..., context_lookup=k)`, decode/lookup.py): a row whose text (its prompt's tail, then
+its output) ends in a repeat of k+ tokens verifies the continuation of the repeat's last occurrence instead of the
+drafter's tree (or a chain's first drafts) that step.
 
 1. The search against a plain-Python reference (the longest match up to MAX_MATCH, then the latest; token 0 is a
    token; entries past the row's length are never read; the prompt's tail searched first, its padding never a
    match), and the chain it becomes.
-2. Greedy generation with lookup == autoregressive on ragged batches (Qwen3, Llama, hybrid), where lookup fires
-   (tau rises over the same runs without it); a planted bug (the copied nodes hung off the root instead of each
-   other) breaks it. The law at temperature > 0 with lookup firing is test_tree.py's (its SAMPLED cases include
-   context_lookup=1).
+2. Greedy generation with lookup == autoregressive on ragged batches (Qwen3, Llama, hybrid), trees and chains,
+   where lookup fires (tau rises over the same runs without it); a planted bug (the copied nodes hung off the root
+   instead of each other) breaks it. The law at temperature > 0 with lookup firing is test_tree.py's for trees (its
+   SAMPLED cases include context_lookup=1) and test_sampling.py's for chains (its PROOF cases, and a control whose
+   copied drafts keep the drafter's q).
 3. Bad settings refused before any compile.
 """
 
@@ -131,13 +132,16 @@ def targets():
 def runs(targets):
     """family -> (autoregressive, tree without lookup, tree with lookup); a drafter that knows little."""
     _, weak = H.build_copy_pair(H.FLAW)
-    out = {}
+    out, chains = {}, {}
     for family, target in targets.items():
         kw = dict(max_new_tokens=MAX_NEW, tree_budget=4)
         out[family] = (dj.generate_autoregressive(target, PROMPTS, max_new_tokens=MAX_NEW),
                        dj.generate(target, weak, PROMPTS, context_lookup=0, **kw),
                        dj.generate(target, weak, PROMPTS, **kw))
-    return dict(runs=out, drafter=weak)
+        kw = dict(max_new_tokens=MAX_NEW, draft_length=3)
+        chains[family] = (dj.generate(target, weak, PROMPTS, **kw), dj.generate(target, weak, PROMPTS,
+                                                                                context_lookup=2, **kw))
+    return dict(runs=out, chains=chains, drafter=weak)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "hybrid"])
@@ -148,6 +152,18 @@ def test_greedy_with_lookup_equals_autoregressive(targets, runs, family):
     assert off.context_lookup == 0 and on.context_lookup == L.DEFAULT_MIN_MATCH
     print(f"\n[{family}] tau without lookup {off.tau:.2f}, with {on.tau:.2f}")
     assert on.tau > off.tau  # it fired (the copy targets' answers repeat) and its copies were accepted
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "hybrid"])
+def test_greedy_chain_with_lookup_equals_autoregressive(targets, runs, family):
+    """A chain's first drafts copied where the text repeats (`decode.loop._copied_drafts`): the same tokens."""
+    ar = runs["runs"][family][0]
+    off, on = runs["chains"][family]
+    H.assert_same(targets[family], PROMPTS, ar, off, f"{family} chain, no lookup")
+    H.assert_same(targets[family], PROMPTS, ar, on, f"{family} chain with lookup")
+    assert off.context_lookup == 0 and on.context_lookup == 2  # a chain's default is off
+    print(f"\n[{family}] chain of 3: tau without lookup {off.tau:.2f}, with {on.tau:.2f}")
+    assert on.tau > off.tau
 
 
 _chain_tree = L.chain_tree
@@ -181,10 +197,12 @@ def test_bad_context_lookup(pair, no_work, value):
         dj.generate(*pair, [[1, 2]], max_new_tokens=4, tree_budget=2, context_lookup=value)
 
 
-def test_context_lookup_with_a_chain(pair, no_work):
-    with pytest.raises(ValueError, match=r"context_lookup=2: context lookup fills a draft tree's nodes; this call "
-                                         r"runs a chain \(give tree_budget="):
-        dj.generate(*pair, [[1, 2]], max_new_tokens=4, draft_length=2, context_lookup=2)
+def test_context_lookup_with_a_dflash2_chain(no_work):
+    s = H.SETUPS[0]
+    dflash2 = H.as_dflash2(make_drafter(s.drafter, 100), 1)
+    with pytest.raises(ValueError, match=r"context_lookup=2: a chain's copied drafts are verified against a "
+                                         r"point-mass q, and a DFlash2 drafter's q lives on its selector's"):
+        dj.generate(make_target(s.target, 0), dflash2, [[1, 2]], max_new_tokens=4, draft_length=2, context_lookup=2)
 
 
 def test_autoregressive_takes_no_context_lookup(pair, no_work):

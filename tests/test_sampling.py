@@ -39,6 +39,7 @@ import pytest
 
 import stats
 from dflash_jax.decode import sampling
+from dflash_jax.decode import lookup
 from dflash_jax.decode import loop as decode_loop
 from dflash_jax.decode import prepare
 from dflash_jax.config import DrafterConfig, TargetConfig
@@ -679,7 +680,10 @@ PMIN_CLOSE = {0.6: 0.8, 1.0: 0.7, 1.6: 0.59}
 PROOF = [("close", dict(temperature=t, **f)) for t in (0.6, 1.0, 1.6) for f in ({}, TOP, dict(p_min=PMIN_CLOSE[t]))] + [
     ("distant", dict(temperature=t)) for t in (0.6, 1.0, 1.6)] + [
     ("distant", dict(temperature=1.0, **TOP)), ("distant", dict(temperature=1.0, p_min=0.5)),
-    ("distant", dict(temperature=0.6, **TOP, p_min=0.75)), ("distant", dict(temperature=1.6, **TOP, p_min=0.5))]
+    ("distant", dict(temperature=0.6, **TOP, p_min=0.75)), ("distant", dict(temperature=1.6, **TOP, p_min=0.5))] + [
+    # context lookup in the chain: on a vocabulary of 8, single-token repeats make most steps' first drafts copies,
+    # verified against a point-mass q (decode.loop._copied_drafts)
+    ("distant", dict(temperature=1.0, context_lookup=1)), ("close", dict(temperature=0.6, context_lookup=1))]
 
 
 def _label(pair, kw):
@@ -699,7 +703,10 @@ def test_speculative_output_has_target_distribution(models, enumeration, pair, k
     rejected_at_1, full = _path_counts(res)
     print(f"\n  tau={res.tau:.3f} steps stopping at slot 1: {rejected_at_1:.2f}, full blocks: {full:.2f}")
     assert_matches(f"speculative {_label(pair, kw)}", checks)
-    if "p_min" not in kw:  # the paths the test is meant to exercise are exercised
+    if "context_lookup" in kw:  # it fired: the copies changed what the steps accepted
+        base = {k: v for k, v in kw.items() if k != "context_lookup"}
+        assert res.tau != _generate(models, pair, **base).tau
+    elif "p_min" not in kw:  # the paths the test is meant to exercise are exercised
         if pair == "distant":
             assert rejected_at_1 > 0.5 and full > 0.005  # the residual path dominates
         else:
@@ -758,6 +765,19 @@ def test_control_drafting_key_reused_for_acceptance_fails(models, enumeration, m
 
     assert_fails("drafting key reused (close, T=1)", _control(monkeypatch, models, enumeration, "close",
                                                               dict(temperature=1.0), sample_tokens=reuse))
+
+
+def test_control_copied_drafts_verified_against_the_drafters_q_fails(models, enumeration, monkeypatch):
+    """Context lookup's copied drafts put in the chain while q stays the drafter's distribution (not the point mass
+    they were drawn from)."""
+    def copies_without_their_q(drafts, d_logits, s, min_match, prompt_tail, sampling):
+        tokens, n = lookup.continuation(s.out, s.n_out, drafts.shape[1], min_match, prompt_tail)
+        copied = jnp.arange(drafts.shape[1])[None, :] < n[:, None]
+        return jnp.where(copied, tokens, drafts), d_logits
+
+    assert_fails("copied drafts with the drafter's q (distant, T=1)",
+                 _control(monkeypatch, models, enumeration, "distant", dict(temperature=1.0, context_lookup=1),
+                          _copied_drafts=copies_without_their_q))
 
 
 def test_control_residual_from_p_fails(models, enumeration, monkeypatch):

@@ -48,7 +48,7 @@ class ProgramCall:
     prompts: tuple = ()  # the caller's rows (real tokens), for return_prompt
     return_prompt: bool = False
     tree_budget: int | None = None  # draft-tree nodes per step (None: chains)
-    context_lookup: int = 0  # a tree step's shortest repeat copied from the output (0: off; `decode.lookup`)
+    context_lookup: int = 0  # a step's shortest repeat copied from the text (0: off; `decode.lookup`)
     draft_pass: str | None = None  # the drafter's `draft_pass` as the loop runs it (None: nothing drafted)
 
     @property

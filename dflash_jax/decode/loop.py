@@ -149,7 +149,8 @@ def speculative_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sam
                      context_lookup: int = 0):
     """The speculative loop program over prefill's handoff `pre`: (out, n_out, acc, steps, caches) (see `_run`).
     tree_budget: draft trees of that many nodes (draft_length is then the trees' depth); None: chains.
-    context_lookup: the shortest repeat a tree step copies its continuation from (0: never; trees only)."""
+    context_lookup: the shortest repeat a step copies its continuation from (0: never): a tree's nodes, or a chain's
+    first drafts (`_copied_drafts`)."""
     if tree_budget is not None:
         return _tree_loop(target, drafter, pre, keys, sampling, budget, depth=draft_length, out_len=out_len,
                           budget_nodes=tree_budget, context_lookup=context_lookup)
@@ -168,6 +169,8 @@ def speculative_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sam
         block = draft_block(drafter, s.last, D)  # [B, W]: W = bs, or D + 1 (`draft_pass`)
         # drafts [B, D]; d_logits [B, D, V]; d_probs: the DFlash2 selector's q (None for DFlash)
         drafts, d_logits, d_probs, keys = draft_step(drafter, target, block, dcache, D, s.key, sampling)
+        if context_lookup:
+            drafts, d_logits = _copied_drafts(drafts, d_logits, s, context_lookup, pre.prompt_tail, sampling)
         verify_in = jnp.concatenate([s.last[:, None], drafts], axis=1)  # [B, D+1]
         # A hybrid target's DeltaNet states are deferred: they absorb each row's accepted prefix below
         v_logits, v_feats, tcache = forward_with_cache(target, verify_in, s.tcache, layer_ids,
@@ -190,6 +193,25 @@ def speculative_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sam
             acc=s.acc.at[:, s.step].set(jnp.where(active, n_acc + 1, 0)), key=keys)
 
     return _run(body, state, budget)
+
+
+def _copied_drafts(drafts: jax.Array, d_logits: jax.Array, s: LoopState, min_match: int, prompt_tail: jax.Array,
+                   sampling: SamplingParams) -> tuple[jax.Array, jax.Array]:
+    """A chain step's drafts [B, D] with, on rows whose text ends in a repeat of >= min_match tokens, the first n
+    replaced by the continuation of its last occurrence (`lookup.continuation`), and those slots' draft logits
+    [B, D, V] made one-hot at the copied token: the copy is a proposal drawn from that point mass, so rejection
+    sampling accepts it with probability p(token) and corrects from p with the token removed, which keeps the
+    target's law (greedy: token for token). A slot past the copy keeps the drafter's proposal and its q (a DFlash
+    slot's q does not depend on the slots before it)."""
+    B, D = drafts.shape
+    tokens, n = lookup.continuation(s.out, s.n_out, D, min_match, prompt_tail)  # [B, D], [B]
+    copied = jnp.arange(D, dtype=jnp.int32)[None, :] < n[:, None]  # [B, D]
+    drafts = jnp.where(copied, tokens, drafts)
+    if not sampling.greedy:  # greedy acceptance never reads q
+        ids = jnp.arange(d_logits.shape[-1], dtype=jnp.int32)
+        one_hot = jnp.where(ids[None, None, :] == tokens[..., None], 0.0, -jnp.inf).astype(d_logits.dtype)
+        d_logits = jnp.where(copied[..., None], one_hot, d_logits)
+    return drafts, d_logits
 
 
 def _tree_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sampling: SamplingParams, budget: Budget, *,

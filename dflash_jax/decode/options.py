@@ -34,11 +34,13 @@ class GenerationOptions(Replaceable):
     # depth follows from its budget and the drafter's block, min(tree_budget, block_size - 1). None: the chain.
     # DFlash drafters only (DFlash2's selector drafts sequentially).
     tree_budget: int | None = None
-    # Context lookup in draft trees: a row whose text (its prompt's last 512 tokens, then its output) ends in a repeat
-    # of at least this many tokens verifies the continuation of their last occurrence (a chain of up to the tree's
-    # depth) instead of the drafter's tree that step: same verify, the target's own tokens walked as for any tree, so the output is
-    # unchanged in law (greedy: token for token) and only acceptance moves (`decode.lookup`). None: 2 with a tree
-    # (measured best, docs/cpu-step.md "Context lookup"); 0: off. Draft trees only.
+    # Context lookup: a row whose text (its prompt's last 512 tokens, then its output) ends in a repeat of at least
+    # this many tokens verifies the continuation of their last occurrence instead of the drafter's proposals that
+    # step: a tree's nodes become that chain (up to the tree's depth; the target's own tokens walked as for any tree),
+    # a chain's first drafts become it (verified against a point-mass q). The output is unchanged in law (greedy:
+    # token for token); only acceptance moves (`decode.lookup`). None: 2 with a tree (measured best, docs/cpu-step.md
+    # "Context lookup"), 0 with a chain (the shipped step tables' chain rows were measured without); 0: off. Not
+    # with a DFlash2 chain.
     context_lookup: int | None = None
     # The block the draft pass reads: "block" (z-lab's: the whole block) or "drafted" (the last token and one mask
     # per drafted slot; `DrafterConfig.draft_pass`). None: the drafter's own setting, else the step table's best row's

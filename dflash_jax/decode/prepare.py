@@ -165,19 +165,20 @@ def check_tree(drafter: Drafter, tree_budget, draft_length, sampling) -> int:
     return depth
 
 
-def check_context_lookup(context_lookup, tree_budget: int | None) -> int:
-    """The shortest repeat a tree step copies from (`decode.lookup`): None -> the default with a tree (0 without);
-    0 = off; 1..MAX_MATCH. A chain takes none."""
+def check_context_lookup(context_lookup, tree_budget: int | None, dflash2: bool = False) -> int:
+    """The shortest repeat a step copies from (`decode.lookup`): None -> the default with a tree (0 with a chain: its
+    shipped step tables were measured without); 0 = off; 1..MAX_MATCH. A DFlash2 chain takes none."""
     if context_lookup is None:
         return DEFAULT_MIN_MATCH if tree_budget is not None else 0
     if (not isinstance(context_lookup, (int, np.integer)) or isinstance(context_lookup, bool)
             or not 0 <= context_lookup <= MAX_MATCH):
         raise ValueError(f"context_lookup must be an integer in 0..{MAX_MATCH} (the shortest repeat of the row's "
-                         f"last tokens, in its prompt and output, a draft tree copies from; 0: off), got "
+                         f"last tokens, in its prompt and output, a step copies from; 0: off), got "
                          f"{context_lookup!r}")
-    if context_lookup and tree_budget is None:
-        raise ValueError(f"context_lookup={context_lookup}: context lookup fills a draft tree's nodes; this call runs "
-                         "a chain (give tree_budget=, or leave context_lookup at None)")
+    if context_lookup and tree_budget is None and dflash2:
+        raise ValueError(f"context_lookup={context_lookup}: a chain's copied drafts are verified against a point-mass "
+                         "q, and a DFlash2 drafter's q lives on its selector's candidates (use a DFlash drafter, or "
+                         "leave context_lookup at None)")
     return int(context_lookup)
 
 

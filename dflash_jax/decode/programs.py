@@ -139,10 +139,12 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
     tree_budget = None if drafter is None else options.tree_budget
     if drafter is not None:
         loop_static["draft_length"] = D
-    min_match = 0 if drafter is None else check_context_lookup(options.context_lookup, tree_budget)
+    min_match = 0 if drafter is None else check_context_lookup(options.context_lookup, tree_budget,
+                                                               drafter.config.is_dflash2)
     if tree_budget is not None:  # checked against the cache bucket here, before anything is traced
         check_tree_fits(tree_budget, prefill_static["cache_len"])
         loop_static["tree_budget"] = int(tree_budget)
+    if drafter is not None:
         loop_static["context_lookup"] = min_match
         if min_match:  # the prompts' last tokens, handed to the loop for the search
             prefill_static["lookup_window"] = PROMPT_WINDOW

@@ -23,8 +23,8 @@ class GenerationResult:
     # Draft-tree nodes per step (None: chains). With a tree, draft_length is its depth: a step commits at most
     # draft_length + 1 tokens, and acceptance_rate / position_acceptance count accepted depths.
     tree_budget: int | None = None
-    # With a tree: the shortest repeat of a row's last tokens whose continuation a step verified instead of the
-    # drafter's tree (`decode.lookup`; 0: context lookup off).
+    # The shortest repeat of a row's last tokens whose continuation a step verified instead of the drafter's tree or
+    # first drafts (`decode.lookup`; 0: context lookup off).
     context_lookup: int = 0
     # The block each draft pass read: "block" (the whole block) or "drafted" (D + 1 slots); None: nothing drafted.
     draft_pass: str | None = None
