@@ -245,9 +245,10 @@ def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Ar
     return cache.at[rows, positions].set(new.astype(cache.dtype), mode="drop")
 
 
-def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """Scatter keys or values new [B, T, nKV, hd] (as the projections make them) into a head-major cache
-    [B, nKV, S, hd] at positions [B, T]; out-of-range positions are dropped, as in `write_rows`."""
-    rows = jnp.arange(cache.shape[0])[:, None]
-    # the index arrays sit on either side of the head slice, so their [B, T] dims lead: the update is [B, T, nKV, hd]
+def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+    """Scatter keys or values new [R, T, nKV, hd] (as the projections make them) into a head-major cache
+    [B, nKV, S, hd] at positions [R, T] of cache rows `rows` [R, 1] (default: every row, R = B); out-of-range
+    positions and rows are dropped, as in `write_rows`."""
+    rows = jnp.arange(cache.shape[0])[:, None] if rows is None else rows
+    # the index arrays sit on either side of the head slice, so their [R, T] dims lead: the update is [R, T, nKV, hd]
     return cache.at[rows, :, positions].set(new.astype(cache.dtype), mode="drop")

@@ -88,7 +88,8 @@ inline void key_scores(const float* qr, const float* const* keys, float scale, f
   for (int k = 0; k < N; ++k) s[k] = f8_sum(a[k]) * scale;
 }
 
-// Keys ahead of the one being read that are prefetched (each a head's hd floats, strided by the other heads').
+// Keys ahead of the one being read that are prefetched (a row's visible keys: a head's stream in the cache, with
+// slots the row does not see skipped, then the fresh keys, strided by the other heads').
 constexpr int64_t kPrefetchKeys = 16;
 
 inline void prefetch_row(const float* p, int64_t hd) {

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.decode.sampling import SamplingParams, sample_tokens
-from dflash_jax.models.layers import first_argmax
+from dflash_jax.models.layers import first_argmax, write_kv
 from dflash_jax.models.target import KVCache, Target, forward_with_cache
 
 
@@ -159,9 +159,9 @@ def _scatter_rows(big: KVCache, small: KVCache, rows: jax.Array) -> KVCache:
 
     def put(b, s):  # b [B, nKV, S, hd], s [r, nKV, Tp, hd]
         chex.assert_equal((b.shape[1], b.shape[3]), (s.shape[1], s.shape[3]))
-        cols = jnp.arange(s.shape[2], dtype=jnp.int32)[None, :]
-        # the index arrays sit on either side of the head slice, so the update is [r, Tp, nKV, hd]
-        return b.at[rows[:, None], :, cols].set(jnp.swapaxes(s, 1, 2).astype(b.dtype), mode="drop")
+        r, _, Tp, _ = s.shape
+        cols = jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32)[None, :], (r, Tp))
+        return write_kv(b, jnp.swapaxes(s, 1, 2), cols, rows=rows[:, None])
 
     return big.replace(layers=tuple(e.replace(k=put(e.k, n.k), v=put(e.v, n.v))
                                     for e, n in zip(big.layers, small.layers)))
