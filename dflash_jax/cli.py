@@ -226,7 +226,8 @@ def main(argv=None):
     g.add_argument("--context-lookup", type=int, default=None, metavar="K",
                    help="a step whose text (prompt and output) ends in a repeat of K+ tokens verifies what followed "
                         "its last occurrence instead of the drafter's tree or first drafts (same cost and output; "
-                        "default 2 with a tree, 0 with a chain; 0: off)")
+                        "default 2 with a tree; with a chain, the step table's row's where the table chose it, else 0; "
+                        "0: off)")
     g.add_argument("--draft-pass", choices=("block", "drafted"), default=None,
                    help="the block a draft pass reads: the whole block (z-lab's) or the drafted slots only (default: "
                         "the step table's best row's, else the whole block)")
@@ -255,8 +256,8 @@ def main(argv=None):
                    help="held-out stdlib prompts, run one at a time (default 8; --bf16-exactness: 32, batched)")
     b.add_argument("--draft-length", type=int, default=None,
                    help="tokens drafted per step, 1..block_size-1 of the loaded drafter (default: block_size-1, at "
-                        "most 7 with --nvfp4; --tau-table / --pair-table / --step-table: only this length instead of "
-                        "those of 3/7/15, 7/15 and 1/3/7 the drafter's block holds)")
+                        "most 7 with --nvfp4; --tau-table / --step-table: only this length instead of those of 3/7/15 "
+                        "and 1/3/7 the drafter's block holds; --pair-table: this chain instead of generate's choice)")
     b.add_argument("--seed", type=int, default=0, help="seed of the prompt sample and of sampling")
     b.add_argument("--nvfp4", action="store_true", help="add NVFP4 drafters with and without tensor scales")
     b.add_argument("--random-tiny", action="store_true", help="random tiny models: per-step cost split")
@@ -272,6 +273,9 @@ def main(argv=None):
     b.add_argument("--draft-passes", choices=("block", "drafted"), nargs="+", default=None,
                    help="with --step-table: draft passes to measure, each its own rows: the whole block (z-lab's) "
                         "and/or the drafted slots only (default: the drafter's own); generate runs the best row's")
+    b.add_argument("--chain-lookup", type=int, default=None, metavar="K",
+                   help="with --step-table: the chain rows' context lookup, measured and saved with them (default 2, "
+                        "none for a DFlash2 drafter; 0: z-lab's loop), which generate then runs with a chain row")
     b.add_argument("--draft-vocabs", type=int, nargs="+", default=None,
                    help="with --step-table: draft vocabularies to compare (first N ids; 0: the whole vocabulary)")
     b.add_argument("--batches", type=int, nargs="+", default=[1],
@@ -292,9 +296,9 @@ def main(argv=None):
                         "one eager draft pass of its own context length (its own op compiles): the tests' shrunk "
                         "run takes 2")
     b.add_argument("--pair-table", action="store_true",
-                   help="dense and NVFP4 drafter: tau and speedup at draft lengths 7 and 15 (those the block "
-                        "holds, or --draft-length), "
-                        "greedy and T 0.7 (or --temperature), at each --new-tokens")
+                   help="dense and NVFP4 drafter: tau and speedup with generate's own choice (the step table's "
+                        "best row), or at --draft-length and / or --tree-budgets, greedy and T 0.7 (or "
+                        "--temperature), at each --new-tokens")
     b.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy (default); > 0 = rejection sampling (then 'exact' is not expected to hold); "
                         "--pair-table runs 0 and 0.7 unless given")

@@ -31,8 +31,8 @@ class StepRow(Replaceable):
     batch: int = 1
     tree_budget: int | None = None  # a draft tree of this many nodes (draft_length = its depth); None: a chain
     draft_pass: str = "block"  # the block the draft pass read (`DrafterConfig.draft_pass`): "block" or "drafted"
-    # a tree row's context lookup as measured (`decode.lookup`; 0: off, as in tables saved before it existed). It
-    # moves tau only (a step verifies the same nodes either way), so generate runs its own default on any tree row.
+    # the row's context lookup as measured (`decode.lookup`; 0: off, as in tables saved before it existed). It moves
+    # tau only (a step verifies the same tokens either way), so generate runs its own default on any row.
     context_lookup: int = 0
 
     @property

@@ -210,7 +210,8 @@ def test_draft_lengths_are_those_the_block_holds():
 def test_bench_tables_take_their_draft_lengths_from_the_drafter(monkeypatch, tmp_path, capsys):
     """`bench --tau-table --nvfp4` once asked a block-8 drafter for D = 15 (`draft_length must be in 1..7`): every
     table's draft lengths now come from the loaded drafter's block. A block-4 drafter runs the tau table and the pair
-    table at D = 3 (the only length of 3/7/15 and 7/15 it holds, the longest it holds) and the --nvfp4 bench at D = 3
+    table at D = 3 (the only length of 3/7/15 it holds; the pair table: generate's own choice, without a step table
+    the longest it holds) and the --nvfp4 bench at D = 3
     (not the report's 7); an explicit length beyond the block is refused before anything runs. (The documented
     commands themselves run on the default pair, whose block is 8, in tests/test_docs_commands.py.)"""
     from dflash_jax.bench import command
@@ -222,8 +223,9 @@ def test_bench_tables_take_their_draft_lengths_from_the_drafter(monkeypatch, tmp
     table = capsys.readouterr().out.split("-" * 100 + "\n")[1].splitlines()
     assert [(line[:16].strip(), int(line[16:20])) for line in table] == [("dense", 3)], table
     cli.main(["bench", "--pair-table", "--temperature", "0", "--prompts", "1", "--new-tokens", "4"])
-    out = capsys.readouterr().out
-    assert [line.split()[:3] for line in out.splitlines() if line.startswith(" 0.0 ")] == [["0.0", "D", "3"]], out
+    out = capsys.readouterr().out  # no setting named: generate's own (no step table here: block_size - 1)
+    assert [line.split()[:4] for line in out.splitlines() if line.startswith(" 0.0 ")] == [
+        ["0.0", "default:", "D", "3"]], out
     cli.main(["bench", "--pair-table", "--temperature", "0", "--prompts", "1", "--new-tokens", "4",
               "--tree-budgets", "2"])
     out = capsys.readouterr().out

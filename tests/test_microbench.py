@@ -68,3 +68,30 @@ def test_profile_puts_decode_against_its_weight_bytes_at_the_measured_stream_rat
     line = profile.bandwidth_line(13.0, 96.6, 20.0)  # 96.6 MB at 20 GB/s = 4.83 ms
     assert "4.83 ms: 2.69x" in line and "goal <= 1.3x" in line
     assert profile.stream_gbps(megabytes=8.0, reps=3) > 0.1
+
+
+def test_loop_profile_splits_a_step_into_the_target_pass_the_draft_and_the_bookkeeping():
+    """`python -m dflash_jax.bench.loop_profile` on tiny random models: the speculative loop's instructions fall into
+    the target's groups, "draft: ..." groups and the loop's bookkeeping (the chain's acceptance, the draft's
+    argmax), the autoregressive loop's into no draft group; ms per step are positive and the printout relates the
+    two. Its stacks come from the compiled HLO's own frames (`profile.parse_hlo`)."""
+    import jax
+
+    import dflash_jax as dj
+    from dflash_jax.bench import loop_profile
+    from helpers import tiny_qwen3
+
+    cfg = tiny_qwen3(num_hidden_layers=2, max_position_embeddings=256)
+    target = dj.init_target(cfg, jax.random.key(0))
+    dcfg = dj.DrafterConfig(model=cfg.drafter_stack(1), block_size=4, mask_token_id=0, target_layer_ids=(0, 1),
+                            num_target_layers=2)
+    drafter = dj.init_drafter(dcfg, jax.random.key(1))
+    prof = loop_profile.profile_loop(target, drafter, [[3, 4, 5, 6]], max_new_tokens=12, reps=1, draft_length=2)
+    spec, ar = prof["speculative"]["groups"], prof["autoregressive"]["groups"]
+    assert any(g.startswith("draft: ") for g in spec) and not any(g.startswith("draft: ") for g in ar)
+    assert any(not g.startswith(("draft: ", "loop: ")) and g not in dict(loop_profile.LOOP_GROUPS) for g in spec)
+    assert "walk, acceptance and sampling" in spec
+    assert all(r["ms"] >= 0 for r in spec.values()) and sum(r["ms"] for r in spec.values()) > 0
+    assert prof["speculative"]["layout"] == "chain of 2" and prof["autoregressive"]["layout"] == "plain"
+    text = loop_profile.format_loop(prof)
+    assert "a speculative step = " in text and "autoregressive steps (draft " in text

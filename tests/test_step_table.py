@@ -112,6 +112,28 @@ def test_the_best_rows_draft_pass_is_the_default_and_survives_the_file(pair, tmp
     assert {r.draft_pass for r in StepTable.from_dict(old).rows} == {"block"}
 
 
+def test_a_chain_rows_context_lookup_runs_with_it_and_survives_the_file(pair, tmp_path):
+    """A chain row measured with context lookup (`StepRow.context_lookup`) is run with it when generate takes its
+    layout from the table; a call naming a lookup, or a draft length of its own, keeps its own (an explicit chain is
+    z-lab's loop unless told); a row without the field (older tables) is z-lab's loop; the field survives the file;
+    a tree row leaves generate's own default (2)."""
+    target, drafter = pair
+    want = dj.generate_autoregressive(target, [[3, 4, 5]], max_new_tokens=12, eos_ids=()).token_lists()
+    d = _with(drafter, _table(target, [StepRow(2, None, 2.0, 1.3, 0.2, context_lookup=3)]))
+    assert dl.default_choice(d, target) == dl.DefaultChoice(2, None, "block", 3)
+    res = dj.generate(target, d, [[3, 4, 5]], max_new_tokens=12, eos_ids=())
+    assert (res.draft_length, res.context_lookup) == (2, 3) and res.token_lists() == want
+    assert dj.generate(target, d, [[3, 4, 5]], max_new_tokens=12, eos_ids=(), context_lookup=0).context_lookup == 0
+    assert dj.generate(target, d, [[3, 4, 5]], max_new_tokens=12, eos_ids=(), draft_length=2).context_lookup == 0
+    old = _with(drafter, _table(target, [StepRow(2, None, 2.0, 1.3, 0.2)]))
+    assert dj.generate(target, old, [[3, 4, 5]], max_new_tokens=12, eos_ids=()).context_lookup == 0
+    tree = _with(drafter, _table(target, [StepRow(2, None, 2.0, 1.3, 0.2, tree_budget=2, context_lookup=0)]))
+    assert dl.default_choice(tree, target).context_lookup is None
+    assert dj.generate(target, tree, [[3, 4, 5]], max_new_tokens=12, eos_ids=()).context_lookup == 2
+    write_step_table(tmp_path, d.config.step_table)
+    assert read_step_table(tmp_path).rows[0].context_lookup == 3
+
+
 def test_a_tree_row_that_wins_becomes_the_default_and_an_explicit_setting_overrides_it(pair):
     target, drafter = pair
     rows = [StepRow(3, None, 2.0, 1.3, 0.2), StepRow(4, None, 2.9, 1.4, 0.2, tree_budget=4)]

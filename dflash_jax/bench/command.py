@@ -31,6 +31,8 @@ from dflash_jax.bench import speculative as bench
 from dflash_jax.bench import tree as tree_bench
 from dflash_jax.bench.step_costs import draft_costs, format_draft_costs, format_step_costs, step_costs
 from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.decode.lookup import DEFAULT_MIN_MATCH
+from dflash_jax.decode.prepare import check_context_lookup
 from dflash_jax.decode.programs import generate, with_draft_pass
 from dflash_jax.io.audit_file import audit_file
 from dflash_jax.io.checkpoint import load_drafter
@@ -100,9 +102,12 @@ def step_table(args, target, drafter, prompts):
     if passes and "drafted" in passes and drafter.config.is_dflash2:
         raise SystemExit("--draft-passes drafted: a DFlash2 drafter drafts over its whole block (its convolution runs "
                          "along it); measure it with --draft-passes block")
+    own = 0 if drafter.config.is_dflash2 else DEFAULT_MIN_MATCH  # the chain rows' lookup, unless told
+    lookup = check_context_lookup(own if getattr(args, "chain_lookup", None) is None else args.chain_lookup, None,
+                                  drafter.config.is_dflash2)
     rows = bench.step_table(target, drafter, prompts, draft_lengths=lengths, draft_vocabs=vocabs,
                             batches=tuple(args.batches), max_new_tokens=args.new_tokens[0], reps=args.reps,
-                            draft_passes=passes)
+                            draft_passes=passes, context_lookup=lookup)
     budgets = tuple(TREE_BUDGETS if args.tree_budgets is None else args.tree_budgets)
     budgets = budgets if not drafter.config.is_dflash2 else ()
     for p in passes or (drafter.config.draft_pass,):
@@ -236,14 +241,13 @@ def _filters(args) -> str:
 
 
 def pair_table(args, target, drafter, prompts):
-    lengths = (args.draft_length,) if args.draft_length else draft_lengths([drafter], (7, 15))
+    # a setting named (a draft length, tree budgets) or, with neither, generate's own choice (its step table's best)
+    lengths = (args.draft_length,) if args.draft_length else ()
     temps = (args.temperature,) if args.temperature is not None else (0.0, 0.7)
     print(f"embedded pair, {len(prompts)} held-out prompts, batch 1, dense and NVFP4 (RTN) DFlash drafter; decode "
           f"tokens/s exclude prefill and compile; speedup = median drafter tok/s / median AR tok/s, same run; at T > 0 "
           f"rejection sampling{_filters(args)} (output not expected to equal the AR sample)")
     budgets = () if args.tree_budgets is None or drafter.config.is_dflash2 else tuple(args.tree_budgets)
-    if budgets and not args.draft_length:
-        lengths = ()  # --tree-budgets alone: the tree rows only
     rows = bench.pair_table(target, {"dense": drafter, "nvfp4": quantize_nvfp4(drafter)}, prompts,
                             new_tokens=args.new_tokens, draft_lengths=lengths, temperatures=temps, seed=args.seed,
                             tree_budgets=budgets, top_p=args.top_p, top_k=args.top_k)

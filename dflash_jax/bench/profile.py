@@ -66,6 +66,7 @@ class Instruction:
     function: str
     line: str
     text: str
+    stack: tuple[str, ...] = ()  # the Python functions that emitted it, innermost first
 
 
 def _shape_bytes(shape: str) -> int:
@@ -92,13 +93,19 @@ def parse_hlo(text: str) -> dict[str, Instruction]:
         if not m:
             continue
         name, shape, opcode, ops = m.group(1), m.group(2), m.group(3), m.group(4)
-        fn, where = "", ""
+        fn, where, stack = "", "", []
         f = re.search(r"stack_frame_id=(\d+)", line)
         if f and int(f.group(1)) in frames:
             loc = locs.get(int(frames[int(f.group(1))]["file_location_id"]), {})
             fn = funcs.get(int(loc.get("function_name_id", 0)), "")
             where = loc.get("line", "")
-        out[name] = Instruction(name, opcode, _shape_bytes(shape), re.findall(r"%([\w.\-]+)", ops), fn, where, line)
+            frame = int(f.group(1))
+            while frame in frames and len(stack) < 64:  # a frame's parent_frame_id is its parent's id + 1 (0: none)
+                stack.append(funcs.get(int(locs.get(int(frames[frame]["file_location_id"]), {}).get(
+                    "function_name_id", 0)), ""))
+                frame = int(frames[frame]["parent_frame_id"]) - 1
+        out[name] = Instruction(name, opcode, _shape_bytes(shape), re.findall(r"%([\w.\-]+)", ops), fn, where, line,
+                                tuple(stack))
     return out
 
 
@@ -188,8 +195,9 @@ def group_of(instr: Instruction, hlo, computations, cfg) -> str:
     return "other"
 
 
-def trace_program(run, reps: int) -> list[tuple[str, float]]:
-    """(HLO instruction name, microseconds) of every thunk executed by `reps` calls of run()."""
+def trace_program(run, reps: int, module: str = "") -> list[tuple[str, float]]:
+    """(HLO instruction name, microseconds) of every thunk executed by `reps` calls of run() (of the compiled modules
+    whose name holds `module`)."""
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d, create_perfetto_trace=True)
         for _ in range(reps):
@@ -202,19 +210,22 @@ def trace_program(run, reps: int) -> list[tuple[str, float]]:
         if e.get("ph") != "X":
             continue
         op = (e.get("args") or {}).get("hlo_op")
-        if op:
+        if op and module in (e.get("args") or {}).get("hlo_module", ""):
             out.append((op, float(e["dur"])))
     return out
 
 
-def profile_table(events, hlo_text: str, steps: int, cfg) -> dict[str, dict]:
+def profile_table(events, hlo_text: str, steps: int, cfg, group=None) -> dict[str, dict]:
+    """{group: ms, MB, GFLOP, copies per step} of the events; group(instr, hlo, computations, cfg) -> its name
+    (default `group_of`)."""
+    group = group or group_of
     hlo, comps = parse_hlo(hlo_text), _computations(hlo_text)
     rows = collections.defaultdict(lambda: {"ms": 0.0, "mb": 0.0, "gflop": 0.0, "copies": 0, "count": 0})
     for op, us in events:
         instr = hlo.get(op)
         if instr is None or instr.opcode in CONTAINERS:
             continue
-        g = group_of(instr, hlo, comps, cfg)
+        g = group(instr, hlo, comps, cfg)
         r = rows[g]
         r["ms"] += us / 1e3 / steps
         r["count"] += 1 / steps

@@ -37,14 +37,14 @@ def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], 
 
     `drafters` may name extra drafters (e.g. {"nvfp4": q}) measured on the same prompts in the same run.
     tree_budget: every drafter drafts trees of that many nodes (draft_length then stays None); context_lookup: the
-    trees' (`GenerationOptions.context_lookup`; None: generate's default); top_p / top_k: the sampling filters at
+    steps' (`GenerationOptions.context_lookup`; None: generate's default); top_p / top_k: the sampling filters at
     temperature > 0 (both runs).
     """
     drafters = {"dflash": drafter, **(drafters or {})}
     kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=temperature, seed=seed,
               top_p=top_p, top_k=top_k, prefill_timing=PREFILL_TIMING)
-    spec = (dict(draft_length=draft_length) if tree_budget is None
-            else dict(tree_budget=tree_budget, context_lookup=context_lookup))
+    spec = (dict(draft_length=draft_length) if tree_budget is None else dict(tree_budget=tree_budget))
+    spec["context_lookup"] = context_lookup
     if warmup:  # compile every program shape before timing
         generate_autoregressive(target, [list(prompts[0])], **kw)
         for d in drafters.values():
@@ -59,6 +59,7 @@ def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], 
             res = generate(target, d, [list(p)], **spec, **kw)
             r = rows[name]
             r["context_lookup"] = res.context_lookup
+            r["layout"] = (res.draft_length, res.tree_budget)  # generate's own choice where none was given
             r["tps"].append(res.decode_tokens_per_second)
             acc = res.acceptance_lengths[res.acceptance_lengths > 0]
             r["tau_steps"].extend(acc.tolist())
@@ -68,6 +69,8 @@ def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], 
     D = drafter.config.block_size - 1 if draft_length is None else draft_length
     if tree_budget is not None:
         D = min(tree_budget, drafter.config.block_size - 1)  # the tree's depth
+    elif draft_length is None:  # generate's default: the step table's best row (the first drafter's)
+        D, tree_budget = rows["dflash"]["layout"]
     out = {"max_new_tokens": max_new_tokens, "draft_length": D, "prompts": len(prompts), "temperature": temperature,
            "top_p": top_p, "top_k": top_k, "ar_tokens_per_s": statistics.median(ar_tps), "tree_budget": tree_budget}
     for name, r in rows.items():
@@ -133,7 +136,8 @@ def exact_counts(results: list[dict]) -> tuple[int, int]:
 
 
 def compare_batched(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, batch: int,
-                    max_new_tokens: int, draft_length: int | None = None, eos_ids=()) -> dict:
+                    max_new_tokens: int, draft_length: int | None = None, eos_ids=(),
+                    context_lookup: int | None = None) -> dict:
     """`batch` prompts per call (groups of the prompt list, each call warmed up first): autoregressive and DFlash
     decode tokens/s summed over each call's rows, medians over calls; tau over every step of every row."""
     groups = [[list(p) for p in prompts[i:i + batch]] for i in range(0, len(prompts) - batch + 1, batch)]
@@ -141,11 +145,11 @@ def compare_batched(target: Target, drafter: Drafter, prompts: Sequence[Sequence
         raise ValueError(f"batch {batch} needs at least {batch} prompts, got {len(prompts)}")
     kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, prefill_timing=PREFILL_TIMING)
     generate_autoregressive(target, groups[0], **kw)
-    generate(target, drafter, groups[0], draft_length=draft_length, **kw)
+    generate(target, drafter, groups[0], draft_length=draft_length, context_lookup=context_lookup, **kw)
     ar_tps, sp_tps, steps, exact = [], [], [], 0
     for g in groups:
         ar = generate_autoregressive(target, g, **kw)
-        sp = generate(target, drafter, g, draft_length=draft_length, **kw)
+        sp = generate(target, drafter, g, draft_length=draft_length, context_lookup=context_lookup, **kw)
         ar_tps.append(ar.decode_tokens_per_second)
         sp_tps.append(sp.decode_tokens_per_second)
         steps.extend(sp.acceptance_lengths[sp.acceptance_lengths > 0].tolist())
@@ -153,18 +157,21 @@ def compare_batched(target: Target, drafter: Drafter, prompts: Sequence[Sequence
     n = len(groups) * batch
     return {"ar_tokens_per_s": statistics.median(ar_tps),
             "dflash": {"tokens_per_s": statistics.median(sp_tps), "tau": float(np.mean(steps)),
-                       "speedup": statistics.median(sp_tps) / statistics.median(ar_tps), "exact_match": f"{exact}/{n}"}}
+                       "speedup": statistics.median(sp_tps) / statistics.median(ar_tps), "exact_match": f"{exact}/{n}",
+                       "context_lookup": sp.context_lookup}}
 
 
 def step_table(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, draft_lengths=(1, 3, 7),
                draft_vocabs=None, batches=(1,), max_new_tokens: int = 128, context_len: int = 256,
-               reps: int = 30, draft_passes=None) -> list[dict]:
+               reps: int = 30, draft_passes=None, context_lookup: int | None = None) -> list[dict]:
     """What a step costs and what it buys, per (draft length, draft vocabulary, draft pass, batch): r and c
     (interleaved step costs at `context_len`, with `batch` rows), tau, the speedup they predict (tau / (r + c)) and
     the speedup measured on the same prompts in the same run (medians, greedy, each against the autoregressive runs
     of its own `compare`). The draft vocabulary is the drafter config's `draft_vocab_size` (None: the whole
     vocabulary); draft_vocabs None measures the drafter's own only; sizes at or above the vocabulary are skipped.
-    draft_passes: the `DrafterConfig.draft_pass` values to measure ("block", "drafted"; None: the drafter's own)."""
+    draft_passes: the `DrafterConfig.draft_pass` values to measure ("block", "drafted"; None: the drafter's own).
+    context_lookup: the chain rows' (`GenerationOptions.context_lookup`; None: generate's default for a chain, off),
+    recorded in each row: generate runs a chain row with it."""
     variants = _variants(drafter, draft_vocabs, draft_passes)
     name = {k: " / ".join(_labels(k)) for k in variants}
     rows = []
@@ -173,11 +180,12 @@ def step_table(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]
             if b == 1:
                 first, *rest = variants
                 res = compare(target, variants[first], prompts, max_new_tokens=max_new_tokens, draft_length=D,
-                              drafters={name[k]: variants[k] for k in rest})
+                              drafters={name[k]: variants[k] for k in rest}, context_lookup=context_lookup)
                 measured = {k: res["dflash" if k == first else name[k]] for k in variants}
             else:
                 measured = {k: compare_batched(target, d, prompts, batch=b, max_new_tokens=max_new_tokens,
-                                               draft_length=D)["dflash"] for k, d in variants.items()}
+                                               draft_length=D, context_lookup=context_lookup)["dflash"]
+                            for k, d in variants.items()}
             for k, d in variants.items():
                 c, x = step_costs(target, d, context_len=context_len, draft_length=D, batch=b, reps=reps), measured[k]
                 rows.append({"draft_length": D, "tree_budget": None, "draft_vocab": _labels(k)[0],
@@ -185,7 +193,7 @@ def step_table(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]
                              "r": c["r"], "c": c["c"], "decode_ms": c["decode_ms"], "verify_ms": c["verify_ms"],
                              "draft_ms": c["draft_ms"], "tau": x["tau"], "predicted": x["tau"] / (c["r"] + c["c"]),
                              "speedup": x["speedup"], "exact_match": x["exact_match"],
-                             "max_new_tokens": max_new_tokens})
+                             "context_lookup": x.get("context_lookup", 0), "max_new_tokens": max_new_tokens})
     return rows
 
 
@@ -230,7 +238,8 @@ def as_step_table(rows: list[dict], target: Target, note: str = "") -> StepTable
                      rows=tuple(StepRow(draft_length=r["draft_length"], draft_vocab=r["draft_vocab_size"],
                                         tau=round(float(r["tau"]), 4), r=round(float(r["r"]), 4),
                                         c=round(float(r["c"]), 4), batch=int(r["batch"]),
-                                        tree_budget=r.get("tree_budget"), draft_pass=r.get("draft_pass", "block"))
+                                        tree_budget=r.get("tree_budget"), draft_pass=r.get("draft_pass", "block"),
+                                        context_lookup=int(r.get("context_lookup", 0)))
                            for r in rows))
 
 
@@ -290,20 +299,23 @@ def pair_table(target: Target, drafters: dict, prompts: Sequence[Sequence[int]],
     prompts; one autoregressive baseline per cell. top_p / top_k: the sampling filters of the sampled rows."""
     (first, d0), *rest = drafters.items()
     settings = [dict(draft_length=D) for D in draft_lengths] + [dict(tree_budget=b) for b in tree_budgets]
+    settings = settings or [dict(default=True)]  # neither: generate's own choice (the step table's best row)
     rows = []
     for temperature in temperatures:
         for spec in settings:
             for n in new_tokens:
                 r = compare(target, d0, prompts, max_new_tokens=n, drafters=dict(rest), temperature=temperature,
-                            seed=seed, top_p=top_p, top_k=top_k, **spec)
+                            seed=seed, top_p=top_p, top_k=top_k, **{k: v for k, v in spec.items() if k != "default"})
+                r["default"] = "default" in spec
                 r[first] = r.pop("dflash")  # `compare` names its first drafter "dflash"
                 rows.append(r)
     return rows
 
 
 def setting_label(row: dict) -> str:
-    """'D 7' for a chain of 7 drafts, 'tree 4' for a draft tree of 4 nodes."""
-    return f"tree {row['tree_budget']}" if row.get("tree_budget") else f"D {row['draft_length']}"
+    """'D 7' for a chain of 7 drafts, 'tree 4' for a draft tree of 4 nodes; 'default: D 1' for generate's choice."""
+    label = f"tree {row['tree_budget']}" if row.get("tree_budget") else f"D {row['draft_length']}"
+    return f"default: {label}" if row.get("default") else label
 
 
 def format_pair_table(rows: list[dict], names: Sequence[str]) -> str:

@@ -76,15 +76,33 @@ def default_layout(drafter: Drafter, target: Target, batch: int = 1, trees: bool
 
 def default_setting(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True,
                     plain_when_slower: bool = False, q8: bool | None = None) -> tuple[int, int | None, str]:
-    """(draft_length, tree_budget, draft_pass) of the step table's best row for this pair on this platform (rows of
-    the largest measured batch <= `batch`, and of the drafter's `draft_pass` where it names one; tree rows only when
-    `trees`): (D, None, pass) for a chain, (depth, N, pass) for a draft tree of N nodes; (block_size - 1, None, the
-    drafter's pass or "block") when there is no table or it does not apply (warned). plain_when_slower: (0, None, ..),
-    plain decoding (warned), where the table applies and even its best row predicts no gain beyond the table's noise
-    (tau / (r + c) < 1 + NOISE_MARGIN);
-    the shipped SmolLM2 table predicts 1.12x at batch 1 (a tree of 2) and at most 0.82x at batch 4, where a verify of
-    several rows costs more decode steps than the drafts save. q8: whether the programs take Q8 activations (None:
-    the execution context's), for the build the table is held to."""
+    """(draft_length, tree_budget, draft_pass) of `default_choice`."""
+    c = default_choice(drafter, target, batch, trees, plain_when_slower, q8)
+    return c.draft_length, c.tree_budget, c.draft_pass
+
+
+@dataclasses.dataclass(frozen=True)
+class DefaultChoice:
+    """What `generate` runs when told neither a draft length nor a tree budget (`default_choice`)."""
+
+    draft_length: int  # 0: plain decoding
+    tree_budget: int | None
+    draft_pass: str
+    # a chain row's context lookup as measured (`StepRow.context_lookup`; None: generate's own default, as for a
+    # tree row, a table without the field or no table at all)
+    context_lookup: int | None = None
+
+
+def default_choice(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True,
+                   plain_when_slower: bool = False, q8: bool | None = None) -> DefaultChoice:
+    """The step table's best row for this pair on this platform (rows of the largest measured batch <= `batch`, and
+    of the drafter's `draft_pass` where it names one; tree rows only when `trees`): a chain of D (with its row's
+    context lookup) or a draft tree of N nodes (draft_length = its depth), and the row's draft pass; a chain of
+    block_size - 1 with the drafter's pass (or "block") when there is no table or it does not apply (warned).
+    plain_when_slower: draft_length 0, plain decoding (warned), where the table applies and even its best row
+    predicts no gain beyond the table's noise (tau / (r + c) < 1 + NOISE_MARGIN): where a verify of several rows
+    costs more decode steps than the drafts save (the shipped SmolLM2 tables at batch 4, e.g.). q8: whether the
+    programs take Q8 activations (None: the execution context's), for the build the table is held to."""
     fallback = drafter.config.block_size - 1
     own_pass = drafter.config.draft_pass or "block"
     row, why = _table_row(drafter, target, batch, trees, q8)
@@ -96,13 +114,16 @@ def default_setting(drafter: Drafter, target: Target, batch: int = 1, trees: boo
                    f"{NOISE_MARGIN:.0%} is within the table's noise; the same tokens at temperature 0, the target's "
                    "law above it). Give draft_length= or tree_budget= to speculate "
                    "anyway, or plain_when_slower=False for the table's best")
-        return 0, None, own_pass
+        return DefaultChoice(0, None, own_pass)
     if row is not None:
-        return row.draft_length, row.tree_budget, row.draft_pass
+        # a chain's lookup is what its row measured (0 for rows saved before chains took one: z-lab's loop); a tree
+        # row leaves it to generate's default, which its tau was measured with
+        lookup = None if row.tree_budget else row.context_lookup
+        return DefaultChoice(row.draft_length, row.tree_budget, row.draft_pass, lookup)
     if why is not None:
         _warn_once(f"the drafter's step table is ignored: {why}; drafting block_size - 1 = {fallback} tokens per step "
                    "(measure a table for this pair with `dflash-jax bench --step-table --save-table`)")
-    return fallback, None, own_pass
+    return DefaultChoice(fallback, None, own_pass)
 
 
 def running_cpu_kernel(q8: bool | None = None) -> str | None:

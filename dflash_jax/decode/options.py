@@ -39,8 +39,9 @@ class GenerationOptions(Replaceable):
     # step: a tree's nodes become that chain (up to the tree's depth; the target's own tokens walked as for any tree),
     # a chain's first drafts become it (verified against a point-mass q). The output is unchanged in law (greedy:
     # token for token); only acceptance moves (`decode.lookup`). None: 2 with a tree (measured best, docs/cpu-step.md
-    # "Context lookup"), 0 with a chain (the shipped step tables' chain rows were measured without); 0: off. Not
-    # with a DFlash2 chain.
+    # "Context lookup"); with a chain, its step-table row's where generate takes the chain from the table (the row
+    # measured it: `StepRow.context_lookup`), else 0 (z-lab's loop: a chain's copies replace a strong drafter's
+    # drafts, so it is measured per pair); 0: off. Not with a DFlash2 chain.
     context_lookup: int | None = None
     # The block the draft pass reads: "block" (z-lab's: the whole block) or "drafted" (the last token and one mask
     # per drafted slot; `DrafterConfig.draft_pass`). None: the drafter's own setting, else the step table's best row's

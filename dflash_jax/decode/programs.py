@@ -34,7 +34,7 @@ import numpy as np
 from dflash_jax import execution
 from dflash_jax.config import check_pair
 from dflash_jax.decode import buckets
-from dflash_jax.decode.draft_length import default_setting
+from dflash_jax.decode.draft_length import default_choice
 from dflash_jax.decode.call import PROGRAM_PREFIX, ProgramCall, to_host
 from dflash_jax.decode.lookup import PROMPT_WINDOW
 from dflash_jax.decode.loop import Budget, autoregressive_loop, speculative_loop
@@ -194,14 +194,17 @@ def _speculative(target: Target, drafter: Drafter, prompt, sampling: SamplingPar
         # the drafter's measured best for this pair, platform and batch: a chain or a draft tree (a tree only where
         # the sampling rule allows one), else a chain of block_size - 1; plain decoding where even the best is slower
         trees = not sampling.use_p_min and sampling.draft_sampling == "sample"
-        D, N, draft_pass = default_setting(drafter, target, batch=len(prompt) if hasattr(prompt, "__len__") else 1,
-                                           trees=trees, plain_when_slower=options.plain_when_slower,
-                                           q8=options.q8_activations or execution.current().q8_activations)
-        drafter = with_draft_pass(drafter, draft_pass)
-        if D == 0:
+        best = default_choice(drafter, target, batch=len(prompt) if hasattr(prompt, "__len__") else 1,
+                              trees=trees, plain_when_slower=options.plain_when_slower,
+                              q8=options.q8_activations or execution.current().q8_activations)
+        drafter = with_draft_pass(drafter, best.draft_pass)
+        if best.draft_length == 0:
             return _prepare("autoregressive", target, None, prompt,
                             SamplingParams.make(sampling.temperature, sampling.top_k, sampling.top_p), options)
-        options = options.replace(draft_length=None if N else D, tree_budget=N)
+        N = best.tree_budget
+        options = options.replace(draft_length=None if N else best.draft_length, tree_budget=N)
+        if options.context_lookup is None and best.context_lookup is not None and not drafter.config.is_dflash2:
+            options = options.replace(context_lookup=best.context_lookup)  # a chain row's lookup, as measured
     if options.tree_budget is None:
         options = options.replace(draft_length=check_draft_length(drafter, options.draft_length))
     else:  # the tree's depth stands for the draft length from here on (positions drafted, tokens per step - 1)
