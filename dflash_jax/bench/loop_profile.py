@@ -60,8 +60,9 @@ def profile_loop(target, drafter, prompts, *, max_new_tokens: int = 128, reps: i
                  top_p: float = 1.0, **options) -> dict:
     """generate's loop program itself (prefill excluded) under the profiler, per group: ms per loop step (thunk
     time, `loop_group`), for the speculative loop (`options`: generate's keywords; default: its own choice) and the
-    autoregressive loop on the same prompts, per token; temperature / top_p: both loops'. Unlike `bench.step_costs`, whose pieces are separate
-    programs (each paying a launch), this is what a step costs inside the one while loop."""
+    autoregressive loop on the same prompts, per token; temperature / top_p: both loops'. Unlike `bench.step_costs`,
+    whose pieces are separate programs (each paying a launch), this is what a step costs inside the one while
+    loop."""
     out = {}
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     for name, make in (("speculative", lambda p: speculative_call(target, drafter, [p], **kw, **options)),
@@ -103,9 +104,10 @@ def format_loop(prof: dict) -> str:
         decode = per["autoregressive"]
         draft = sum(r["ms"] for g, r in prof["speculative"]["groups"].items() if g.startswith("draft: "))
         step = per["speculative"]
-        lines.append(f"\na speculative step = {step / decode:.2f} autoregressive steps (draft {draft / decode:.2f}, the "
-                     f"rest {(step - draft) / decode:.2f}); tau {prof['speculative']['tau']:.2f} -> "
-                     f"{prof['speculative']['tau'] * decode / step:.2f}x in thunk time")
+        tau = prof["speculative"]["tau"]
+        lines.append(f"\na speculative step = {step / decode:.2f} autoregressive steps (draft {draft / decode:.2f}, "
+                     f"the rest {(step - draft) / decode:.2f}); tau {tau:.2f} -> {tau * decode / step:.2f}x in thunk "
+                     "time")
     return "\n".join(lines)
 
 

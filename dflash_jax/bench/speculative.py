@@ -391,6 +391,6 @@ def format_bf16_exactness(d: dict) -> str:
             f"{div}; {100 * d['token_agreement']:.1f}% of token positions agree; tau {d['tau']:.2f}")
 
 
-__all__ = ["compare", "pool_verify_costs", "format_compare_table", "format_dflash2_goals", "exact_counts", "step_table", "format_step_table",
-           "tau_table", "format_tau_table", "pair_table", "format_pair_table", "format_pair_goals", "bf16_exactness",
+__all__ = ["compare", "pool_verify_costs", "format_compare_table", "format_dflash2_goals", "exact_counts", "step_table",
+           "format_step_table", "tau_table", "format_tau_table", "pair_table", "format_pair_table", "format_pair_goals", "bf16_exactness",
            "format_bf16_exactness", "PREFILL_TIMING"]

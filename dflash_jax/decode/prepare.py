@@ -167,7 +167,8 @@ def check_tree(drafter: Drafter, tree_budget, draft_length, sampling) -> int:
 
 def check_context_lookup(context_lookup, tree_budget: int | None, dflash2: bool = False) -> int:
     """The shortest repeat a step copies from (`decode.lookup`): None -> the default with a tree (0 with a chain,
-    unless the step table's chain row named its own: `decode.draft_length.default_choice`); 0 = off; 1..MAX_MATCH. A DFlash2 chain takes none."""
+    unless the step table's chain row named its own: `decode.draft_length.default_choice`); 0 = off; 1..MAX_MATCH.
+    A DFlash2 chain takes none."""
     if context_lookup is None:
         return DEFAULT_MIN_MATCH if tree_budget is not None else 0
     if (not isinstance(context_lookup, (int, np.integer)) or isinstance(context_lookup, bool)
