@@ -32,7 +32,8 @@ class StepRow(Replaceable):
     tree_budget: int | None = None  # a draft tree of this many nodes (draft_length = its depth); None: a chain
     draft_pass: str = "block"  # the block the draft pass read (`DrafterConfig.draft_pass`): "block" or "drafted"
     # the row's context lookup as measured (`decode.lookup`; 0: off, as in tables saved before it existed). It moves
-    # tau only (a step verifies the same tokens either way), so generate runs its own default on any row.
+    # tau only (a step verifies the same tokens either way): generate runs a chain row with it, and a tree row with
+    # its own default (`decode.draft_length.default_choice`).
     context_lookup: int = 0
 
     @property

@@ -211,9 +211,9 @@ def test_bench_tables_take_their_draft_lengths_from_the_drafter(monkeypatch, tmp
     """`bench --tau-table --nvfp4` once asked a block-8 drafter for D = 15 (`draft_length must be in 1..7`): every
     table's draft lengths now come from the loaded drafter's block. A block-4 drafter runs the tau table and the pair
     table at D = 3 (the only length of 3/7/15 it holds; the pair table: generate's own choice, without a step table
-    the longest it holds) and the --nvfp4 bench at D = 3
-    (not the report's 7); an explicit length beyond the block is refused before anything runs. (The documented
-    commands themselves run on the default pair, whose block is 8, in tests/test_docs_commands.py.)"""
+    the longest it holds) and the --nvfp4 bench at D = 3 (not the report's 7); an explicit length beyond the block
+    is refused before anything runs. (The documented commands themselves run on the default pair, whose block is 8,
+    in tests/test_docs_commands.py.)"""
     from dflash_jax.bench import command
 
     pair = _tiny_pair_with_block(4)

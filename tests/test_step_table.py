@@ -279,3 +279,17 @@ def test_rows_sharing_a_verify_share_its_r():
     assert a["r"] == b["r"] == pytest.approx(1.25) and a["verify_ms"] == pytest.approx(61.0)
     assert b["predicted"] == pytest.approx(1.4 / 1.35) and a["predicted"] == pytest.approx(1.4 / 1.4)
     assert other["r"] == 2.0 and other["predicted"] == pytest.approx(1.6 / 2.2)
+
+
+def test_benchmarks_measure_the_tables_best_row_even_where_it_predicts_a_slowdown(pair):
+    """`bench.compare` without a setting (`bench --pair-table` with none, `bench.loop_profile`) measures the table's
+    best row speculatively; generate alone would decode plainly there (draft length 0, nothing drafted: the pair
+    table printed 'default: D 0' and divided by it under --q8-activations)."""
+    from dflash_jax.bench import speculative as bench
+
+    target, drafter = pair
+    slow = _with(drafter, _table(target, [StepRow(2, None, 1.1, 1.5, 0.3)]))  # predicts 0.61x
+    assert dj.generate(target, slow, [[3, 4, 5]], max_new_tokens=8, eos_ids=()).draft_length == 0
+    res = bench.compare(target, slow, [[3, 4, 5]], max_new_tokens=8, warmup=False)
+    assert (res["draft_length"], res["tree_budget"]) == (2, None)
+    assert res["dflash"]["drafted"] > 0 and np.isfinite(res["dflash"]["acceptance_rate"])

@@ -65,6 +65,7 @@ def profile_loop(target, drafter, prompts, *, max_new_tokens: int = 128, reps: i
     loop."""
     out = {}
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    options = {"plain_when_slower": False, **options}  # the table's best row even where it predicts no gain
     for name, make in (("speculative", lambda p: speculative_call(target, drafter, [p], **kw, **options)),
                        ("autoregressive", lambda p: autoregressive_call(target, [p], **kw))):
         steps, sums, res = 0, {}, None
@@ -77,7 +78,7 @@ def profile_loop(target, drafter, prompts, *, max_new_tokens: int = 128, reps: i
             events = trace_program(call.run, reps, module=f"{PROGRAM_PREFIX}{name}")
             n = reps * res.num_steps
             for g, r in profile_table(events, text, n, target.config, group=loop_group).items():
-                acc = sums.setdefault(g, {"ms": 0.0, "mb": 0.0, "gflop": 0.0, "copies": 0.0, "count": 0.0})
+                acc = sums.setdefault(g, dict.fromkeys(r, 0.0))
                 for k in acc:
                     acc[k] += r[k] * n
             steps += n
@@ -85,7 +86,7 @@ def profile_loop(target, drafter, prompts, *, max_new_tokens: int = 128, reps: i
         out[name] = {"steps": steps, "tau": float(res.tau) if name == "speculative" else 1.0, "groups": table,
                      "layout": (f"tree of {res.tree_budget}" if name == "speculative" and res.tree_budget else
                                 f"chain of {res.draft_length}" if name == "speculative" else "plain"),
-                     "context_lookup": getattr(res, "context_lookup", 0)}
+                     "context_lookup": res.context_lookup}
     return out
 
 

@@ -93,17 +93,16 @@ def parse_hlo(text: str) -> dict[str, Instruction]:
         if not m:
             continue
         name, shape, opcode, ops = m.group(1), m.group(2), m.group(3), m.group(4)
-        fn, where, stack = "", "", []
+        where, stack = "", []
         f = re.search(r"stack_frame_id=(\d+)", line)
-        if f and int(f.group(1)) in frames:
-            loc = locs.get(int(frames[int(f.group(1))]["file_location_id"]), {})
-            fn = funcs.get(int(loc.get("function_name_id", 0)), "")
-            where = loc.get("line", "")
-            frame = int(f.group(1))
-            while frame in frames and len(stack) < 64:  # a frame's parent_frame_id is its parent's id + 1 (0: none)
-                stack.append(funcs.get(int(locs.get(int(frames[frame]["file_location_id"]), {}).get(
-                    "function_name_id", 0)), ""))
-                frame = int(frames[frame]["parent_frame_id"]) - 1
+        frame = int(f.group(1)) if f else -1
+        while frame in frames and len(stack) < 64:  # a frame's parent_frame_id is its parent's id + 1 (0: none)
+            loc = locs.get(int(frames[frame]["file_location_id"]), {})
+            if not stack:
+                where = loc.get("line", "")  # the innermost frame's line
+            stack.append(funcs.get(int(loc.get("function_name_id", 0)), ""))
+            frame = int(frames[frame]["parent_frame_id"]) - 1
+        fn = stack[0] if stack else ""
         out[name] = Instruction(name, opcode, _shape_bytes(shape), re.findall(r"%([\w.\-]+)", ops), fn, where, line,
                                 tuple(stack))
     return out

@@ -43,8 +43,10 @@ def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], 
     drafters = {"dflash": drafter, **(drafters or {})}
     kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=temperature, seed=seed,
               top_p=top_p, top_k=top_k, prefill_timing=PREFILL_TIMING)
+    # neither a draft length nor a tree budget: the step table's best row, speculating even where the table predicts
+    # no gain (generate would then decode plainly, and there would be no drafts to measure)
     spec = (dict(draft_length=draft_length) if tree_budget is None else dict(tree_budget=tree_budget))
-    spec["context_lookup"] = context_lookup
+    spec.update(context_lookup=context_lookup, plain_when_slower=False)
     if warmup:  # compile every program shape before timing
         generate_autoregressive(target, [list(prompts[0])], **kw)
         for d in drafters.values():
@@ -59,18 +61,14 @@ def compare(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], 
             res = generate(target, d, [list(p)], **spec, **kw)
             r = rows[name]
             r["context_lookup"] = res.context_lookup
-            r["layout"] = (res.draft_length, res.tree_budget)  # generate's own choice where none was given
+            r["layout"] = (res.draft_length, res.tree_budget)  # as given, or generate's own choice
             r["tps"].append(res.decode_tokens_per_second)
             acc = res.acceptance_lengths[res.acceptance_lengths > 0]
             r["tau_steps"].extend(acc.tolist())
             r["acc"].append(res.acceptance_rate)
             r.setdefault("exact", []).append(bool(np.array_equal(res.tokens[0], ar.tokens[0])))
             r.setdefault("position", []).append(res.position_acceptance)
-    D = drafter.config.block_size - 1 if draft_length is None else draft_length
-    if tree_budget is not None:
-        D = min(tree_budget, drafter.config.block_size - 1)  # the tree's depth
-    elif draft_length is None:  # generate's default: the step table's best row (the first drafter's)
-        D, tree_budget = rows["dflash"]["layout"]
+    D, tree_budget = rows["dflash"]["layout"]  # as the first drafter ran: a tree's D is its depth
     out = {"max_new_tokens": max_new_tokens, "draft_length": D, "prompts": len(prompts), "temperature": temperature,
            "top_p": top_p, "top_k": top_k, "ar_tokens_per_s": statistics.median(ar_tps), "tree_budget": tree_budget}
     for name, r in rows.items():
@@ -299,14 +297,14 @@ def pair_table(target: Target, drafters: dict, prompts: Sequence[Sequence[int]],
     prompts; one autoregressive baseline per cell. top_p / top_k: the sampling filters of the sampled rows."""
     (first, d0), *rest = drafters.items()
     settings = [dict(draft_length=D) for D in draft_lengths] + [dict(tree_budget=b) for b in tree_budgets]
-    settings = settings or [dict(default=True)]  # neither: generate's own choice (the step table's best row)
+    settings = settings or [{}]  # neither: generate's own choice (the step table's best row)
     rows = []
     for temperature in temperatures:
         for spec in settings:
             for n in new_tokens:
                 r = compare(target, d0, prompts, max_new_tokens=n, drafters=dict(rest), temperature=temperature,
-                            seed=seed, top_p=top_p, top_k=top_k, **{k: v for k, v in spec.items() if k != "default"})
-                r["default"] = "default" in spec
+                            seed=seed, top_p=top_p, top_k=top_k, **spec)
+                r["default"] = not spec
                 r[first] = r.pop("dflash")  # `compare` names its first drafter "dflash"
                 rows.append(r)
     return rows
