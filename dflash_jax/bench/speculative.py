@@ -390,5 +390,5 @@ def format_bf16_exactness(d: dict) -> str:
 
 
 __all__ = ["compare", "pool_verify_costs", "format_compare_table", "format_dflash2_goals", "exact_counts", "step_table",
-           "format_step_table", "tau_table", "format_tau_table", "pair_table", "format_pair_table", "format_pair_goals", "bf16_exactness",
-           "format_bf16_exactness", "PREFILL_TIMING"]
+           "format_step_table", "tau_table", "format_tau_table", "pair_table", "format_pair_table", "format_pair_goals",
+           "bf16_exactness", "format_bf16_exactness", "PREFILL_TIMING"]
