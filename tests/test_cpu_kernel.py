@@ -243,7 +243,7 @@ def _products_of_every_format(out: str) -> None:
     the row attention's sums, saved to `out` (npz): what `test_every_build_computes_the_same_values` compares across
     the kernel's builds (run in a subprocess there)."""
     found = {}
-    for K in (96, 80, 48):
+    for K in (96, 80, 48, 352):  # 352: 11 blocks
         x = jnp.asarray(np.random.default_rng(7).standard_normal((9, K)), jnp.float32)
         for name, w in _weights(37, K, seed=8).items():
             for M in (1, 3, 8, 9):

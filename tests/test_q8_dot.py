@@ -58,11 +58,11 @@ def _llama_cpp_reference(x: np.ndarray, w: GGMLArray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kind", [Q.Q4_1, Q.Q8_0])
-def test_q8_products_are_llama_cpps_integer_dots(kind):
+@pytest.mark.parametrize("K", [128, 576])
+def test_q8_products_are_llama_cpps_integer_dots(kind, K):
     """The products follow x's Q8 rounding (float64 reference of llama.cpp's arithmetic, 1e-6 of the largest output:
     only the float summation order differs), and they are not the float products (an x left unrounded misses the
     reference by far more), yet within the rounding's ~1% of them."""
-    K = 128
     w = _weight(kind, 45, K, seed=1)
     x = np.random.default_rng(2).standard_normal((5, K)).astype(np.float32)
     x[1, :32] *= 1e-3  # a block of small values gets its own scale

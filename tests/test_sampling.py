@@ -116,27 +116,33 @@ BUGS = ("none", "always_accept", "u_lt_q_over_p", "resample_from_p", "residual_a
         "bonus_wrong_row")
 
 
-def accept_with_bug(d_logits, drafts, v_logits, keys, sp, bug):
+def accept_with_bug(d_logits, drafts, v_logits, keys, sp, bug, draft_probs=None):
     """accept_block re-derived, plus one bug selected by `bug` (an index into BUGS):
     always_accept, u_lt_q_over_p (the ratio inverted), resample_from_p (the token after a rejection drawn from p, not
     from max(p - q, 0)), residual_at_pmin_cut, q_at_T1 (q computed at temperature 1 whatever is requested; the drafts
-    themselves are drawn right), bonus_wrong_row (after a full block the bonus is drawn from verify row D - 1)."""
+    themselves are drawn right), bonus_wrong_row (after a full block the bonus is drawn from verify row D - 1).
+    draft_probs: the loop's `PrefixQ` (q over the draft vocabulary, copied slots a point mass), spread onto the
+    vocabulary here."""
     B, D = drafts.shape
-    proposed = sampling._pmin_mask(d_logits, sp)
-    p = processed_probs(v_logits, sp)
-    q = (jax.nn.one_hot(drafts, p.shape[-1], dtype=jnp.float32) if sp.draft_sampling == "greedy"
-         else jnp.where(bug == BUGS.index("q_at_T1"),
-                        processed_probs(d_logits, dataclasses.replace(sp, temperature=1.0)),
-                        processed_probs(d_logits, sp)))
+    proposed = sampling._pmin_mask(d_logits, sp, draft_probs)
+    p_entries, p_row = sampling.verify_probs(v_logits, sp)
+    V = v_logits.shape[-1]
+    q_sp = (processed_probs(d_logits, sp) if draft_probs is None
+            else jnp.pad(draft_probs.probs, ((0, 0), (0, 0), (0, V - draft_probs.probs.shape[-1]))))
+    q_sp = jnp.where(bug == BUGS.index("q_at_T1"), processed_probs(d_logits, dataclasses.replace(sp, temperature=1.0)),
+                     q_sp)
+    if draft_probs is not None:
+        q_sp = jnp.where(draft_probs.copied[..., None], jax.nn.one_hot(drafts, V, dtype=jnp.float32), q_sp)
+    q = jax.nn.one_hot(drafts, V, dtype=jnp.float32) if sp.draft_sampling == "greedy" else q_sp
     keys, uniforms = sampling._draw(keys, D + 1)
     u = uniforms[:, :D]
-    p_x = jnp.take_along_axis(p[:, :D], drafts[..., None], axis=-1)[..., 0]
+    p_x = p_entries(drafts)
     q_x = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     ok = jnp.select([bug == BUGS.index("always_accept"), bug == BUGS.index("u_lt_q_over_p")],
                     [jnp.ones_like(proposed), u * p_x < q_x], u * q_x < p_x) & proposed
     n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     row = jnp.where((bug == BUGS.index("bonus_wrong_row")) & (n_acc == D), D - 1, n_acc)
-    p_at = jnp.take_along_axis(p, row[:, None, None], axis=1)[:, 0]
+    p_at = p_row(row)
     q_at = jnp.take_along_axis(jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1),
                                n_acc[:, None, None], axis=1)[:, 0]
     was_proposed = jnp.take_along_axis(jnp.concatenate([proposed, jnp.zeros((B, 1), bool)], axis=1),
@@ -575,7 +581,11 @@ def build_models():
     drafter = Drafter(params=_random_params(abstract_drafter(DCFG), 1, 0.6), config=DCFG)
     close_target = _close(target, 0.05)
     close_drafter = _close(drafter, 0.05, norm=close_target.params.norm)
-    return {"distant": (target, drafter), "close": (close_target, close_drafter)}
+    # the close drafter drafting only ids 0..4 (a draft vocabulary, `PrefixQ`): ids 5..7 keep ~12% of the target's
+    # mass, reached through residuals and through context lookup's copies, whose point mass lies outside it
+    prefix_drafter = close_drafter.replace(config=close_drafter.config.replace(draft_vocab_size=5))
+    return {"distant": (target, drafter), "close": (close_target, close_drafter),
+            "close_vocab5": (close_target, prefix_drafter)}
 
 
 def _enumerate(target, prompt) -> np.ndarray:
@@ -683,7 +693,10 @@ PROOF = [("close", dict(temperature=t, **f)) for t in (0.6, 1.0, 1.6) for f in (
     ("distant", dict(temperature=0.6, **TOP, p_min=0.75)), ("distant", dict(temperature=1.6, **TOP, p_min=0.5))] + [
     # context lookup in the chain: on a vocabulary of 8, single-token repeats make most steps' first drafts copies,
     # verified against a point-mass q (decode.loop._copied_drafts)
-    ("distant", dict(temperature=1.0, context_lookup=1)), ("close", dict(temperature=0.6, context_lookup=1))]
+    ("distant", dict(temperature=1.0, context_lookup=1)), ("close", dict(temperature=0.6, context_lookup=1))] + [
+    # a draft vocabulary of 5 of the 8 ids: q drawn and verified over those 5, copies past them as point masses
+    ("close_vocab5", dict(temperature=1.0)), ("close_vocab5", dict(temperature=0.6, context_lookup=1)),
+    ("close_vocab5", dict(temperature=1.0, **TOP, p_min=0.5))]
 
 
 def _label(pair, kw):
@@ -759,8 +772,8 @@ def test_control_q_at_the_wrong_temperature_fails(models, enumeration, monkeypat
 def test_control_drafting_key_reused_for_acceptance_fails(models, enumeration, monkeypatch):
     """accept_block gets the key the drafts were drawn with (sample_tokens hands back its input key for drafts):
     acceptance uniforms and the residual's noise are then the drafts' own Gumbel noise."""
-    def reuse(logits, keys, sp, draft=False):
-        tokens, new_keys = sample_tokens(logits, keys, sp, draft=draft)
+    def reuse(logits, keys, sp, draft=False, **kw):
+        tokens, new_keys = sample_tokens(logits, keys, sp, draft=draft, **kw)
         return tokens, keys if draft else new_keys
 
     assert_fails("drafting key reused (close, T=1)", _control(monkeypatch, models, enumeration, "close",
@@ -770,10 +783,10 @@ def test_control_drafting_key_reused_for_acceptance_fails(models, enumeration, m
 def test_control_copied_drafts_verified_against_the_drafters_q_fails(models, enumeration, monkeypatch):
     """Context lookup's copied drafts put in the chain while q stays the drafter's distribution (not the point mass
     they were drawn from)."""
-    def copies_without_their_q(drafts, d_logits, s, min_match, prompt_tail, sampling):
+    def copies_without_their_q(drafts, d_logits, d_probs, s, min_match, prompt_tail, sampling):
         tokens, n = lookup.continuation(s.out, s.n_out, drafts.shape[1], min_match, prompt_tail)
         copied = jnp.arange(drafts.shape[1])[None, :] < n[:, None]
-        return jnp.where(copied, tokens, drafts), d_logits
+        return jnp.where(copied, tokens, drafts), d_logits, d_probs
 
     assert_fails("copied drafts with the drafter's q (distant, T=1)",
                  _control(monkeypatch, models, enumeration, "distant", dict(temperature=1.0, context_lookup=1),

@@ -1,7 +1,7 @@
 """One draft step inside generate's loop, for either drafter kind: the proposals and the q that verifies them.
 
 DFlash: drafts are the argmax of the draft logits (greedy), or samples from q = their processed softmax (T > 0,
-draft_sampling "sample"); q is recomputed from the logits by `accept_block`.
+draft_sampling "sample"), kept over the draft vocabulary's ids (`PrefixQ`) for `accept_block`.
 DFlash2: drafts are the candidate selector's walk from the block's first token: greedy, or at T > 0 sampled slot by
 slot from q_t = softmax(S_t / T) over the k candidates (z-lab draws the selector at temperature T without top-k /
 top-p). That q (zero outside the candidates; kept over them) is the draft distribution of rejection sampling: the
@@ -21,7 +21,7 @@ from dflash_jax.decode import tree
 from dflash_jax.models import selector
 from dflash_jax.models.drafter import Drafter, block_hidden, head_logits, pad_vocabulary, propose_from_hidden
 from dflash_jax.models.layers import first_argmax
-from dflash_jax.decode.sampling import SamplingParams, _draw, sample_tokens
+from dflash_jax.decode.sampling import PrefixQ, SamplingParams, _draw, processed_probs, sample_tokens
 from dflash_jax.models.cache import KVCache
 from dflash_jax.models.target import Target
 
@@ -29,8 +29,9 @@ from dflash_jax.models.target import Target
 def draft_step(drafter: Drafter, target: Target, block: jax.Array, cache: KVCache, num_slots: int, keys: jax.Array,
                sp: SamplingParams):
     """block [B, bs] (slot 0 = last committed token) over the draft cache -> (drafts [B, D] int32,
-    draft logits [B, D, V] f32, draft q or None (DFlash, or a DFlash2 step that never reads q: derived from the
-    logits), keys). DFlash2's q is the pair (q [B, D, k] f32, candidate ids [B, D, k]) that `accept_block` takes."""
+    draft logits [B, D, V] f32, draft q or None (a step that never reads q, or whose q is the logits' point mass),
+    keys). A sampled DFlash step's q is a `PrefixQ`; DFlash2's the pair (q [B, D, k] f32, candidate ids [B, D, k])
+    that `accept_block` takes."""
     D = num_slots
     h = block_hidden(drafter, target, block, cache)[:, 1:1 + D]  # [B, D, H]
     if not drafter.config.is_dflash2:
@@ -38,8 +39,10 @@ def draft_step(drafter: Drafter, target: Target, block: jax.Array, cache: KVCach
         logits = pad_vocabulary(drafted, drafter.config.model.vocab_size)  # [B, D, V]
         if sp.greedy or sp.draft_sampling == "greedy":  # the same ids as over the padded row, at a fraction of it
             return first_argmax(drafted), logits, None, keys
-        drafts, keys = sample_tokens(logits, keys, sp, draft=True)
-        return drafts, logits, None, keys
+        # drawn from, and verified against, q over the n computed ids (zero past them, as over the padded row)
+        q = processed_probs(drafted, sp)  # [B, D, n]
+        drafts, keys = sample_tokens(drafted, keys, sp, draft=True, probs=q)
+        return drafts, logits, PrefixQ(q, jnp.zeros(drafts.shape, bool)), keys
     B = block.shape[0]
     k = drafter.config.selector_top_k
     sample = not sp.greedy and sp.draft_sampling == "sample"

@@ -28,7 +28,7 @@ from dflash_jax.decode import lookup, tree
 from dflash_jax.decode.buckets import PAD
 from dflash_jax.decode.draft_step import draft_step, draft_tree
 from dflash_jax.decode.prefill import Prefilled
-from dflash_jax.decode.sampling import SamplingParams, accept_block, sample_tokens
+from dflash_jax.decode.sampling import PrefixQ, SamplingParams, accept_block, sample_tokens
 from dflash_jax.frozen import Replaceable
 from dflash_jax.models.cache import KVCache
 from dflash_jax.models.drafter import Drafter, append_context, draft_block
@@ -170,7 +170,8 @@ def speculative_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sam
         # drafts [B, D]; d_logits [B, D, V]; d_probs: the DFlash2 selector's q (None for DFlash)
         drafts, d_logits, d_probs, keys = draft_step(drafter, target, block, dcache, D, s.key, sampling)
         if context_lookup:
-            drafts, d_logits = _copied_drafts(drafts, d_logits, s, context_lookup, pre.prompt_tail, sampling)
+            drafts, d_logits, d_probs = _copied_drafts(drafts, d_logits, d_probs, s, context_lookup,
+                                                       pre.prompt_tail, sampling)
         verify_in = jnp.concatenate([s.last[:, None], drafts], axis=1)  # [B, D+1]
         # A hybrid target's DeltaNet states are deferred: they absorb each row's accepted prefix below
         v_logits, v_feats, tcache = forward_with_cache(target, verify_in, s.tcache, layer_ids,
@@ -195,23 +196,26 @@ def speculative_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sam
     return _run(body, state, budget)
 
 
-def _copied_drafts(drafts: jax.Array, d_logits: jax.Array, s: LoopState, min_match: int, prompt_tail: jax.Array,
-                   sampling: SamplingParams) -> tuple[jax.Array, jax.Array]:
-    """A chain step's drafts [B, D] with, on rows whose text ends in a repeat of >= min_match tokens, the first n
-    replaced by the continuation of its last occurrence (`lookup.continuation`), and those slots' draft logits
-    [B, D, V] made one-hot at the copied token: the copy is a proposal drawn from that point mass, so rejection
-    sampling accepts it with probability p(token) and corrects from p with the token removed, which keeps the
-    target's law (greedy: token for token). A slot past the copy keeps the drafter's proposal and its q (a DFlash
-    slot's q does not depend on the slots before it)."""
+def _copied_drafts(drafts: jax.Array, d_logits: jax.Array, d_probs: PrefixQ | None, s: LoopState, min_match: int,
+                   prompt_tail: jax.Array, sampling: SamplingParams):
+    """A chain step's (drafts [B, D], d_logits, d_probs) with, on rows whose text ends in a repeat of >= min_match
+    tokens, the first n drafts replaced by the continuation of its last occurrence (`lookup.continuation`) and those
+    slots' q made the point mass at the copied token (sampled drafts: `PrefixQ.copied`; otherwise the draft logits
+    [B, D, V] one-hot there, which p_min's confidence reads): the copy is a proposal drawn from that point mass, so
+    rejection sampling accepts it with probability p(token) and corrects from p with the token removed, which keeps
+    the target's law (greedy: token for token). A slot past the copy keeps the drafter's proposal and its q (a
+    DFlash slot's q does not depend on the slots before it)."""
     B, D = drafts.shape
     tokens, n = lookup.continuation(s.out, s.n_out, D, min_match, prompt_tail)  # [B, D], [B]
     copied = jnp.arange(D, dtype=jnp.int32)[None, :] < n[:, None]  # [B, D]
     drafts = jnp.where(copied, tokens, drafts)
-    if not sampling.greedy:  # greedy acceptance never reads q
+    if isinstance(d_probs, PrefixQ):
+        d_probs = PrefixQ(d_probs.probs, d_probs.copied | copied)
+    elif not sampling.greedy:  # greedy acceptance never reads q
         ids = jnp.arange(d_logits.shape[-1], dtype=jnp.int32)
         one_hot = jnp.where(ids[None, None, :] == tokens[..., None], 0.0, -jnp.inf).astype(d_logits.dtype)
         d_logits = jnp.where(copied[..., None], one_hot, d_logits)
-    return drafts, d_logits
+    return drafts, d_logits, d_probs
 
 
 def _tree_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sampling: SamplingParams, budget: Budget, *,

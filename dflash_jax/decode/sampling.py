@@ -76,6 +76,19 @@ class SamplingParams:
                                    top_p=np.float32(self.top_p), p_min=np.float32(self.p_min))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefixQ:
+    """A DFlash step's draft distribution at temperature > 0, as wide as the drafter's head computed it: q over the
+    first n ids (the draft vocabulary, n <= V; zero past it), and the slots whose draft context lookup copied in,
+    whose q is the point mass at that draft (which may lie past n). Drawing and verifying over n ids instead of V
+    (SmolLM2's pair: 8,192 of 49,152) spares a step two softmaxes over the padded rows; only the one row a residual
+    needs is spread onto the vocabulary (`accept_block`)."""
+
+    probs: jax.Array  # [B, D, n] f32
+    copied: jax.Array  # [B, D] bool
+
+
 def processed_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     """Probabilities [..., V] f32 after temperature, top-k and top-p (identical for target and drafter).
 
@@ -196,11 +209,13 @@ def _categorical(u: jax.Array, probs: jax.Array) -> jax.Array:
     return _first_reaching(probs.astype(jnp.float32).reshape(-1, V), lambda total: u.reshape(-1) * total).reshape(lead)
 
 
-def sample_tokens(logits: jax.Array, keys: jax.Array, sp: SamplingParams, draft: bool = False):
-    """logits [B, V] or [B, D, V] -> (tokens [B] or [B, D], keys). Greedy at temperature 0 or for greedy drafts."""
+def sample_tokens(logits: jax.Array, keys: jax.Array, sp: SamplingParams, draft: bool = False,
+                  probs: jax.Array | None = None):
+    """logits [B, V] or [B, D, V] -> (tokens [B] or [B, D], keys). Greedy at temperature 0 or for greedy drafts.
+    probs: processed_probs(logits, sp) where the caller keeps it (a draft's q), drawn from as it is."""
     if sp.greedy or (draft and sp.draft_sampling == "greedy"):
         return first_argmax(logits), keys
-    probs = processed_probs(logits, sp)
+    probs = processed_probs(logits, sp) if probs is None else probs
     keys, u = _draw(keys, probs[0].size // probs.shape[-1])  # one uniform per row and slot
     return _categorical(u.reshape(probs.shape[:-1]), probs), keys
 
@@ -212,6 +227,9 @@ def _pmin_mask(d_logits: jax.Array, sp: SamplingParams, draft_probs: jax.Array |
     DFlash2 selector's q, over the vocabulary or over its k candidates: the top probability is the same)."""
     if not sp.use_p_min:
         return jnp.ones(d_logits.shape[:2], bool)
+    if isinstance(draft_probs, PrefixQ):  # a copied draft's q is a point mass: always confident
+        confident = draft_probs.copied | (draft_probs.probs.max(axis=-1) >= sp.p_min)
+        return jnp.cumprod(confident.astype(jnp.int32), axis=1).astype(bool)
     if draft_probs is not None:
         probs = draft_probs
     else:
@@ -219,6 +237,26 @@ def _pmin_mask(d_logits: jax.Array, sp: SamplingParams, draft_probs: jax.Array |
                  else processed_probs(d_logits, sp))
     confident = probs.max(axis=-1) >= sp.p_min
     return jnp.cumprod(confident.astype(jnp.int32), axis=1).astype(bool)
+
+
+def verify_probs(v_logits: jax.Array, sp: SamplingParams):
+    """The target's processed distribution p over verify rows v_logits [B, R, V], read where acceptance needs it:
+    (entries(ids [B, r]) -> p [B, r] at those ids of rows 0..r-1, row(i [B]) -> p [B, V] of row i).
+
+    With temperature alone (no top-k, no top-p) p = exp(x / T - logsumexp(x / T)) is read at those entries and the
+    one row only: no [B, R, V] of probabilities is written (a step reads each row's logits twice, for the max and
+    the sum). With top-k or top-p every row is processed whole (`processed_probs`)."""
+    if sp.top_k_cap or sp.use_top_p:
+        p = processed_probs(v_logits, sp)
+        return (lambda ids: jnp.take_along_axis(p[:, :ids.shape[1]], ids[..., None], axis=-1)[..., 0],
+                lambda i: jnp.take_along_axis(p, i[:, None, None], axis=1)[:, 0])
+    x = v_logits.astype(jnp.float32) / sp.temperature  # [B, R, V]
+    m = jnp.max(x, axis=-1, keepdims=True)
+    lse = m + jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True))  # [B, R, 1]
+    return (lambda ids: jnp.exp(jnp.take_along_axis(x[:, :ids.shape[1]], ids[..., None], axis=-1)
+                                - lse[:, :ids.shape[1]])[..., 0],
+            lambda i: jnp.exp(jnp.take_along_axis(x, i[:, None, None], axis=1)[:, 0]
+                              - jnp.take_along_axis(lse, i[:, None, None], axis=1)[:, 0]))
 
 
 def residual_probs(p: jax.Array, q: jax.Array) -> jax.Array:
@@ -237,9 +275,9 @@ def accept_block(d_logits: jax.Array, drafts: jax.Array, v_logits: jax.Array, ke
 
     d_logits [B, D, V] drafter logits for slots 1..D; drafts [B, D]; v_logits [B, D+1, V] target logits of the
     verify rows (row j predicts the token after slot j). draft_probs: the distribution the drafts were drawn from
-    when it is not processed_probs(d_logits): [B, D, V], or the DFlash2 selector's pair (q [B, D, k], candidate ids
-    [B, D, k]), kept over its k candidates (only the row the residual needs is spread onto the vocabulary); None
-    for DFlash.
+    when it is not processed_probs(d_logits): [B, D, V]; a `PrefixQ` (a DFlash step's q over its draft vocabulary,
+    with the slots context lookup copied in); or the DFlash2 selector's pair (q [B, D, k], candidate ids [B, D, k]),
+    kept over its k candidates. Only the one row the residual needs is spread onto the vocabulary.
     Returns (n_acc [B] in 0..D, committed [B, D+1], keys):
     committed[:, :n_acc] are the accepted drafts and committed[:, n_acc] is the correction / bonus token.
     """
@@ -254,14 +292,20 @@ def accept_block(d_logits: jax.Array, drafts: jax.Array, v_logits: jax.Array, ke
         n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
         return n_acc, post, keys  # accepted drafts equal post there, and post[n_acc] is the bonus
 
-    p = processed_probs(v_logits, sp)  # [B, D+1, V]
-    V = p.shape[-1]
+    p_entries, p_row = verify_probs(v_logits, sp)  # p [B, D+1, V] where it is read
+    V = v_logits.shape[-1]
+    prefix = draft_probs if isinstance(draft_probs, PrefixQ) and sp.draft_sampling == "sample" else None
     if sp.draft_sampling == "greedy":
         q = None  # point-mass proposal: q(x) = 1 at the draft, onehot at the stop row
         q_x = jnp.ones((B, D), jnp.float32)
     elif candidates is not None:
         q = None  # the selector's q over its k candidates
         q_x = jnp.sum(jnp.where(candidates == drafts[..., None], draft_probs.astype(jnp.float32), 0.0), axis=-1)
+    elif prefix is not None:
+        q = None  # q over the draft vocabulary's n ids; a copied slot's is 1 at its draft
+        n = prefix.probs.shape[-1]
+        inside = jnp.take_along_axis(prefix.probs, jnp.minimum(drafts, n - 1)[..., None], axis=-1)[..., 0]
+        q_x = jnp.where(prefix.copied, 1.0, inside)  # a drawn draft is < n (drawn from q)
     else:
         if draft_probs is not None:
             q = draft_probs.astype(jnp.float32)  # [B, D, V]
@@ -270,16 +314,21 @@ def accept_block(d_logits: jax.Array, drafts: jax.Array, v_logits: jax.Array, ke
         q_x = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     keys, uniforms = _draw(keys, D + 1)
     u = uniforms[:, :D]  # acceptance tests; uniforms[:, D:] drive the one categorical draw below
-    p_x = jnp.take_along_axis(p[:, :D], drafts[..., None], axis=-1)[..., 0]
+    p_x = p_entries(drafts)  # [B, D]
     ok = (u * q_x < p_x) & proposed
     n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B]
 
-    p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]  # [B, V] target row at the stop
+    p_at = p_row(n_acc)  # [B, V] target row at the stop
     # q's row at the stop [B, V]; row D (nothing proposed) is zeroed below by was_proposed, so it may be anything.
     stop = jnp.minimum(n_acc, D - 1)[:, None]  # [B, 1]
     if q is not None:
         q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # row D: nothing proposed -> bonus from p
         q_at = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]
+    elif prefix is not None:
+        probs_at = jnp.take_along_axis(prefix.probs, stop[..., None], axis=1)[:, 0]  # [B, n]
+        probs_at = jnp.pad(probs_at, ((0, 0), (0, V - probs_at.shape[-1])))
+        point = jax.nn.one_hot(jnp.take_along_axis(drafts, stop, axis=1)[:, 0], V, dtype=jnp.float32)
+        q_at = jnp.where(jnp.take_along_axis(prefix.copied, stop, axis=1), point, probs_at)
     elif candidates is None:
         q_at = jax.nn.one_hot(jnp.take_along_axis(drafts, stop, axis=1)[:, 0], V, dtype=jnp.float32)
     else:
