@@ -167,7 +167,8 @@ def speculative_loop(target: Target, drafter: Drafter, pre: Prefilled, keys, sam
         active = ~s.done
         dcache = append_context(drafter, s.pending, s.n_pending, s.dcache)
         block = draft_block(drafter, s.last, D)  # [B, W]: W = bs, or D + 1 (`draft_pass`)
-        # drafts [B, D]; d_logits [B, D, V]; d_probs: the DFlash2 selector's q (None for DFlash)
+        # drafts [B, D]; d_logits [B, D, V]; d_probs: the q a sampled step verifies against (a DFlash `PrefixQ` or
+        # the DFlash2 selector's pair; None where acceptance never reads it)
         drafts, d_logits, d_probs, keys = draft_step(drafter, target, block, dcache, D, s.key, sampling)
         if context_lookup:
             drafts, d_logits, d_probs = _copied_drafts(drafts, d_logits, d_probs, s, context_lookup,

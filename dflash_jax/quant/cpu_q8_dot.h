@@ -32,10 +32,6 @@ struct ActQ8 {
   int64_t M = 0;
 };
 
-// Rounds each 32-wide block of x [M, K] to int8 with d = max|x| / 127, q = round-half-even(x * (1 / d)), as
-// llama.cpp's quantize_row_q8_1 (whose vector code rounds half to even too). A block holding a NaN or an infinity
-// gets d = NaN, so the outputs it reaches are NaN, as the float path's would be. (`quantize_block_q8` above is the
-// same in vector registers.)
 #if defined(DFLASH_X86_AVX2)
 // One block of quantize_rows_q8 in vector registers, the same values: max|x| is exact in any order, x * (1 / d) is the
 // same single rounding, and vcvtps2dq rounds half to even as nearbyint does (the default rounding mode). False if
@@ -76,6 +72,10 @@ inline bool quantize_block_q8(const float* xb, int8_t* q, float& d_out, int& sum
 }
 #endif
 
+// Rounds each 32-wide block of x [M, K] to int8 with d = max|x| / 127, q = round-half-even(x * (1 / d)), as
+// llama.cpp's quantize_row_q8_1 (whose vector code rounds half to even too). A block holding a NaN or an infinity
+// gets d = NaN, so the outputs it reaches are NaN, as the float path's would be. (`quantize_block_q8` above is the
+// same in vector registers.)
 inline void quantize_rows_q8(const float* x, int64_t M, int64_t K, ActQ8& a) {
   const int64_t nb = K / kBlock;
   a.q.resize(size_t(M * K));
