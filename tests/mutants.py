@@ -78,10 +78,13 @@ TREE_TESTS = ("tests/test_tree.py", "-k", "greedy_tree_equals or verify_equals")
 
 MUTANTS = [
     Mutant("q-temperature", "draft probabilities q computed at temperature 1 whatever is requested",
-           "decode/sampling.py",
-           "q = processed_probs(d_logits, sp)  # [B, D, V]",
-           "q = processed_probs(d_logits, dataclasses.replace(sp, temperature=1.0))  # [B, D, V]",
-           (SAMPLING, "-k", PROOF), required=True),
+           "decode/draft_step.py",
+           "return drafts, logits, PrefixQ(q, jnp.zeros(drafts.shape, bool)), keys",
+           "return drafts, logits, PrefixQ(processed_probs(drafted * sp.temperature, sp), jnp.zeros(drafts.shape, "
+           "bool)), keys",
+           (SAMPLING, "-k", PROOF), required=True,
+           alt=(("decode/sampling.py", "q = processed_probs(d_logits, sp)  # [B, D, V]",
+                 "q = processed_probs(d_logits, dataclasses.replace(sp, temperature=1.0))  # [B, D, V]"),)),
     Mutant("eos-whole-block", "EOS searched in the whole verified block instead of the committed prefix",
            "decode/programs.py",
            "is_eos = jnp.isin(new_tokens, jnp.asarray(eos_ids, jnp.int32)) & (j < n[:, None])",
@@ -114,13 +117,13 @@ MUTANTS = [
            "final = _categorical(uniforms[:, D:], p_at)",
            (SAMPLING, "-k", PROOF), required=True),
     Mutant("bonus-row", "after a full block, the bonus drawn from verify row D - 1", "decode/sampling.py",
-           "p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]",
-           "p_at = jnp.take_along_axis(p, jnp.where(n_acc == D, D - 1, n_acc)[:, None, None], axis=1)[:, 0]",
+           "p_at = p_row(n_acc)",
+           "p_at = p_row(jnp.where(n_acc == D, D - 1, n_acc))",
            (SAMPLING, "-k", PROOF), required=True),
     Mutant("bonus-batch-row", "after a full block, the bonus drawn from the NEIGHBOURING sequence's verify row",
            "decode/sampling.py",
-           "p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]",
-           "p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]\n"
+           "p_at = p_row(n_acc)",
+           "p_at = p_row(n_acc)\n"
            "    p_at = jnp.where((n_acc == D)[:, None], jnp.roll(p_at, 1, axis=0), p_at)",
            (SAMPLING, "-k", PROOF)),
     # -- draft trees: each must break greedy tree == autoregressive and the verify pass against cache-free forwards
