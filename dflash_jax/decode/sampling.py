@@ -220,22 +220,21 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, sp: SamplingParams, draft:
     return _categorical(u.reshape(probs.shape[:-1]), probs), keys
 
 
-def _pmin_mask(d_logits: jax.Array, sp: SamplingParams, draft_probs: jax.Array | None = None) -> jax.Array:
+def _pmin_mask(d_logits: jax.Array, sp: SamplingParams, draft_probs=None) -> jax.Array:
     """[B, D] True while the draft's top probability stays >= p_min (then False from the first low slot on).
 
     draft_probs [B, D, V] or [B, D, k]: the drafter's own distribution when it is not a softmax of d_logits (the
-    DFlash2 selector's q, over the vocabulary or over its k candidates: the top probability is the same)."""
+    DFlash2 selector's q, over the vocabulary or over its k candidates: the top probability is the same); or a
+    `PrefixQ`, whose copied slots are point masses (always confident)."""
     if not sp.use_p_min:
         return jnp.ones(d_logits.shape[:2], bool)
-    if isinstance(draft_probs, PrefixQ):  # a copied draft's q is a point mass: always confident
+    if isinstance(draft_probs, PrefixQ):
         confident = draft_probs.copied | (draft_probs.probs.max(axis=-1) >= sp.p_min)
-        return jnp.cumprod(confident.astype(jnp.int32), axis=1).astype(bool)
-    if draft_probs is not None:
-        probs = draft_probs
     else:
-        probs = (jax.nn.softmax(d_logits.astype(jnp.float32), axis=-1) if sp.greedy
-                 else processed_probs(d_logits, sp))
-    confident = probs.max(axis=-1) >= sp.p_min
+        if draft_probs is None:
+            draft_probs = (jax.nn.softmax(d_logits.astype(jnp.float32), axis=-1) if sp.greedy
+                           else processed_probs(d_logits, sp))
+        confident = draft_probs.max(axis=-1) >= sp.p_min
     return jnp.cumprod(confident.astype(jnp.int32), axis=1).astype(bool)
 
 
