@@ -1,6 +1,7 @@
 // dflash-jax CPU matmul kernel: the AVX-512 build (16-lane registers).
 // Included by cpu_matmul.cc inside its anonymous namespace, after Weight, the E4M3 / E2M1 tables, half_to_float and
-// kBlock; defines Vec (16 float lanes), vzero / vfma / vadd / vsum / vload and decode<F> (and decode_half<F, H>).
+// kBlock, RowBytes; defines Vec (16 float lanes), vzero / vfma / vadd / vsum / vload, decode<F>, and decode_block<F>
+// (whole blocks from a row's own pointers: the loop that cpu_matmul.cc runs first on this build).
 
 using Vec = __m512;
 inline Vec vzero() { return _mm512_setzero_ps(); }
@@ -62,3 +63,43 @@ inline void decode(const Weight& w, int64_t n, int64_t b, Vec& w0, Vec& w1) {
     }
   }
 }
+
+// Whole blocks (K % 32 == 0 for the block formats; the dense ones' blocks before a ragged end): block b of one row,
+// from that row's own pointers (`RowBytes`), with no bounds to test. The same values as `decode`.
+template <Format F>
+inline void decode_block(const RowBytes& r, int64_t b, Vec& w0, Vec& w1) {
+  if constexpr (F == kF32) {
+    const float* p = reinterpret_cast<const float*>(r.codes) + b * kBlock;
+    w0 = _mm512_loadu_ps(p);
+    w1 = _mm512_loadu_ps(p + 16);
+  } else if constexpr (F == kBF16) {
+    const __m256i* p = reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(r.codes) + b * kBlock);
+    w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
+    w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p + 1)), 16));
+  } else if constexpr (F == kQ4_1) {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r.codes + b * 16)));
+    const Vec iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const Vec d = _mm512_cvtph_ps(_mm256_set1_epi16(short(reinterpret_cast<const uint16_t*>(r.scale)[b])));
+    const Vec m = _mm512_cvtph_ps(_mm256_set1_epi16(short(reinterpret_cast<const uint16_t*>(r.mins)[b])));
+    const Vec table = _mm512_fmadd_ps(iota, d, m);  // d * q + m for q = 0..15, rounded once
+    w0 = _mm512_permutexvar_ps(q, table);
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+  } else if constexpr (F == kQ8_0) {
+    const int8_t* p = reinterpret_cast<const int8_t*>(r.codes) + b * kBlock;
+    const Vec d = _mm512_cvtph_ps(_mm256_set1_epi16(short(reinterpret_cast<const uint16_t*>(r.scale)[b])));
+    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))));
+  } else {  // NVFP4
+    const uint8_t* s = r.scale + b * 2;
+    const uint8_t* c = r.codes + b * 16;
+    const Vec grid = _mm512_loadu_ps(E2M1);
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
+    const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8));
+    w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, lo)), shifts),
+                               _mm512_mul_ps(grid, _mm512_set1_ps(E4M3[s[0]])));
+    w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(hi, hi)), shifts),
+                               _mm512_mul_ps(grid, _mm512_set1_ps(E4M3[s[1]])));
+  }
+}
+
