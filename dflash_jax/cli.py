@@ -96,8 +96,9 @@ def _same_program_budget(max_new_tokens: int) -> int:
 
 def _kernel_note(target=None) -> str:
     """Which build of the CPU matmul kernel ran (its speed differs by an order of magnitude between them), and where
-    a GGUF target's blocks ran with float32 activations on a build without AVX-512 or on an AVX-512 CPU with VNNI,
-    that Q8 activations exist: on an AVX2 CPU they doubled the decode speed, on a Zen 4 EPYC (VNNI) they gave ~1.3x
+    a GGUF target's blocks ran with float32 activations where Q8 activations decode faster, that they exist: on an
+    AVX2 CPU they doubled the decode speed, on a Zen 4 EPYC (VNNI, 512-bit operations on 256-bit units) they gave
+    ~1.3x; on a Zen 5 (full-width units) they decode at the float32 speed, and the note names nothing
     (docs/cpu-step.md)."""
     import jax  # lazily: `dflash-jax --help` imports no JAX
 
@@ -110,12 +111,13 @@ def _kernel_note(target=None) -> str:
     if execution.current().q8_activations:
         return f"; CPU kernel: {cpu_kernel.isa()} build, Q8 activations"
     hint = ""
-    if target is not None and (cpu_kernel.isa() != "avx512" or cpu_kernel.q8_has_vnni()):
+    if target is not None and (cpu_kernel.isa() != "avx512" or (cpu_kernel.q8_has_vnni()
+                                                              and cpu_kernel.avx512_on_256_bit_units())):
         from dflash_jax.params import named_leaves  # lazily, as above
         from dflash_jax.quant.ggml import GGMLArray  # lazily, as above
         if any(isinstance(x, GGMLArray) for x in named_leaves(target.params).values()):
-            gain = "~1.3x the decode speed on this CPU (AVX-512 VNNI)" if cpu_kernel.isa() == "avx512" else \
-                "~2x the decode speed on this build"
+            gain = ("~1.3x the decode speed on this CPU (AVX-512 VNNI on 256-bit units)" if cpu_kernel.isa() == "avx512"
+                    else "~2x the decode speed on this build")
             hint = f" (--q8-activations: llama.cpp's integer dot, {gain})"
     return f"; CPU kernel: {cpu_kernel.isa()} build{hint}"
 

@@ -340,20 +340,24 @@ def test_the_package_names_static_tools_see_are_the_names_it_loads():
 
 def test_the_kernel_note_points_at_q8_activations_where_they_decode_faster(monkeypatch):
     """A GGUF target's blocks with float32 activations: the note names --q8-activations on an AVX2 build (~2x) and on
-    an AVX-512 CPU with VNNI (~1.3x, a Zen 4 EPYC), not on one without VNNI, where they bought nothing."""
+    an AVX-512 CPU with VNNI on 256-bit units (~1.3x, a Zen 4 EPYC), not on one without VNNI or with full-width units
+    (a Zen 5), where they bought nothing."""
     if not cpu_kernel.available():
         pytest.skip(f"CPU kernel: {cpu_kernel.unavailable_reason()}")
     w = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)
     blocks = ggml.from_blocks(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1), "Q4_1", w.shape)
     target = types.SimpleNamespace(params={"w": blocks})
     notes = {}
-    for build, flags in (("avx2", "flags : fpu avx2"), ("avx512", "flags : avx512f avx512vl"),
-                         ("avx512", "flags : avx512f avx512vl avx512_vnni")):
+    for build, flags, family in (("avx2", "flags : fpu avx2", 23), ("avx512", "flags : avx512f avx512vl", 25),
+                                 ("avx512", "flags : avx512f avx512vl avx512_vnni", 25),
+                                 ("avx512", "flags : avx512f avx512vl avx512_vnni", 26)):
         monkeypatch.setattr(cpu_kernel, "isa", lambda build=build: build)
         monkeypatch.setattr(cpu_kernel, "_cpu_flags", lambda flags=flags: flags)
-        notes[build, "vnni" in flags] = cli._kernel_note(target)
-    assert notes["avx2", False].endswith("avx2 build (--q8-activations: llama.cpp's integer dot, ~2x the decode "
-                                         "speed on this build)")
-    assert notes["avx512", False] == "; CPU kernel: avx512 build"
-    assert "--q8-activations" in notes["avx512", True] and "VNNI" in notes["avx512", True]
+        monkeypatch.setattr(cpu_kernel, "_cpu_vendor_family", lambda family=family: ("AuthenticAMD", family))
+        notes[build, "vnni" in flags, family] = cli._kernel_note(target)
+    assert notes["avx2", False, 23].endswith("avx2 build (--q8-activations: llama.cpp's integer dot, ~2x the decode "
+                                             "speed on this build)")
+    assert notes["avx512", False, 25] == "; CPU kernel: avx512 build"
+    assert "--q8-activations" in notes["avx512", True, 25] and "VNNI" in notes["avx512", True, 25]
+    assert notes["avx512", True, 26] == "; CPU kernel: avx512 build"
     assert cli._kernel_note(types.SimpleNamespace(params={"w": np.ones((2, 2), np.float32)})).count("q8") == 0

@@ -142,10 +142,36 @@ def isa() -> str | None:
     return _state.get("isa")
 
 
+def _cpu_vendor_family() -> tuple[str, int | None]:
+    """/proc/cpuinfo's vendor_id and cpu family ("", None where it has none)."""
+    vendor, family = "", None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    vendor = value.strip()
+                elif key.strip() == "cpu family":
+                    family = int(value) if value.strip().isdigit() else None
+                elif not line.strip():
+                    break
+    except OSError:
+        pass
+    return vendor, family
+
+
+def avx512_on_256_bit_units() -> bool:
+    """Whether this CPU runs each 512-bit operation as two 256-bit halves: AMD's fourth Zen generation (family 25,
+    with AVX-512). There a float32 activation costs twice per row what it costs on full-width units (Zen 5, Intel),
+    and Q8 activations decode ~1.3x faster; on Zen 5 they decode at the float32 speed (docs/cpu-step.md)."""
+    vendor, family = _cpu_vendor_family()
+    return isa() == "avx512" and vendor == "AuthenticAMD" and family == 25
+
+
 def q8_has_vnni() -> bool:
     """Whether the AVX-512 build's Q8 products run on VNNI (`vpdpbusd`: a lane's 4 byte products in one instruction,
-    the same sums): on such a CPU Q8 activations decode faster than float32 ones even with AVX-512 (docs/cpu-step.md,
-    "AVX-512 on 256-bit units")."""
+    the same sums): on such a CPU with 256-bit units (`avx512_on_256_bit_units`) Q8 activations decode faster than
+    float32 ones even with AVX-512 (docs/cpu-step.md, "AVX-512 on 256-bit units")."""
     flags = _cpu_flags().split()
     return isa() == "avx512" and "avx512_vnni" in flags and "avx512vl" in flags
 
