@@ -35,6 +35,11 @@ class StepRow(Replaceable):
     # tau only (a step verifies the same tokens either way): generate runs a chain row with it, and a tree row with
     # its own default (`decode.draft_length.default_choice`).
     context_lookup: int = 0
+    # the temperature tau and the measured speedup were taken at (0: greedy). Rejection sampling accepts other drafts
+    # than greedy matching does, by amounts that differ between layouts (the SmolLM2 pair, 8 held-out requests: the
+    # chain of 1 tau 1.60 greedy, 1.38 at T 0.7; the tree of 2 1.96 and 1.66), so `generate` ranks a sampled run's
+    # choices by the rows measured sampled, where the table has them (`StepTable.best`).
+    temperature: float = 0.0
 
     @property
     def predicted_speedup(self) -> float:
@@ -57,16 +62,19 @@ class StepTable(Replaceable):
     cpu_kernel: str = ""
 
     def best(self, draft_vocab: int | None, batch: int = 1, trees: bool = True,
-             margin: float = NOISE_MARGIN, draft_pass: str | None = None) -> StepRow | None:
+             margin: float = NOISE_MARGIN, draft_pass: str | None = None, sampled: bool = False) -> StepRow | None:
         """The row to run for this draft vocabulary and batch (chains only unless `trees`), or None: among the rows
         whose predicted speedup is within `margin` (relative) of the highest, the one with the narrowest verify
         (fewest tokens per target pass), then the highest prediction. Why the margin: r and c come from one run on a
         shared machine, and two re-measurements of the SmolLM2 table ten minutes apart ranked a tree of 4 (predicted
         1.04x, measured 0.85x) and a tree of 2 (1.12x, measured 1.10x) first; rows a few percent apart are a tie, and
         the narrower verify is the cheaper bet. draft_pass: rows measured with that draft pass only (None: any; at
-        equal verify width the higher prediction wins, so of two passes the one that pays)."""
+        equal verify width the higher prediction wins, so of two passes the one that pays). sampled: rank the rows
+        measured at a temperature > 0 (`StepRow.temperature`) for a sampled run, the greedy ones otherwise; a table
+        holding rows of one kind only ranks those for both."""
         rows = [r for r in self.rows if r.draft_vocab == draft_vocab and r.batch == batch
                 and (trees or r.tree_budget is None) and draft_pass in (None, r.draft_pass)]
+        rows = [r for r in rows if (r.temperature > 0) == sampled] or rows
         if not rows:
             return None
         top = max(r.predicted_speedup for r in rows)

@@ -293,3 +293,33 @@ def test_benchmarks_measure_the_tables_best_row_even_where_it_predicts_a_slowdow
     res = bench.compare(target, slow, [[3, 4, 5]], max_new_tokens=8, warmup=False)
     assert (res["draft_length"], res["tree_budget"]) == (2, None)
     assert res["dflash"]["drafted"] > 0 and np.isfinite(res["dflash"]["acceptance_rate"])
+
+
+def test_a_sampled_run_takes_the_rows_measured_sampled(pair, tmp_path):
+    """Rows measured at a temperature > 0 (`StepRow.temperature`) rank a sampled run's choices, the greedy rows a
+    greedy run's (rejection sampling accepts other drafts than greedy matching, by amounts that differ between
+    layouts). A table without sampled rows ranks its greedy rows for both. Saving one temperature's rows keeps the
+    file's rows of the others (same platform, target and build), and replaces its own."""
+    target, drafter = pair
+    greedy = [StepRow(1, None, 1.6, 1.2, 0.2), StepRow(2, None, 2.0, 1.3, 0.25, tree_budget=2)]
+    sampled = [StepRow(1, None, 1.6, 1.2, 0.2, temperature=0.7),
+               StepRow(2, None, 1.7, 1.3, 0.25, tree_budget=2, temperature=0.7)]
+    d = _with(drafter, _table(target, greedy + sampled))
+    assert dl.default_layout(d, target) == (2, 2)
+    assert dl.default_layout(d, target, sampled=True) == (1, None)
+    assert dj.generate(target, d, [[3, 4, 5]], max_new_tokens=8, eos_ids=()).tree_budget == 2
+    res = dj.generate(target, d, [[3, 4, 5]], max_new_tokens=8, eos_ids=(), temperature=0.7, seed=1)
+    assert (res.draft_length, res.tree_budget) == (1, None)
+    only_greedy = _with(drafter, _table(target, greedy))
+    assert dl.default_layout(only_greedy, target, sampled=True) == (2, 2)
+
+    write_step_table(tmp_path, _table(target, greedy).replace(note="greedy run"))
+    write_step_table(tmp_path, _table(target, sampled).replace(note="sampled run"))
+    both = read_step_table(tmp_path)
+    assert sorted(r.temperature for r in both.rows) == [0.0, 0.0, 0.7, 0.7] and "greedy run" in both.note
+    write_step_table(tmp_path, _table(target, greedy[:1]))  # a new greedy run replaces the greedy rows only
+    assert sorted((r.temperature, r.draft_length) for r in read_step_table(tmp_path).rows) == [
+        (0.0, 1), (0.7, 1), (0.7, 2)]
+    other = StepTable(platform=jax.default_backend(), target="another-target", rows=tuple(greedy))
+    write_step_table(tmp_path, other)  # another target's table replaces the file whole
+    assert read_step_table(tmp_path) == other

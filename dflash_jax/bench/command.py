@@ -20,6 +20,7 @@ explicit --draft-length that a block cannot hold is refused before anything runs
 from __future__ import annotations
 
 import datetime
+import json
 import tempfile
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from dflash_jax.models.target import init_target
 from dflash_jax.params import param_bytes
 from dflash_jax.quant.quantize import (ATTENTION_PROJECTIONS, DFLASH2_PROJECTIONS, drop_global_scales,
                                        quantize_nvfp4)
+from dflash_jax.step_table import StepTable
 from dflash_jax.train import corpus
 from dflash_jax.train.drafter_data import chat_prompt_ids
 
@@ -105,30 +107,35 @@ def step_table(args, target, drafter, prompts):
     own = 0 if drafter.config.is_dflash2 else DEFAULT_MIN_MATCH  # the chain rows' lookup, unless told
     lookup = check_context_lookup(own if getattr(args, "chain_lookup", None) is None else args.chain_lookup, None,
                                   drafter.config.is_dflash2)
+    T = args.temperature or 0.0  # > 0: tau and the measured speedups from sampled runs, the rows marked so
+    if T and (args.top_p != 1.0 or args.top_k):
+        raise SystemExit("--step-table --temperature: rows are measured with temperature alone (generate ranks every "
+                         "sampled run's choices by them); drop --top-p / --top-k")
     rows = bench.step_table(target, drafter, prompts, draft_lengths=lengths, draft_vocabs=vocabs,
                             batches=tuple(args.batches), max_new_tokens=args.new_tokens[0], reps=args.reps,
-                            draft_passes=passes, context_lookup=lookup)
+                            draft_passes=passes, context_lookup=lookup, temperature=T, seed=args.seed)
     budgets = tuple(TREE_BUDGETS if args.tree_budgets is None else args.tree_budgets)
     budgets = budgets if not drafter.config.is_dflash2 else ()
     for p in passes or (drafter.config.draft_pass,):
         d = drafter if p is None else with_draft_pass(drafter, p)
         rows += tree_bench.tree_rows(target, d, prompts, budgets=budgets, max_new_tokens=args.new_tokens[0],
-                                     reps=args.reps)
+                                     reps=args.reps, temperature=T, seed=args.seed)
     rows = bench.pool_verify_costs(rows)
-    print(f"{len(prompts)} held-out prompts, {args.new_tokens[0]} new tokens, greedy, batches {args.batches} (draft "
+    how = f"T {T:g} (seed {args.seed})" if T else "greedy"
+    print(f"{len(prompts)} held-out prompts, {args.new_tokens[0]} new tokens, {how}, batches {args.batches} (draft "
           f"trees: batch 1), one run")
     print(bench.format_step_table(rows))
-    if budgets:
+    if budgets and not T:  # the tree goals are greedy figures
         own = [r for r in rows if r["draft_vocab_size"] == drafter.config.draft_vocab_size and r["batch"] == 1]
         print(tree_bench.format_tree_goals(own))
     if args.save_table is not None:
         folder = Path(args.save_table) if args.save_table else checkpoints_dir() / (
             "smollm2" if (args.model or default_model()) == "smollm2" else "") / DRAFTER_FOLDERS["dflash"]
         note = (f"dflash-jax bench --step-table: {len(prompts)} held-out prompts x {args.new_tokens[0]} tokens, "
-                f"greedy, reps {args.reps}, {datetime.date.today().isoformat()}")
-        table = bench.as_step_table(rows, target, note=note)
-        path = write_step_table(folder, table)
-        best = table.best(drafter.config.draft_vocab_size, draft_pass=drafter.config.draft_pass)
+                f"{how}, reps {args.reps}, {datetime.date.today().isoformat()}")
+        path = write_step_table(folder, bench.as_step_table(rows, target, note=note))
+        table = StepTable.from_dict(json.loads(path.read_text()))  # as written: other temperatures' rows kept
+        best = table.best(drafter.config.draft_vocab_size, draft_pass=drafter.config.draft_pass, sampled=T > 0)
         choice = best and ((f"a draft tree of {best.tree_budget} nodes" if best.tree_budget else
                             f"draft length {best.draft_length}")
                            + (", drafting over the drafted slots only" if best.draft_pass == "drafted" else ""))
@@ -139,8 +146,8 @@ def step_table(args, target, drafter, prompts):
             print(f"wrote {path}: generate decodes plainly for this pair on {table.platform} at batch 1 (its best row, "
                   f"{choice}, predicts {best.predicted_speedup:.3f}x)")
         else:
-            print(f"wrote {path}: generate's default for this pair on {table.platform} is now {choice} (predicted "
-                  f"{best.predicted_speedup:.2f}x)")
+            print(f"wrote {path}: generate's default for this pair on {table.platform}{' when sampling' if T else ''} "
+                  f"is now {choice} (predicted {best.predicted_speedup:.2f}x)")
     return rows
 
 

@@ -135,13 +135,14 @@ def exact_counts(results: list[dict]) -> tuple[int, int]:
 
 def compare_batched(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, batch: int,
                     max_new_tokens: int, draft_length: int | None = None, eos_ids=(),
-                    context_lookup: int | None = None) -> dict:
+                    context_lookup: int | None = None, temperature: float = 0.0, seed: int = 0) -> dict:
     """`batch` prompts per call (groups of the prompt list, each call warmed up first): autoregressive and DFlash
     decode tokens/s summed over each call's rows, medians over calls; tau over every step of every row."""
     groups = [[list(p) for p in prompts[i:i + batch]] for i in range(0, len(prompts) - batch + 1, batch)]
     if not groups:
         raise ValueError(f"batch {batch} needs at least {batch} prompts, got {len(prompts)}")
-    kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, prefill_timing=PREFILL_TIMING)
+    kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, prefill_timing=PREFILL_TIMING, temperature=temperature,
+              seed=seed)
     generate_autoregressive(target, groups[0], **kw)
     generate(target, drafter, groups[0], draft_length=draft_length, context_lookup=context_lookup, **kw)
     ar_tps, sp_tps, steps, exact = [], [], [], 0
@@ -161,7 +162,8 @@ def compare_batched(target: Target, drafter: Drafter, prompts: Sequence[Sequence
 
 def step_table(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, draft_lengths=(1, 3, 7),
                draft_vocabs=None, batches=(1,), max_new_tokens: int = 128, context_len: int = 256,
-               reps: int = 30, draft_passes=None, context_lookup: int | None = None) -> list[dict]:
+               reps: int = 30, draft_passes=None, context_lookup: int | None = None, temperature: float = 0.0,
+               seed: int = 0) -> list[dict]:
     """What a step costs and what it buys, per (draft length, draft vocabulary, draft pass, batch): r and c
     (interleaved step costs at `context_len`, with `batch` rows), tau, the speedup they predict (tau / (r + c)) and
     the speedup measured on the same prompts in the same run (medians, greedy, each against the autoregressive runs
@@ -169,7 +171,9 @@ def step_table(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]
     vocabulary); draft_vocabs None measures the drafter's own only; sizes at or above the vocabulary are skipped.
     draft_passes: the `DrafterConfig.draft_pass` values to measure ("block", "drafted"; None: the drafter's own).
     context_lookup: the chain rows' (`GenerationOptions.context_lookup`; None: generate's default for a chain, off),
-    recorded in each row: generate runs a chain row with it."""
+    recorded in each row: generate runs a chain row with it. temperature > 0: tau and the measured speedup from
+    sampled runs (`seed`), the rows marked so (`StepRow.temperature`: generate ranks a sampled run's choices by
+    them); r and c are the target's and drafter's passes, the same programs at every temperature."""
     variants = _variants(drafter, draft_vocabs, draft_passes)
     name = {k: " / ".join(_labels(k)) for k in variants}
     rows = []
@@ -178,11 +182,13 @@ def step_table(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]
             if b == 1:
                 first, *rest = variants
                 res = compare(target, variants[first], prompts, max_new_tokens=max_new_tokens, draft_length=D,
-                              drafters={name[k]: variants[k] for k in rest}, context_lookup=context_lookup)
+                              drafters={name[k]: variants[k] for k in rest}, context_lookup=context_lookup,
+                              temperature=temperature, seed=seed)
                 measured = {k: res["dflash" if k == first else name[k]] for k in variants}
             else:
                 measured = {k: compare_batched(target, d, prompts, batch=b, max_new_tokens=max_new_tokens,
-                                               draft_length=D, context_lookup=context_lookup)["dflash"]
+                                               draft_length=D, context_lookup=context_lookup,
+                                               temperature=temperature, seed=seed)["dflash"]
                             for k, d in variants.items()}
             for k, d in variants.items():
                 c, x = step_costs(target, d, context_len=context_len, draft_length=D, batch=b, reps=reps), measured[k]
@@ -191,7 +197,8 @@ def step_table(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]
                              "r": c["r"], "c": c["c"], "decode_ms": c["decode_ms"], "verify_ms": c["verify_ms"],
                              "draft_ms": c["draft_ms"], "tau": x["tau"], "predicted": x["tau"] / (c["r"] + c["c"]),
                              "speedup": x["speedup"], "exact_match": x["exact_match"],
-                             "context_lookup": x.get("context_lookup", 0), "max_new_tokens": max_new_tokens})
+                             "context_lookup": x.get("context_lookup", 0), "max_new_tokens": max_new_tokens,
+                             "temperature": temperature})
     return rows
 
 
@@ -237,7 +244,8 @@ def as_step_table(rows: list[dict], target: Target, note: str = "") -> StepTable
                                         tau=round(float(r["tau"]), 4), r=round(float(r["r"]), 4),
                                         c=round(float(r["c"]), 4), batch=int(r["batch"]),
                                         tree_budget=r.get("tree_budget"), draft_pass=r.get("draft_pass", "block"),
-                                        context_lookup=int(r.get("context_lookup", 0)))
+                                        context_lookup=int(r.get("context_lookup", 0)),
+                                        temperature=float(r.get("temperature", 0.0)))
                            for r in rows))
 
 
@@ -254,7 +262,8 @@ def format_step_table(rows: list[dict]) -> str:
                      f"{r['verify_ms']:>9.2f} "
                      f"{r['draft_ms']:>8.2f} "
                      f"{r['r']:>5.2f} {r['c']:>5.2f} {r['r'] + r['c']:>5.2f} {r['tau']:>5.2f} "
-                     f"{r['predicted']:>8.2f}x {r['speedup']:>7.2f}x {r['exact_match']:>6}")
+                     f"{r['predicted']:>8.2f}x {r['speedup']:>7.2f}x "
+                     f"{r['exact_match'] if not r.get('temperature') else '-':>6}")
     decode = statistics.median(r["decode_ms"] for r in rows if r.get("batch", 1) == rows[0].get("batch", 1))
     if any(r.get("verify_timings", 1) > 1 for r in rows):
         lines.append("r, verify ms: the mean over the rows that share a verify (same batch and D or tree; "

@@ -102,14 +102,17 @@ def tree_step_costs(target: Target, drafter: Drafter, *, tree_budget: int, conte
 
 
 def tree_rows(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, budgets=(4, 8, 16, 32),
-              max_new_tokens: int = 128, context_len: int = 256, reps: int = 30, draft_vocab: str = "") -> list[dict]:
+              max_new_tokens: int = 128, context_len: int = 256, reps: int = 30, draft_vocab: str = "",
+              temperature: float = 0.0, seed: int = 0) -> list[dict]:
     """Step-table rows for draft trees of each budget: r, c, tau, predicted (tau / (r + c)) and measured speedup
-    (greedy, medians over prompts, each against the autoregressive runs of its own `compare`)."""
+    (greedy, or sampled at `temperature`; medians over prompts, each against the autoregressive runs of its own
+    `compare`)."""
     n = drafter.config.draft_vocab_size
     vocab = draft_vocab or ("full" if n is None else f"first {n}")
     rows = []
     for N in budgets:
-        res = compare(target, drafter, prompts, max_new_tokens=max_new_tokens, tree_budget=N)
+        res = compare(target, drafter, prompts, max_new_tokens=max_new_tokens, tree_budget=N, temperature=temperature,
+                      seed=seed)
         c = tree_step_costs(target, drafter, tree_budget=N, context_len=context_len, reps=reps)
         x = res["dflash"]
         rows.append({"draft_length": c["draft_length"], "tree_budget": N, "draft_vocab": vocab,
@@ -118,7 +121,8 @@ def tree_rows(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]]
                      "c": c["c"], "decode_ms": c["decode_ms"], "verify_ms": c["verify_ms"], "draft_ms": c["draft_ms"],
                      "tau": x["tau"], "predicted": x["tau"] / (c["r"] + c["c"]), "speedup": x["speedup"],
                      "exact_match": x["exact_match"], "max_new_tokens": max_new_tokens,
-                     "tokens_per_s": x["tokens_per_s"], "ar_tokens_per_s": res["ar_tokens_per_s"]})
+                     "tokens_per_s": x["tokens_per_s"], "ar_tokens_per_s": res["ar_tokens_per_s"],
+                     "temperature": temperature})
     return rows
 
 

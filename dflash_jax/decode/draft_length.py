@@ -37,9 +37,10 @@ def target_signature(target: Target) -> str:
     return f"{target.config.model_type}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
 
 
-def _table_row(drafter: Drafter, target: Target, batch: int, trees: bool, q8: bool | None = None):
+def _table_row(drafter: Drafter, target: Target, batch: int, trees: bool, q8: bool | None = None,
+               sampled: bool = False):
     """(the step table's best row for this pair, platform and batch, None) when the table applies, else (None, why
-    it does not)."""
+    it does not). sampled: for a run at temperature > 0 (`StepTable.best`)."""
     cfg = drafter.config
     table = cfg.step_table
     if table is None:
@@ -47,7 +48,8 @@ def _table_row(drafter: Drafter, target: Target, batch: int, trees: bool, q8: bo
     platform = jax.default_backend()
     batches = sorted({r.batch for r in table.rows if r.batch <= max(int(batch), 1)})
     trees = trees and not cfg.is_dflash2  # DFlash2's selector drafts a chain only
-    row = table.best(cfg.draft_vocab_size, batches[-1], trees=trees, draft_pass=cfg.draft_pass) if batches else None
+    row = (table.best(cfg.draft_vocab_size, batches[-1], trees=trees, draft_pass=cfg.draft_pass, sampled=sampled)
+           if batches else None)
     if table.platform != platform:
         return None, f"it was measured on {table.platform!r} and this runs on {platform!r}"
     kernel = running_cpu_kernel(q8)
@@ -69,15 +71,17 @@ def _table_row(drafter: Drafter, target: Target, batch: int, trees: bool, q8: bo
 
 
 def default_layout(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True,
-                   plain_when_slower: bool = False, q8: bool | None = None) -> tuple[int, int | None]:
+                   plain_when_slower: bool = False, q8: bool | None = None,
+                   sampled: bool = False) -> tuple[int, int | None]:
     """(draft_length, tree_budget) of `default_setting`."""
-    return default_setting(drafter, target, batch, trees, plain_when_slower, q8)[:2]
+    return default_setting(drafter, target, batch, trees, plain_when_slower, q8, sampled)[:2]
 
 
 def default_setting(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True,
-                    plain_when_slower: bool = False, q8: bool | None = None) -> tuple[int, int | None, str]:
+                    plain_when_slower: bool = False, q8: bool | None = None,
+                    sampled: bool = False) -> tuple[int, int | None, str]:
     """(draft_length, tree_budget, draft_pass) of `default_choice`."""
-    c = default_choice(drafter, target, batch, trees, plain_when_slower, q8)
+    c = default_choice(drafter, target, batch, trees, plain_when_slower, q8, sampled)
     return c.draft_length, c.tree_budget, c.draft_pass
 
 
@@ -94,7 +98,7 @@ class DefaultChoice:
 
 
 def default_choice(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True,
-                   plain_when_slower: bool = False, q8: bool | None = None) -> DefaultChoice:
+                   plain_when_slower: bool = False, q8: bool | None = None, sampled: bool = False) -> DefaultChoice:
     """The step table's best row for this pair on this platform (rows of the largest measured batch <= `batch`, and
     of the drafter's `draft_pass` where it names one; tree rows only when `trees`): a chain of D (with its row's
     context lookup) or a draft tree of N nodes (draft_length = its depth), and the row's draft pass; a chain of
@@ -102,10 +106,11 @@ def default_choice(drafter: Drafter, target: Target, batch: int = 1, trees: bool
     plain_when_slower: draft_length 0, plain decoding (warned), where the table applies and even its best row
     predicts no gain beyond the table's noise (tau / (r + c) < 1 + NOISE_MARGIN): where a verify of several rows
     costs more decode steps than the drafts save (the shipped SmolLM2 tables at batch 4, e.g.). q8: whether the
-    programs take Q8 activations (None: the execution context's), for the build the table is held to."""
+    programs take Q8 activations (None: the execution context's), for the build the table is held to. sampled:
+    the run samples (temperature > 0): the table's rows measured sampled rank its choices, where it has any."""
     fallback = drafter.config.block_size - 1
     own_pass = drafter.config.draft_pass or "block"
-    row, why = _table_row(drafter, target, batch, trees, q8)
+    row, why = _table_row(drafter, target, batch, trees, q8, sampled)
     if plain_when_slower and _slower(row):
         layout = (f"a draft tree of {row.tree_budget}" if row.tree_budget else f"draft length {row.draft_length}") + (
             ", over the drafted slots only" if row.draft_pass == "drafted" else "")

@@ -196,7 +196,8 @@ def _speculative(target: Target, drafter: Drafter, prompt, sampling: SamplingPar
         trees = not sampling.use_p_min and sampling.draft_sampling == "sample"
         best = default_choice(drafter, target, batch=len(prompt) if hasattr(prompt, "__len__") else 1,
                               trees=trees, plain_when_slower=options.plain_when_slower,
-                              q8=options.q8_activations or execution.current().q8_activations)
+                              q8=options.q8_activations or execution.current().q8_activations,
+                              sampled=not sampling.greedy)
         drafter = with_draft_pass(drafter, best.draft_pass)
         if best.draft_length == 0:
             return _prepare("autoregressive", target, None, prompt,

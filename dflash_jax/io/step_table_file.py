@@ -48,12 +48,21 @@ def _parse(f: Path) -> tuple[StepTable | None, str | None]:
 
 def write_step_table(folder: Path, table: StepTable) -> Path:
     """Writes `step_table.json`, or `step_table.<build>.json` where `step_table.json` holds another CPU kernel
-    build's table (each build keeps its own)."""
+    build's table (each build keeps its own). Where the file already holds a table of the same platform, target and
+    build, its rows measured at temperatures this table has none of stay (`StepRow.temperature`): a greedy run
+    replaces the greedy rows and keeps the sampled ones, and the other way round."""
     f = Path(folder) / FILE_NAME
     if table.cpu_kernel and f.is_file():
         other, _ = _parse(f)  # a malformed file is overwritten
         if other is not None and other.cpu_kernel and other.cpu_kernel != table.cpu_kernel:
             f = Path(folder) / build_file_name(table.cpu_kernel)
+    old, _ = _parse(f) if f.is_file() else (None, None)
+    if old is not None and (old.platform, old.target, old.cpu_kernel) == (table.platform, table.target,
+                                                                         table.cpu_kernel):
+        measured = {r.temperature for r in table.rows}
+        kept = tuple(r for r in old.rows if r.temperature not in measured)
+        if kept:
+            table = table.replace(rows=table.rows + kept, note=f"{table.note}; kept from before: {old.note}")
     f.parent.mkdir(parents=True, exist_ok=True)
     f.write_text(json.dumps(table.to_dict(), indent=1) + "\n")
     return f
