@@ -251,8 +251,8 @@ class Workers {
       wake_.notify_all();
     }
     job->work();
-    // Only chunks a worker is running remain: spin (they are short), yielding now and then in case that worker
-    // was descheduled on a loaded machine.
+    // Only chunks a worker is running remain: spin (a call takes microseconds), yielding now and then in case that
+    // worker was descheduled on a loaded machine.
     for (int spins = 0; job->done.load(std::memory_order_acquire) < n; ++spins) {
       if (spins % 4096 == 4095) std::this_thread::yield();
       else pause();
@@ -372,12 +372,13 @@ ffi::Error BlockMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
     ys[i] = (*y)->typed_data();
     total += w.N;
   }
-  // 4 chunks per thread: enough to balance the threads when one starts late, and long runs of consecutive rows for
-  // each. A chunk is one stream of weight bytes that the hardware prefetcher must pick up anew; with 64 chunks a call
-  // (the earlier choice) two threads each took 32 short runs (4.6 KB for a 576-wide Q4_1 weight), and 30 layers'
-  // matmuls at 1 row took 6.4-6.8 ms against 3.9-4.4 ms with 8 chunks (docs/cpu-step.md).
-  // Chunk c is rows [c * chunk, ...) of the weights laid end to end, cut at weight boundaries.
-  const int64_t wanted = 4 * Workers::get().threads();
+  // One chunk per thread: each thread streams one long run of consecutive rows. A chunk is one stream of weight bytes
+  // that the hardware prefetcher must pick up anew: with 64 chunks a call (the first choice) two threads each took 32
+  // short runs (4.6 KB for a 576-wide Q4_1 weight), and 30 layers' matmuls at 1 row took 6.4-6.8 ms against 3.9-4.4 ms
+  // with 4 chunks per thread; 1 per thread made decoding another ~8% faster than 4 (Zen 5, docs/cpu-step.md). Chunks
+  // are claimed, not assigned: a worker that has not woken by the time the caller is done leaves its chunk to the
+  // caller. Chunk c is rows [c * chunk, ...) of the weights laid end to end, cut at weight boundaries.
+  const int64_t wanted = Workers::get().threads();
   const int64_t chunk = std::max<int64_t>(16, (total + wanted - 1) / wanted);
   struct Piece { int32_t weight; int64_t n0, n1; };
   std::vector<Piece> pieces;

@@ -19,7 +19,7 @@ def run(s, p):
     if s is None:
         return dj.generate_autoregressive(target, [p], **base)
     return dj.generate(target, drafter, [p], **s, **base)
-VARIANTS = (0, 1)
+VARIANTS = tuple(int(v) for v in os.environ.get("VARIANTS", "0 1").split())
 for v in VARIANTS:
     setv(v)
     for s in settings.values(): run(s, ids[0])
@@ -27,15 +27,17 @@ tps = {(v, k): [] for v in VARIANTS for k in settings}; taus = {(v, k): [] for v
 toks = {}
 for rnd in range(rounds):
     for i, p in enumerate(ids):
-        for v in VARIANTS[::(1 if (i + rnd) % 2 == 0 else -1)]:
+        for v in (VARIANTS if (i + rnd) % 2 == 0 else VARIANTS[::-1]):
             setv(v)
             for k, s in settings.items():
                 r = run(s, p); tps[v, k].append(r.decode_tokens_per_second); taus[v, k].append(float(r.tau))
                 toks[v, k, i] = np.asarray(r.tokens).tolist()
-same = all(toks[0, k, i] == toks[1, k, i] == toks[0, "AR", i] for k in settings for i in range(len(ids)))
+same = all(toks[v, k, i] == toks[VARIANTS[0], "AR", i] for v in VARIANTS for k in settings for i in range(len(ids)))
 print("tokens identical across variants and equal to AR:", same)
-for v, name in ((0, "general loop"), (1, "whole blocks")):
+for v in VARIANTS:
+    name = f"variant {v}"
     ar = statistics.median(tps[v, "AR"])
     print(f"{name:14s}", " | ".join(f"{k} {statistics.median(tps[v, k]):.1f} tok/s ({statistics.median(tps[v, k]) / ar:.2f}x, tau {statistics.mean(taus[v, k]):.2f})" for k in settings), flush=True)
-print("whole blocks / general loop, paired per request:", " ".join(
-    f"{k} {statistics.median([a / b for a, b in zip(tps[1, k], tps[0, k])]):.3f}" for k in settings))
+for v in VARIANTS[1:]:
+    print(f"variant {v} / variant {VARIANTS[0]}, paired per request:", " ".join(
+        f"{k} {statistics.median([a / b for a, b in zip(tps[v, k], tps[VARIANTS[0], k])]):.3f}" for k in settings))
