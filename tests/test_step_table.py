@@ -316,7 +316,8 @@ def test_a_sampled_run_takes_the_rows_measured_sampled(pair, tmp_path):
     write_step_table(tmp_path, _table(target, greedy).replace(note="greedy run"))
     write_step_table(tmp_path, _table(target, sampled).replace(note="sampled run"))
     both = read_step_table(tmp_path)
-    assert sorted(r.temperature for r in both.rows) == [0.0, 0.0, 0.7, 0.7] and "greedy run" in both.note
+    assert sorted(r.temperature for r in both.rows) == [0.0, 0.0, 0.7, 0.7]
+    assert both.note == "sampled run; the rows at T 0: an earlier run's"
     write_step_table(tmp_path, _table(target, greedy[:1]))  # a new greedy run replaces the greedy rows only
     assert sorted((r.temperature, r.draft_length) for r in read_step_table(tmp_path).rows) == [
         (0.0, 1), (0.7, 1), (0.7, 2)]

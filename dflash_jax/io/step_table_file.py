@@ -62,7 +62,8 @@ def write_step_table(folder: Path, table: StepTable) -> Path:
         measured = {r.temperature for r in table.rows}
         kept = tuple(r for r in old.rows if r.temperature not in measured)
         if kept:
-            table = table.replace(rows=table.rows + kept, note=f"{table.note}; kept from before: {old.note}")
+            temps = " / ".join(f"{t:g}" for t in sorted({r.temperature for r in kept}))
+            table = table.replace(rows=table.rows + kept, note=f"{table.note}; the rows at T {temps}: an earlier run's")
     f.parent.mkdir(parents=True, exist_ok=True)
     f.write_text(json.dumps(table.to_dict(), indent=1) + "\n")
     return f
