@@ -13,10 +13,52 @@ inline Vec vload(const float* p, int valid) {
   return valid >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(__mmask16((1u << std::max(valid, 0)) - 1), p);
 }
 
-// The 32 weights of block b of row n, as two vectors (elements 0..15 and 16..31); zero past K.
+// Whole blocks (K % 32 == 0 for the block formats; the dense ones' blocks before a ragged end): block b of one row,
+// from that row's own pointers (`RowBytes`), with no bounds to test. The same values as `decode`.
+template <Format F>
+inline void decode_block(const RowBytes& r, int64_t b, Vec& w0, Vec& w1) {
+  if constexpr (F == kF32) {
+    const float* p = reinterpret_cast<const float*>(r.codes) + b * kBlock;
+    w0 = _mm512_loadu_ps(p);
+    w1 = _mm512_loadu_ps(p + 16);
+  } else if constexpr (F == kBF16) {
+    const __m256i* p = reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(r.codes) + b * kBlock);
+    w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
+    w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p + 1)), 16));
+  } else if constexpr (F == kQ4_1) {
+    // byte j of a block holds code j (low nibble) and code j + 16 (high nibble), as GGML stores it
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r.codes + b * 16)));
+    const Vec iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const Vec d = _mm512_cvtph_ps(_mm256_set1_epi16(short(reinterpret_cast<const uint16_t*>(r.scale)[b])));
+    const Vec m = _mm512_cvtph_ps(_mm256_set1_epi16(short(reinterpret_cast<const uint16_t*>(r.mins)[b])));
+    const Vec table = _mm512_fmadd_ps(iota, d, m);  // d * q + m for q = 0..15, rounded once
+    w0 = _mm512_permutexvar_ps(q, table);  // uses the low 4 bits of each index: the low nibble
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+  } else if constexpr (F == kQ8_0) {
+    const int8_t* p = reinterpret_cast<const int8_t*>(r.codes) + b * kBlock;
+    const Vec d = _mm512_cvtph_ps(_mm256_set1_epi16(short(reinterpret_cast<const uint16_t*>(r.scale)[b])));
+    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))));
+  } else {  // NVFP4: element 2i in the low nibble; one e4m3 scale per 16
+    const uint8_t* s = r.scale + b * 2;
+    const uint8_t* c = r.codes + b * 16;
+    const Vec grid = _mm512_loadu_ps(E2M1);
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
+    const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8));
+    w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, lo)), shifts),
+                               _mm512_mul_ps(grid, _mm512_set1_ps(E4M3[s[0]])));
+    w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(hi, hi)), shifts),
+                               _mm512_mul_ps(grid, _mm512_set1_ps(E4M3[s[1]])));
+  }
+}
+
+// The 32 weights of block b of row n, as two vectors (elements 0..15 and 16..31); zero past K. `tile` runs whole
+// blocks through `decode_block` above, and this for a dense or NVFP4 weight's ragged last block (GGML weights have
+// none: K % 32 == 0).
 template <Format F>
 inline void decode(const Weight& w, int64_t n, int64_t b, Vec& w0, Vec& w1) {
-  const int64_t K = w.K, nb = K / kBlock;
+  const int64_t K = w.K;
   if constexpr (F == kF32) {
     const float* p = reinterpret_cast<const float*>(w.codes) + n * K + b * kBlock;
     const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
@@ -32,74 +74,16 @@ inline void decode(const Weight& w, int64_t n, int64_t b, Vec& w0, Vec& w1) {
     };
     w0 = half(p, valid);
     w1 = half(p + 16, valid - 16);
-  } else if constexpr (F == kQ4_1) {
-    // byte j of a block holds code j (low nibble) and code j + 16 (high nibble), as GGML stores it
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codes + n * (K / 2) + b * 16)));
-    const float d = _cvtsh_ss(reinterpret_cast<const uint16_t*>(w.scale)[n * nb + b]);
-    const float m = _cvtsh_ss(reinterpret_cast<const uint16_t*>(w.mins)[n * nb + b]);
-    const Vec iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const Vec table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(m));  // d * q + m for q = 0..15
-    w0 = _mm512_permutexvar_ps(q, table);  // uses the low 4 bits of each index: the low nibble
-    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
-  } else if constexpr (F == kQ8_0) {
-    const int8_t* p = reinterpret_cast<const int8_t*>(w.codes) + n * K + b * kBlock;
-    const Vec d = _mm512_set1_ps(_cvtsh_ss(reinterpret_cast<const uint16_t*>(w.scale)[n * nb + b]));
-    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))));
-  } else {  // NVFP4: element 2i in the low nibble; one e4m3 scale per 16
-    const uint8_t* s = reinterpret_cast<const uint8_t*>(w.scale) + n * (K / 16) + b * 2;
-    const uint8_t* c = w.codes + n * (K / 2) + b * 16;
-    const Vec grid = _mm512_loadu_ps(E2M1);
+  } else if constexpr (F == kNVFP4) {
+    const RowBytes r = row_bytes<F>(w, n);
+    if (b * kBlock + 16 < K) return decode_block<F>(r, b, w0, w1);
+    // a half block (K % 32 == 16): its first 16 weights (8 code bytes, one scale), zero after; nothing past the row
+    const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.codes + b * 16));
     const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-    const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
     w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, lo)), shifts),
-                               _mm512_mul_ps(grid, _mm512_set1_ps(E4M3[s[0]])));
-    if (b * kBlock + 16 < K) {
-      const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8));
-      w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(hi, hi)), shifts),
-                                 _mm512_mul_ps(grid, _mm512_set1_ps(E4M3[s[1]])));
-    } else {
-      w1 = vzero();
-    }
+                               _mm512_mul_ps(_mm512_loadu_ps(E2M1), _mm512_set1_ps(E4M3[r.scale[b * 2]])));
+    w1 = vzero();
+  } else {  // Q4_1, Q8_0
+    decode_block<F>(row_bytes<F>(w, n), b, w0, w1);
   }
 }
-
-// Whole blocks (K % 32 == 0 for the block formats; the dense ones' blocks before a ragged end): block b of one row,
-// from that row's own pointers (`RowBytes`), with no bounds to test. The same values as `decode`.
-template <Format F>
-inline void decode_block(const RowBytes& r, int64_t b, Vec& w0, Vec& w1) {
-  if constexpr (F == kF32) {
-    const float* p = reinterpret_cast<const float*>(r.codes) + b * kBlock;
-    w0 = _mm512_loadu_ps(p);
-    w1 = _mm512_loadu_ps(p + 16);
-  } else if constexpr (F == kBF16) {
-    const __m256i* p = reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(r.codes) + b * kBlock);
-    w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
-    w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p + 1)), 16));
-  } else if constexpr (F == kQ4_1) {
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r.codes + b * 16)));
-    const Vec iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const Vec d = _mm512_cvtph_ps(_mm256_set1_epi16(short(reinterpret_cast<const uint16_t*>(r.scale)[b])));
-    const Vec m = _mm512_cvtph_ps(_mm256_set1_epi16(short(reinterpret_cast<const uint16_t*>(r.mins)[b])));
-    const Vec table = _mm512_fmadd_ps(iota, d, m);  // d * q + m for q = 0..15, rounded once
-    w0 = _mm512_permutexvar_ps(q, table);
-    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
-  } else if constexpr (F == kQ8_0) {
-    const int8_t* p = reinterpret_cast<const int8_t*>(r.codes) + b * kBlock;
-    const Vec d = _mm512_cvtph_ps(_mm256_set1_epi16(short(reinterpret_cast<const uint16_t*>(r.scale)[b])));
-    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))));
-  } else {  // NVFP4
-    const uint8_t* s = r.scale + b * 2;
-    const uint8_t* c = r.codes + b * 16;
-    const Vec grid = _mm512_loadu_ps(E2M1);
-    const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-    const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
-    const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8));
-    w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, lo)), shifts),
-                               _mm512_mul_ps(grid, _mm512_set1_ps(E4M3[s[0]])));
-    w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(hi, hi)), shifts),
-                               _mm512_mul_ps(grid, _mm512_set1_ps(E4M3[s[1]])));
-  }
-}
-
