@@ -139,12 +139,22 @@ void tile(const Weight& w, const float* x, float* y, int64_t m0, int64_t n0, int
     // AVX2, 3+ rows: the two chains in two passes over the row (the second from L1): half the accumulators live at a
     // time, so AVX2's 16 registers hold 4 rows' without spilling; the same chains, so the same values
     if constexpr (T > 2) {
-      for (int64_t b = 0; b < nb; ++b) {
+      const RowBytes r = row_bytes<F>(w, n);
+      int64_t b = 0;
+      for (; b < K / kBlock; ++b) {  // whole blocks, as below
+        const Vec w0 = decode_half_block<F, 0>(r, b);
+        for (int i = 0; i < T; ++i) lo[i] = vfma(w0, vload(xt + i * K + b * kBlock, 16), lo[i]);
+      }
+      for (; b < nb; ++b) {
         const Vec w0 = decode_half<F, 0>(w, n, b);
         const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
         for (int i = 0; i < T; ++i) lo[i] = vfma(w0, vload(xt + i * K + b * kBlock, valid), lo[i]);
       }
-      for (int64_t b = 0; b < nb; ++b) {
+      for (b = 0; b < K / kBlock; ++b) {
+        const Vec w1 = decode_half_block<F, 1>(r, b);
+        for (int i = 0; i < T; ++i) hi[i] = vfma(w1, vload(xt + i * K + b * kBlock + 16, 16), hi[i]);
+      }
+      for (; b < nb; ++b) {
         const Vec w1 = decode_half<F, 1>(w, n, b);
         const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
         for (int i = 0; i < T; ++i) hi[i] = vfma(w1, vload(xt + i * K + b * kBlock + 16, valid - 16), hi[i]);
@@ -153,18 +163,19 @@ void tile(const Weight& w, const float* x, float* y, int64_t m0, int64_t n0, int
 #endif
     {
       int64_t b = 0;
-#if defined(__AVX512F__)
+#if defined(DFLASH_X86_AVX2)
       // Whole blocks first, decoded from the row's own pointers: no bounds to test and no index arithmetic per block,
-      // which the general loop below spends on every block (15-18% of a product at 1-8 rows, measured on Zen 5:
-      // docs/cpu-step.md); that loop is left with a dense or NVFP4 weight's ragged last block. The same values.
+      // which the general loop below spends on every block (15-18% of a product at 1-8 rows with AVX-512, measured
+      // on Zen 5: docs/cpu-step.md); that loop is left with a dense or NVFP4 weight's ragged last block. The same
+      // values. (x86 builds; the portable one leaves its loop to the compiler.)
       const RowBytes r = row_bytes<F>(w, n);
       for (; b < K / kBlock; ++b) {
         Vec w0, w1;
         decode_block<F>(r, b, w0, w1);
         for (int i = 0; i < T; ++i) {
           const float* xm = xt + i * K + b * kBlock;
-          lo[i] = vfma(w0, _mm512_loadu_ps(xm), lo[i]);
-          hi[i] = vfma(w1, _mm512_loadu_ps(xm + 16), hi[i]);
+          lo[i] = vfma(w0, vload(xm, 16), lo[i]);
+          hi[i] = vfma(w1, vload(xm + 16, 16), hi[i]);
         }
       }
 #endif

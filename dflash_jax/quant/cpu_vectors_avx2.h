@@ -1,6 +1,7 @@
 // dflash-jax CPU matmul kernel: the AVX2 + FMA + F16C build (x86 without AVX-512).
 // Included by cpu_matmul.cc inside its anonymous namespace, after Weight, the E4M3 / E2M1 tables, half_to_float and
-// kBlock; defines Vec (16 float lanes), vzero / vfma / vadd / vsum / vload and decode<F> (and decode_half<F, H>).
+// kBlock, RowBytes; defines Vec (16 float lanes), vzero / vfma / vadd / vsum / vload, decode<F> / decode_half<F, H>
+// and, for whole blocks from a row's own pointers, decode_block<F> / decode_half_block<F, H>.
 
 // AVX2 (x86 CPUs without AVX-512: Zen 1-3, most Intel client chips): a 16-lane vector as two 8-lane halves, so every
 // chain, and the horizontal reduction, is the AVX-512 build's, value for value.
@@ -26,25 +27,22 @@ inline Vec vload(const float* p, int valid) {
 }
 inline __m256 bf16_to_f32(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
 
-// Half H (0: elements 0..15, 1: elements 16..31) of the 32 weights of block b of row n; zero past K.
+// Half H (0: elements 0..15, 1: elements 16..31) of whole block b of one row, from that row's own pointers
+// (`RowBytes`), with no bounds to test: what `tile` runs for every block before a ragged end.
 template <Format F, int H>
-inline Vec decode_half(const Weight& w, int64_t n, int64_t b) {
-  const int64_t K = w.K, nb = K / kBlock;
-  const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock)) - 16 * H;
+inline Vec decode_half_block(const RowBytes& r, int64_t b) {
   if constexpr (F == kF32) {
-    return vload(reinterpret_cast<const float*>(w.codes) + n * K + b * kBlock + 16 * H, valid);
+    const float* p = reinterpret_cast<const float*>(r.codes) + b * kBlock + 16 * H;
+    return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
   } else if constexpr (F == kBF16) {
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(w.codes) + n * K + b * kBlock + 16 * H;
-    alignas(32) uint16_t tmp[16] = {};
-    if (valid < 16) { std::memcpy(tmp, p, sizeof(uint16_t) * std::max(valid, 0)); p = tmp; }
-    const __m128i* q = reinterpret_cast<const __m128i*>(p);
+    const __m128i* q = reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(r.codes) + b * kBlock + 16 * H);
     return {bf16_to_f32(_mm_loadu_si128(q)), bf16_to_f32(_mm_loadu_si128(q + 1))};
   } else if constexpr (F == kQ4_1) {
     // byte j of a block holds code j (low nibble) and code j + 16 (high nibble); d * q + m rounded once (one FMA),
     // as the AVX-512 build's table holds it
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codes + n * (K / 2) + b * 16));
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(reinterpret_cast<const uint16_t*>(w.scale)[n * nb + b]));
-    const __m256 m = _mm256_set1_ps(_cvtsh_ss(reinterpret_cast<const uint16_t*>(w.mins)[n * nb + b]));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r.codes + b * 16));
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(reinterpret_cast<const uint16_t*>(r.scale)[b]));
+    const __m256 m = _mm256_set1_ps(_cvtsh_ss(reinterpret_cast<const uint16_t*>(r.mins)[b]));
     const __m256i lo = _mm256_cvtepu8_epi32(bytes), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
     auto value = [&](__m256i q) {
       q = H ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(15));
@@ -52,17 +50,15 @@ inline Vec decode_half(const Weight& w, int64_t n, int64_t b) {
     };
     return {value(lo), value(hi)};
   } else if constexpr (F == kQ8_0) {
-    const int8_t* p = reinterpret_cast<const int8_t*>(w.codes) + n * K + b * kBlock + 16 * H;
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(reinterpret_cast<const uint16_t*>(w.scale)[n * nb + b]));
+    const int8_t* p = reinterpret_cast<const int8_t*>(r.codes) + b * kBlock + 16 * H;
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(reinterpret_cast<const uint16_t*>(r.scale)[b]));
     auto eight = [&](const int8_t* q) {
       return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))));
     };
     return {eight(p), eight(p + 8)};
   } else {  // NVFP4: element 2i in the low nibble; one e4m3 scale per 16. |e2m1| by an 8-entry table, then the sign
-    if (valid <= 0) return vzero();
-    const uint8_t* c = w.codes + n * (K / 2) + b * 16 + 8 * H;
-    const float scale = E4M3[reinterpret_cast<const uint8_t*>(w.scale)[n * (K / 16) + b * 2 + H]];
-    const __m256 table = _mm256_mul_ps(_mm256_loadu_ps(E2M1), _mm256_set1_ps(scale));  // the 8 magnitudes, scaled
+    const uint8_t* c = r.codes + b * 16 + 8 * H;
+    const __m256 table = _mm256_mul_ps(_mm256_loadu_ps(E2M1), _mm256_set1_ps(E4M3[r.scale[b * 2 + H]]));  // scaled
     const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
     const __m128i twice = _mm_unpacklo_epi8(eight, eight);  // each byte twice: low nibble, then high
     auto half = [&](__m128i dup) {
@@ -74,8 +70,36 @@ inline Vec decode_half(const Weight& w, int64_t n, int64_t b) {
   }
 }
 
+// Half H of block b of row n; zero past K: a ragged last block (dense weights; NVFP4's half block), else the whole
+// block's half above.
+template <Format F, int H>
+inline Vec decode_half(const Weight& w, int64_t n, int64_t b) {
+  const int64_t K = w.K;
+  const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock)) - 16 * H;
+  if constexpr (F == kF32) {
+    if (valid < 16) return vload(reinterpret_cast<const float*>(w.codes) + n * K + b * kBlock + 16 * H, valid);
+  } else if constexpr (F == kBF16) {
+    if (valid < 16) {
+      alignas(32) uint16_t tmp[16] = {};
+      std::memcpy(tmp, reinterpret_cast<const uint16_t*>(w.codes) + n * K + b * kBlock + 16 * H,
+                  sizeof(uint16_t) * std::max(valid, 0));
+      const __m128i* q = reinterpret_cast<const __m128i*>(tmp);
+      return {bf16_to_f32(_mm_loadu_si128(q)), bf16_to_f32(_mm_loadu_si128(q + 1))};
+    }
+  } else if constexpr (F == kNVFP4) {
+    if (valid <= 0) return vzero();
+  }
+  return decode_half_block<F, H>(row_bytes<F>(w, n), b);
+}
+
 template <Format F>
 inline void decode(const Weight& w, int64_t n, int64_t b, Vec& w0, Vec& w1) {
   w0 = decode_half<F, 0>(w, n, b);
   w1 = decode_half<F, 1>(w, n, b);
+}
+
+template <Format F>
+inline void decode_block(const RowBytes& r, int64_t b, Vec& w0, Vec& w1) {
+  w0 = decode_half_block<F, 0>(r, b);
+  w1 = decode_half_block<F, 1>(r, b);
 }
