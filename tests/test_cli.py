@@ -18,6 +18,18 @@ def test_generate_command(capsys, monkeypatch):
     assert traced == {"prefill": 2, "speculative": 1, "autoregressive": 1}, traced
 
 
+def test_a_plain_run_prints_no_speedup_ratio():
+    """Where generate decoded plainly (draft_length 0: the step table predicts no speedup), the first command's two
+    runs are the same program: it prints both speeds and no ratio (a "0.92x" there was noise); a drafting run prints
+    the ratio."""
+    plain = types.SimpleNamespace(draft_length=0, decode_tokens_per_second=275.5)
+    spec = types.SimpleNamespace(draft_length=2, decode_tokens_per_second=330.0)
+    ar = types.SimpleNamespace(decode_tokens_per_second=300.0)
+    line = cli._speed_line(plain, ar)
+    assert "275.5, plain decoding" in line and "300.0" in line and "->" not in line
+    assert cli._speed_line(spec, ar) == "decode tokens/s: DFlash 330.0 vs autoregressive 300.0 -> 1.10x"
+
+
 def test_the_untimed_first_run_is_short_only_where_it_runs_the_same_program():
     assert [cli._same_program_budget(n) for n in (1, 2, 24, 256, 257, 1000)] == [1, 2, 2, 2, 257, 1000]
 
