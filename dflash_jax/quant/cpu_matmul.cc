@@ -28,6 +28,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__linux__)
@@ -140,25 +141,21 @@ void tile(const Weight& w, const float* x, float* y, int64_t m0, int64_t n0, int
     // time, so AVX2's 16 registers hold 4 rows' without spilling; the same chains, so the same values
     if constexpr (T > 2) {
       const RowBytes r = row_bytes<F>(w, n);
-      int64_t b = 0;
-      for (; b < K / kBlock; ++b) {  // whole blocks, as below
-        const Vec w0 = decode_half_block<F, 0>(r, b);
-        for (int i = 0; i < T; ++i) lo[i] = vfma(w0, vload(xt + i * K + b * kBlock, 16), lo[i]);
-      }
-      for (; b < nb; ++b) {
-        const Vec w0 = decode_half<F, 0>(w, n, b);
-        const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
-        for (int i = 0; i < T; ++i) lo[i] = vfma(w0, vload(xt + i * K + b * kBlock, valid), lo[i]);
-      }
-      for (b = 0; b < K / kBlock; ++b) {
-        const Vec w1 = decode_half_block<F, 1>(r, b);
-        for (int i = 0; i < T; ++i) hi[i] = vfma(w1, vload(xt + i * K + b * kBlock + 16, 16), hi[i]);
-      }
-      for (; b < nb; ++b) {
-        const Vec w1 = decode_half<F, 1>(w, n, b);
-        const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
-        for (int i = 0; i < T; ++i) hi[i] = vfma(w1, vload(xt + i * K + b * kBlock + 16, valid - 16), hi[i]);
-      }
+      auto pass = [&](auto half, Vec* acc) {  // one half H of every block into its chains: whole blocks, as below
+        constexpr int H = decltype(half)::value;
+        int64_t b = 0;
+        for (; b < K / kBlock; ++b) {
+          const Vec wh = decode_half_block<F, H>(r, b);
+          for (int i = 0; i < T; ++i) acc[i] = vfma(wh, vload(xt + i * K + b * kBlock + 16 * H, 16), acc[i]);
+        }
+        for (; b < nb; ++b) {
+          const Vec wh = decode_half<F, H>(w, n, b);
+          const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock)) - 16 * H;
+          for (int i = 0; i < T; ++i) acc[i] = vfma(wh, vload(xt + i * K + b * kBlock + 16 * H, valid), acc[i]);
+        }
+      };
+      pass(std::integral_constant<int, 0>(), lo);
+      pass(std::integral_constant<int, 1>(), hi);
     } else
 #endif
     {

@@ -13,6 +13,14 @@ inline Vec vload(const float* p, int valid) {
   return valid >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(__mmask16((1u << std::max(valid, 0)) - 1), p);
 }
 
+// NVFP4: 16 weights from 8 code bytes (element 2i in the low nibble) and their e4m3 scale byte.
+inline Vec nvfp4_half(const uint8_t* c, uint8_t scale) {
+  const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+  const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
+  return _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(eight, eight)), shifts),
+                               _mm512_mul_ps(_mm512_loadu_ps(E2M1), _mm512_set1_ps(E4M3[scale])));
+}
+
 // Whole blocks (K % 32 == 0 for the block formats; the dense ones' blocks before a ragged end): block b of one row,
 // from that row's own pointers (`RowBytes`), with no bounds to test. The same values as `decode`.
 template <Format F>
@@ -39,17 +47,9 @@ inline void decode_block(const RowBytes& r, int64_t b, Vec& w0, Vec& w1) {
     const Vec d = _mm512_cvtph_ps(_mm256_set1_epi16(short(reinterpret_cast<const uint16_t*>(r.scale)[b])));
     w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
     w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))));
-  } else {  // NVFP4: element 2i in the low nibble; one e4m3 scale per 16
-    const uint8_t* s = r.scale + b * 2;
-    const uint8_t* c = r.codes + b * 16;
-    const Vec grid = _mm512_loadu_ps(E2M1);
-    const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-    const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
-    const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8));
-    w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, lo)), shifts),
-                               _mm512_mul_ps(grid, _mm512_set1_ps(E4M3[s[0]])));
-    w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(hi, hi)), shifts),
-                               _mm512_mul_ps(grid, _mm512_set1_ps(E4M3[s[1]])));
+  } else {  // NVFP4: one e4m3 scale per 16
+    w0 = nvfp4_half(r.codes + b * 16, r.scale[b * 2]);
+    w1 = nvfp4_half(r.codes + b * 16 + 8, r.scale[b * 2 + 1]);
   }
 }
 
@@ -78,10 +78,7 @@ inline void decode(const Weight& w, int64_t n, int64_t b, Vec& w0, Vec& w1) {
     const RowBytes r = row_bytes<F>(w, n);
     if (b * kBlock + 16 < K) return decode_block<F>(r, b, w0, w1);
     // a half block (K % 32 == 16): its first 16 weights (8 code bytes, one scale), zero after; nothing past the row
-    const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.codes + b * 16));
-    const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-    w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, lo)), shifts),
-                               _mm512_mul_ps(_mm512_loadu_ps(E2M1), _mm512_set1_ps(E4M3[r.scale[b * 2]])));
+    w0 = nvfp4_half(r.codes + b * 16, r.scale[b * 2]);
     w1 = vzero();
   } else {  // Q4_1, Q8_0
     decode_block<F>(row_bytes<F>(w, n), b, w0, w1);
