@@ -59,12 +59,18 @@ def _compiler() -> str | None:
     return None
 
 
-def _cpu_flags() -> str:
+def _cpuinfo_line(keys: tuple[str, ...]) -> str | None:
+    """The first line of /proc/cpuinfo that starts with one of `keys` ("" where none does), None without the file."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+            return next((line for line in f if line.startswith(keys)), "")
     except OSError:
-        return platform.processor()
+        return None
+
+
+def _cpu_flags() -> str:
+    line = _cpuinfo_line(("flags", "Features"))
+    return platform.processor() if line is None else line
 
 
 def _flags() -> tuple[str, ...]:
@@ -144,20 +150,9 @@ def isa() -> str | None:
 
 def _cpu_vendor_family() -> tuple[str, int | None]:
     """/proc/cpuinfo's vendor_id and cpu family ("", None where it has none)."""
-    vendor, family = "", None
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "vendor_id":
-                    vendor = value.strip()
-                elif key.strip() == "cpu family":
-                    family = int(value) if value.strip().isdigit() else None
-                elif not line.strip():
-                    break
-    except OSError:
-        pass
-    return vendor, family
+    vendor = (_cpuinfo_line(("vendor_id",)) or "").partition(":")[2].strip()
+    family = (_cpuinfo_line(("cpu family",)) or "").partition(":")[2].strip()
+    return vendor, int(family) if family.isdigit() else None
 
 
 def avx512_on_256_bit_units() -> bool:
