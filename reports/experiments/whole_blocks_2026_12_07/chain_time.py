@@ -2,21 +2,10 @@
 # calls and a hash of the outputs (the same across the trees compared). Run it in each tree with the same environment.
 import os, sys, statistics, time, hashlib
 sys.path.insert(0, os.getcwd())
-import numpy as np, jax, jax.numpy as jnp, gguf
-from dflash_jax.quant import ggml, cpu_kernel
-from dflash_jax.quant.linear import linear, linear_many, cpu_kernel_scope
-Q = gguf.GGMLQuantizationType
-rng = np.random.default_rng(0)
-def blk(N, K):
-    return ggml.from_blocks(gguf.quants.quantize(rng.standard_normal((N, K)).astype(np.float32) * 0.05, Q.Q4_1), "Q4_1", (N, K))
-layers = [(blk(576, 576), blk(192, 576), blk(192, 576), blk(576, 576), blk(1536, 576), blk(1536, 576), blk(576, 1536)) for _ in range(30)]
-def chain(x, layers):
-    for q, k, v, o, g, u, d in layers:
-        a, b, c = linear_many(x, (q, k, v))
-        x = x + linear(a, o) * 0.01 + (b.sum() + c.sum()) * 1e-6
-        a, b = linear_many(x, (g, u))
-        x = x + linear(jax.nn.silu(a) * b, d) * 0.01
-    return x
+import numpy as np, jax, jax.numpy as jnp
+from dflash_jax.quant import cpu_kernel
+from dflash_jax.quant.linear import cpu_kernel_scope
+from layers30 import rng, layers, chain  # this folder's module
 with cpu_kernel_scope(True):
     f = jax.jit(chain)
     out = []
