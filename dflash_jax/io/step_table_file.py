@@ -52,11 +52,10 @@ def write_step_table(folder: Path, table: StepTable) -> Path:
     build, its rows measured at temperatures this table has none of stay (`StepRow.temperature`): a greedy run
     replaces the greedy rows and keeps the sampled ones, and the other way round."""
     f = Path(folder) / FILE_NAME
-    if table.cpu_kernel and f.is_file():
-        other, _ = _parse(f)  # a malformed file is overwritten
-        if other is not None and other.cpu_kernel and other.cpu_kernel != table.cpu_kernel:
-            f = Path(folder) / build_file_name(table.cpu_kernel)
-    old, _ = _parse(f) if f.is_file() else (None, None)
+    old = _parse(f)[0] if f.is_file() else None  # a malformed file is overwritten
+    if table.cpu_kernel and old is not None and old.cpu_kernel and old.cpu_kernel != table.cpu_kernel:
+        f = Path(folder) / build_file_name(table.cpu_kernel)
+        old = _parse(f)[0] if f.is_file() else None
     if old is not None and (old.platform, old.target, old.cpu_kernel) == (table.platform, table.target,
                                                                          table.cpu_kernel):
         measured = {r.temperature for r in table.rows}
