@@ -93,8 +93,21 @@ inline float half_to_float(uint16_t h) {
 
 constexpr int kBlock = 32;
 
-// One weight row's bytes: its codes (or dense values), its block scales and Q4_1's mins.
-struct RowBytes { const uint8_t* codes; const uint8_t* scale; const uint8_t* mins; };
+// One weight row's bytes: its codes (or dense values), its block scales and Q4_1's mins; for GGML weights also those
+// scales and mins as float32 (`d`, `m`, from `GroupScales` below: what the decoding reads).
+struct RowBytes {
+  const uint8_t* codes;
+  const uint8_t* scale;
+  const uint8_t* mins;
+  const float* d = nullptr;
+  const float* m = nullptr;
+};
+
+// GGML weights are whole blocks (K % 32 == 0, checked at the call): `tile` runs them only through decode_block /
+// decode_half_block with their float32 scales, never through the ragged-block decoding.
+template <Format F>
+constexpr bool kWholeBlocksOnly = F == kQ4_1 || F == kQ8_0;
+
 template <Format F>
 inline RowBytes row_bytes(const Weight& w, int64_t n) {
   const int64_t K = w.K;
@@ -115,6 +128,62 @@ inline RowBytes row_bytes(const Weight& w, int64_t n) {
 #endif
 #include "cpu_q8_dot.h"
 
+// GGML weights' float16 block scales (and Q4_1's mins) as float32, converted a small group of consecutive rows at a
+// time, before the first of them runs. A block's decoding then broadcasts two floats from memory instead of converting
+// two float16 values on the vector pipes, with no bytes added to what a step streams (the floats stay in this thread's
+// L1). The conversion is exact: the same values. On a Zen 5, 30 layers' products took 0.88 / 0.90 / 0.90 / 0.94 of
+// the time at 1 / 2 / 4 / 8 rows (docs/cpu-step.md). Group size, measured there: ~128 floats (7 rows of a 576-wide
+// weight); a whole row at a time stalls (floats stored just before they are read wait on store-to-load forwarding),
+// and groups of 2,048 floats were slower than none, waiting on memory for a burst of scales that the prefetcher had
+// not fetched, so each group also prefetches the next one's.
+template <Format F>
+class GroupScales {
+ public:
+  GroupScales(const Weight& w, int64_t n1) : w_(w), n1_(n1), nb_(w.K / kBlock) {}
+
+  // Row n's bytes; rows are asked for in increasing order (`tile`'s loop).
+  __attribute__((always_inline)) RowBytes row(int64_t n) {
+    RowBytes r = row_bytes<F>(w_, n);
+    if constexpr (kWholeBlocksOnly<F>) {
+      if (n >= end_) convert(n);
+      r.d = d_ + (n - first_) * nb_;
+      r.m = m_ + (n - first_) * nb_;
+    }
+    return r;
+  }
+
+ private:
+  static constexpr int64_t kFloats = 128;
+
+  const uint16_t* halves(const void* p, int64_t row) const { return reinterpret_cast<const uint16_t*>(p) + row * nb_; }
+
+  void convert(int64_t n) {
+    static thread_local std::vector<float> d, m;
+    const int64_t rows = std::min(n1_ - n, std::max<int64_t>(1, kFloats / std::max<int64_t>(nb_, 1)));
+    first_ = n;
+    end_ = n + rows;
+    d.resize(size_t(rows * nb_));
+    halves_to_floats(halves(w_.scale, n), rows * nb_, d.data());
+    d_ = d.data();
+    if constexpr (F == kQ4_1) {
+      m.resize(size_t(rows * nb_));
+      halves_to_floats(halves(w_.mins, n), rows * nb_, m.data());
+      m_ = m.data();
+    }
+    const int64_t next_bytes = 2 * std::min(n1_ - end_, rows) * nb_;
+    for (int64_t off = 0; off < next_bytes; off += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(halves(w_.scale, end_)) + off);
+      if constexpr (F == kQ4_1) __builtin_prefetch(reinterpret_cast<const char*>(halves(w_.mins, end_)) + off);
+    }
+  }
+
+  const Weight& w_;
+  const int64_t n1_, nb_;
+  int64_t first_ = 0, end_ = 0;
+  const float* d_ = nullptr;
+  const float* m_ = nullptr;
+};
+
 // Rows of x per pass over a weight row: their accumulators (two 16-lane vectors a row) stay in registers. AVX-512
 // has 32 registers of 16 lanes: 8 rows. Elsewhere a 16-lane vector takes several registers (two of AVX2's 16, four
 // of NEON's 32), so 4 rows, and each row's two chains in two passes (`tile`); measured on a Zen 1 (AVX2) through
@@ -131,6 +200,9 @@ template <Format F, int T>
 void tile(const Weight& w, const float* x, float* y, int64_t m0, int64_t n0, int64_t n1) {
   const int64_t K = w.K, nb = (K + kBlock - 1) / kBlock;
   const float* xt = x + m0 * K;
+  const int64_t N = w.N;
+  const float tensor_scale = w.tensor_scale;
+  GroupScales<F> scales(w, n1);
   for (int64_t n = n0; n < n1; ++n) {
     // two accumulators per row (each block's first and second halves): a 1-row product waits on one FMA per block,
     // not two; combined as lo + hi for every row whatever T
@@ -140,7 +212,7 @@ void tile(const Weight& w, const float* x, float* y, int64_t m0, int64_t n0, int
     // AVX2, 3+ rows: the two chains in two passes over the row (the second from L1): half the accumulators live at a
     // time, so AVX2's 16 registers hold 4 rows' without spilling; the same chains, so the same values
     if constexpr (T > 2) {
-      const RowBytes r = row_bytes<F>(w, n);
+      const RowBytes r = scales.row(n);
       auto pass = [&](auto half, Vec* acc) {  // one half H of every block into its chains: whole blocks, as below
         constexpr int H = decltype(half)::value;
         int64_t b = 0;
@@ -148,10 +220,12 @@ void tile(const Weight& w, const float* x, float* y, int64_t m0, int64_t n0, int
           const Vec wh = decode_half_block<F, H>(r, b);
           for (int i = 0; i < T; ++i) acc[i] = vfma(wh, vload(xt + i * K + b * kBlock + 16 * H, 16), acc[i]);
         }
-        for (; b < nb; ++b) {
-          const Vec wh = decode_half<F, H>(w, n, b);
-          const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock)) - 16 * H;
-          for (int i = 0; i < T; ++i) acc[i] = vfma(wh, vload(xt + i * K + b * kBlock + 16 * H, valid), acc[i]);
+        if constexpr (!kWholeBlocksOnly<F>) {
+          for (; b < nb; ++b) {
+            const Vec wh = decode_half<F, H>(w, n, b);
+            const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock)) - 16 * H;
+            for (int i = 0; i < T; ++i) acc[i] = vfma(wh, vload(xt + i * K + b * kBlock + 16 * H, valid), acc[i]);
+          }
         }
       };
       pass(std::integral_constant<int, 0>(), lo);
@@ -160,12 +234,11 @@ void tile(const Weight& w, const float* x, float* y, int64_t m0, int64_t n0, int
 #endif
     {
       int64_t b = 0;
-#if defined(DFLASH_X86_AVX2)
       // Whole blocks first, decoded from the row's own pointers: no bounds to test and no index arithmetic per block,
       // which the general loop below spends on every block (15-18% of a product at 1-8 rows with AVX-512, measured
       // on Zen 5: docs/cpu-step.md); that loop is left with a dense or NVFP4 weight's ragged last block. The same
-      // values. (x86 builds; the portable one leaves its loop to the compiler.)
-      const RowBytes r = row_bytes<F>(w, n);
+      // values.
+      const RowBytes r = scales.row(n);
       for (; b < K / kBlock; ++b) {
         Vec w0, w1;
         decode_block<F>(r, b, w0, w1);
@@ -175,19 +248,20 @@ void tile(const Weight& w, const float* x, float* y, int64_t m0, int64_t n0, int
           hi[i] = vfma(w1, vload(xm + 16, 16), hi[i]);
         }
       }
-#endif
-      for (; b < nb; ++b) {
-        Vec w0, w1;
-        decode<F>(w, n, b, w0, w1);
-        const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
-        for (int i = 0; i < T; ++i) {
-          const float* xm = xt + i * K + b * kBlock;
-          lo[i] = vfma(w0, vload(xm, valid), lo[i]);
-          hi[i] = vfma(w1, vload(xm + 16, valid - 16), hi[i]);
+      if constexpr (!kWholeBlocksOnly<F>) {
+        for (; b < nb; ++b) {
+          Vec w0, w1;
+          decode<F>(w, n, b, w0, w1);
+          const int valid = int(std::min<int64_t>(kBlock, K - b * kBlock));
+          for (int i = 0; i < T; ++i) {
+            const float* xm = xt + i * K + b * kBlock;
+            lo[i] = vfma(w0, vload(xm, valid), lo[i]);
+            hi[i] = vfma(w1, vload(xm + 16, valid - 16), hi[i]);
+          }
         }
       }
     }
-    for (int i = 0; i < T; ++i) y[(m0 + i) * w.N + n] = vsum(vadd(lo[i], hi[i])) * w.tensor_scale;
+    for (int i = 0; i < T; ++i) y[(m0 + i) * N + n] = vsum(vadd(lo[i], hi[i])) * tensor_scale;
   }
 }
 

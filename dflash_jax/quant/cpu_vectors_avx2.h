@@ -27,6 +27,14 @@ inline Vec vload(const float* p, int valid) {
 }
 inline __m256 bf16_to_f32(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
 
+// n float16 values as float32 (exact): a group of GGML block scales (`GroupScales`).
+inline void halves_to_floats(const uint16_t* h, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  for (; i < n; ++i) out[i] = _cvtsh_ss(h[i]);
+}
+
 // Half H (0: elements 0..15, 1: elements 16..31) of whole block b of one row, from that row's own pointers
 // (`RowBytes`), with no bounds to test: what `tile` runs for every block before a ragged end.
 template <Format F, int H>
@@ -41,8 +49,7 @@ inline Vec decode_half_block(const RowBytes& r, int64_t b) {
     // byte j of a block holds code j (low nibble) and code j + 16 (high nibble); d * q + m rounded once (one FMA),
     // as the AVX-512 build's table holds it
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r.codes + b * 16));
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(reinterpret_cast<const uint16_t*>(r.scale)[b]));
-    const __m256 m = _mm256_set1_ps(_cvtsh_ss(reinterpret_cast<const uint16_t*>(r.mins)[b]));
+    const __m256 d = _mm256_set1_ps(r.d[b]), m = _mm256_set1_ps(r.m[b]);
     const __m256i lo = _mm256_cvtepu8_epi32(bytes), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
     auto value = [&](__m256i q) {
       q = H ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(15));
@@ -51,7 +58,7 @@ inline Vec decode_half_block(const RowBytes& r, int64_t b) {
     return {value(lo), value(hi)};
   } else if constexpr (F == kQ8_0) {
     const int8_t* p = reinterpret_cast<const int8_t*>(r.codes) + b * kBlock + 16 * H;
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(reinterpret_cast<const uint16_t*>(r.scale)[b]));
+    const __m256 d = _mm256_set1_ps(r.d[b]);
     auto eight = [&](const int8_t* q) {
       return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))));
     };
@@ -88,6 +95,8 @@ inline Vec decode_half(const Weight& w, int64_t n, int64_t b) {
     }
   } else if constexpr (F == kNVFP4) {
     if (valid <= 0) return vzero();
+  } else {
+    static_assert(!kWholeBlocksOnly<F>, "GGML weights run through decode_half_block with their float32 scales");
   }
   return decode_half_block<F, H>(row_bytes<F>(w, n), b);
 }

@@ -21,6 +21,17 @@ inline Vec nvfp4_half(const uint8_t* c, uint8_t scale) {
                                _mm512_mul_ps(_mm512_loadu_ps(E2M1), _mm512_set1_ps(E4M3[scale])));
 }
 
+// n float16 values as float32 (exact): a group of GGML block scales (`GroupScales`).
+inline void halves_to_floats(const uint16_t* h, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+  if (i < n) {
+    const __mmask16 k = __mmask16((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(out + i, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, h + i)));
+  }
+}
+
 // Whole blocks (K % 32 == 0 for the block formats; the dense ones' blocks before a ragged end): block b of one row,
 // from that row's own pointers (`RowBytes`), with no bounds to test. The same values as `decode`.
 template <Format F>
@@ -37,14 +48,12 @@ inline void decode_block(const RowBytes& r, int64_t b, Vec& w0, Vec& w1) {
     // byte j of a block holds code j (low nibble) and code j + 16 (high nibble), as GGML stores it
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r.codes + b * 16)));
     const Vec iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const Vec d = _mm512_cvtph_ps(_mm256_set1_epi16(short(reinterpret_cast<const uint16_t*>(r.scale)[b])));
-    const Vec m = _mm512_cvtph_ps(_mm256_set1_epi16(short(reinterpret_cast<const uint16_t*>(r.mins)[b])));
-    const Vec table = _mm512_fmadd_ps(iota, d, m);  // d * q + m for q = 0..15, rounded once
+    const Vec table = _mm512_fmadd_ps(iota, _mm512_set1_ps(r.d[b]), _mm512_set1_ps(r.m[b]));  // d * q + m, q = 0..15
     w0 = _mm512_permutexvar_ps(q, table);  // uses the low 4 bits of each index: the low nibble
     w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
   } else if constexpr (F == kQ8_0) {
     const int8_t* p = reinterpret_cast<const int8_t*>(r.codes) + b * kBlock;
-    const Vec d = _mm512_cvtph_ps(_mm256_set1_epi16(short(reinterpret_cast<const uint16_t*>(r.scale)[b])));
+    const Vec d = _mm512_set1_ps(r.d[b]);
     w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
     w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))));
   } else {  // NVFP4: one e4m3 scale per 16
@@ -80,7 +89,7 @@ inline void decode(const Weight& w, int64_t n, int64_t b, Vec& w0, Vec& w1) {
     // a half block (K % 32 == 16): its first 16 weights (8 code bytes, one scale), zero after; nothing past the row
     w0 = nvfp4_half(r.codes + b * 16, r.scale[b * 2]);
     w1 = vzero();
-  } else {  // Q4_1, Q8_0
-    decode_block<F>(row_bytes<F>(w, n), b, w0, w1);
+  } else {
+    static_assert(!kWholeBlocksOnly<F>, "GGML weights run through decode_block with their float32 scales");
   }
 }

@@ -36,12 +36,11 @@ inline Vec decode_half_at(const RowBytes& row, int64_t b, int valid) {
     }
   } else if constexpr (F == kQ4_1) {  // byte j: code j (low nibble) and code j + 16 (high nibble)
     const uint8_t* p = row.codes + b * 16;
-    const float d = half_to_float(reinterpret_cast<const uint16_t*>(row.scale)[b]);
-    const float m = half_to_float(reinterpret_cast<const uint16_t*>(row.mins)[b]);
+    const float d = row.d[b], m = row.m[b];
     for (int l = 0; l < 16; ++l) r.v[l] = std::fma(float(H ? p[l] >> 4 : p[l] & 15), d, m);
   } else if constexpr (F == kQ8_0) {
     const int8_t* p = reinterpret_cast<const int8_t*>(row.codes) + b * kBlock + 16 * H;
-    const float d = half_to_float(reinterpret_cast<const uint16_t*>(row.scale)[b]);
+    const float d = row.d[b];
     for (int l = 0; l < 16; ++l) r.v[l] = d * float(p[l]);
   } else {  // NVFP4: element 2i in the low nibble; one e4m3 scale per 16
     const uint8_t* p = row.codes + b * 16 + 8 * H;
@@ -54,6 +53,7 @@ inline Vec decode_half_at(const RowBytes& row, int64_t b, int valid) {
 // Half H of block b of row n; zero past K.
 template <Format F, int H>
 inline Vec decode_half(const Weight& w, int64_t n, int64_t b) {
+  static_assert(!kWholeBlocksOnly<F>, "GGML weights run through decode_half_block with their float32 scales");
   return decode_half_at<F, H>(row_bytes<F>(w, n), b, int(std::min<int64_t>(kBlock, w.K - b * kBlock)) - 16 * H);
 }
 
@@ -65,4 +65,15 @@ template <Format F>
 inline void decode(const Weight& w, int64_t n, int64_t b, Vec& w0, Vec& w1) {
   w0 = decode_half<F, 0>(w, n, b);
   w1 = decode_half<F, 1>(w, n, b);
+}
+
+template <Format F>
+inline void decode_block(const RowBytes& r, int64_t b, Vec& w0, Vec& w1) {
+  w0 = decode_half_block<F, 0>(r, b);
+  w1 = decode_half_block<F, 1>(r, b);
+}
+
+// n float16 values as float32 (exact): a group of GGML block scales (`GroupScales`).
+inline void halves_to_floats(const uint16_t* h, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = half_to_float(h[i]);
 }
