@@ -18,6 +18,7 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax import execution
+from dflash_jax.models.layers import first_argmax
 from dflash_jax.models.target import KVCache, forward_with_cache
 from dflash_jax.train.drafter_data import target_fingerprint
 from dflash_jax.io.gguf import GGUFFile
@@ -262,7 +263,50 @@ def _products_of_every_format(out: str) -> None:
         cached, fresh = (arr(2, 2, S, hd), arr(2, 2, S, hd), vis_c), (arr(2, T, 2, hd), arr(2, T, 2, hd), vis_f)
         l, o = jax.jit(cpu_kernel.attention_rows, static_argnums=3)(q, cached, fresh, hd ** -0.5)
         found[f"attention-T{T}-l"], found[f"attention-T{T}-o"] = np.asarray(l), np.asarray(o)
+    found["argmax"] = np.asarray(jax.jit(cpu_kernel.first_argmax)(_argmax_rows()))  # cpu_argmax.h
     np.savez(out, **found)
+
+
+def _argmax_rows() -> jax.Array:
+    """Rows that find an argmax's edges: ties (the first one wins), NaN (the first NaN wins, as in jnp.argmax), all
+    -inf, +inf, -0 against +0, rows shorter than a vector and with a ragged end."""
+    rng = np.random.default_rng(12)
+    n = 197
+    x = rng.standard_normal((10, n)).astype(np.float32)
+    x[1] = np.round(x[1])  # many ties
+    x[2, [150, 40]] = np.nan
+    x[3] = -np.inf
+    x[4, [17, 180]] = np.inf
+    x[5] = np.where(rng.random(n) < 0.5, 0.0, -0.0)
+    x[6, 190:] = 10.0  # the maximum in the ragged end only
+    x[7, 5] = x[7, 100] = 50.0  # a tie across lanes: 5 and 100 sit in lanes 5 and 4
+    x[8, 196] = np.nan  # the last element
+    x[9, :] = 1.0
+    return jnp.asarray(x)
+
+
+def test_the_kernel_argmax_is_jnp_argmax():
+    """The kernel's one-pass argmax (the CPU loops' `first_argmax`) returns jnp.argmax's index on every edge: ties,
+    NaN, infinities, signed zeros, and every row length around its 16-lane vectors."""
+    rng = np.random.default_rng(13)
+    f = jax.jit(cpu_kernel.first_argmax)
+    x = _argmax_rows()
+    np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(jnp.argmax(x, axis=-1)))
+    for n in (1, 2, 15, 16, 17, 31, 32, 33, 47, 49152):
+        for kind in range(4):
+            x = rng.standard_normal((3, n)).astype(np.float32)
+            if kind == 1:
+                x = np.round(x * 2)
+            elif kind == 2:
+                x[:, rng.integers(0, n, 2)] = np.nan
+            elif kind == 3:
+                x[0] = -np.inf
+                x[1, -1] = np.inf
+            np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x))), np.asarray(jnp.argmax(x, axis=-1)),
+                                          err_msg=f"n={n} kind={kind}")
+    with cpu_kernel_scope(True):  # the CPU loops' first_argmax runs it; elsewhere XLA's two reductions
+        assert "dflash_first_argmax" in jax.jit(first_argmax).lower(x).as_text()
+    assert "dflash_first_argmax" not in jax.jit(first_argmax).lower(x).as_text()
 
 
 def _cpu_has(*features: str) -> bool:

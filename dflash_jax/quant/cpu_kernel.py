@@ -38,6 +38,7 @@ ENV_SWITCH = "DFLASH_JAX_CPU_KERNEL"
 ENV_CACHE = "DFLASH_JAX_KERNEL_CACHE"
 TARGET_NAME = "dflash_block_matmul"
 ATTENTION_TARGET = "dflash_row_attention"
+ARGMAX_TARGET = "dflash_first_argmax"
 # -ffp-contract=off: g++ fuses a * b + c into one FMA wherever the target has FMA (even with -std=c++17), so without it
 # the AVX2 / AVX-512 builds rounded the row attention's sums differently from the portable one (no FMA there); every
 # FMA the kernel means to run is an explicit intrinsic or std::fma.
@@ -123,6 +124,7 @@ def _load() -> None:
         lib = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.DflashBlockMatmul), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.DflashRowAttention), platform="cpu")
+        jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.DflashFirstArgmax), platform="cpu")
     except Exception as e:  # a broken toolchain must not break the package: XLA's dot still works
         _state["why"] = f"{type(e).__name__}: {e}"
         return
@@ -243,3 +245,12 @@ def attention_rows(qg: jax.Array, cached: tuple, fresh: tuple, scale: float) -> 
     for k, v, vis in (cached, fresh):
         operands += [k.astype(jnp.float32), v.astype(jnp.float32), vis.astype(jnp.uint8)]
     return tuple(jax.ffi.ffi_call(ATTENTION_TARGET, outs, vmap_method="sequential")(*operands, scale=np.float32(scale)))
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """int32 [...]: the first index of each row's maximum of x [..., N] (of the row's first NaN where it holds one),
+    jnp.argmax's index, in one pass over the row (`cpu_argmax.h`); x is read as float32."""
+    if not available():
+        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
+    out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32)
+    return jax.ffi.ffi_call(ARGMAX_TARGET, out, vmap_method="sequential")(x.astype(jnp.float32))

@@ -418,6 +418,7 @@ class Workers {
 };
 
 #include "cpu_attention.h"
+#include "cpu_argmax.h"
 
 // One call computes the products of one x with several weights (a layer's q / k / v, or gate / up: the same input),
 // so the per-call cost (the custom call, waking the pool, the final wait) is paid once for all of them. Operands:
@@ -492,6 +493,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashRowAttention, RowAttentionImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // o [B, nKV, G, T, hd]
                                   .Attr<float>("scale"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashFirstArgmax, FirstArgmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [..., N]
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // [...]
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashBlockMatmul, BlockMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [..., K]
@@ -500,7 +506,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashBlockMatmul, BlockMatmulImpl,
                                   .Attr<ffi::Span<const int64_t>>("formats")
                                   .Attr<ffi::Span<const int64_t>>("n_rows"));
 
-extern "C" int dflash_kernel_abi_version() { return 3; }
+extern "C" int dflash_kernel_abi_version() { return 4; }
 
 // Which build this is (the chains and values are the same in all three; the speed is not).
 extern "C" const char* dflash_kernel_isa() {
