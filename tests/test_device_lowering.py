@@ -84,12 +84,13 @@ def test_cpu_program_uses_the_live_length_loop_and_the_cuda_export_does_not(mode
         assert rep["dynamic_at_top"] == 1 and rep["conditionals"] == 0, rep
         if cpu_kernel.available():  # the target's cache and the drafter's context, through the kernel
             assert text.count(cpu_kernel.ATTENTION_TARGET) >= 2 and rep["dynamic_nested"] == 0, rep
+            assert cpu_kernel.ARGMAX_TARGET in text  # greedy tokens in one pass of the kernel
         else:  # the generation loop, and attention's live-length loops nested in it
             assert rep["dynamic"] >= 3 and rep["dynamic_nested"] >= 2, rep
     cuda = loop_report(cuda_text)
     assert cuda["dynamic"] == 1 and cuda["dynamic_at_top"] == 1 and cuda["conditionals"] == 0, cuda
     assert cuda["static"] >= 2, cuda  # its attention block loops, with static trip counts
-    assert cpu_kernel.ATTENTION_TARGET not in cuda_text
+    assert cpu_kernel.ATTENTION_TARGET not in cuda_text and cpu_kernel.ARGMAX_TARGET not in cuda_text
 
 
 def test_nvfp4_drafter_on_pallas_lowers_without_loops_or_conditionals(models):

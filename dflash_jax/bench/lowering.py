@@ -28,7 +28,9 @@ from dflash_jax.quant import cpu_kernel
 TRITON = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
 CPU_KERNEL = export.DisabledSafetyCheck.custom_call(cpu_kernel.TARGET_NAME)
 CPU_ATTENTION = export.DisabledSafetyCheck.custom_call(cpu_kernel.ATTENTION_TARGET)
-UNCHECKED = [TRITON, CPU_KERNEL, CPU_ATTENTION]  # custom calls an export may hold (no compatibility guarantee)
+CPU_ARGMAX = export.DisabledSafetyCheck.custom_call(cpu_kernel.ARGMAX_TARGET)
+# custom calls an export may hold (no compatibility guarantee)
+UNCHECKED = [TRITON, CPU_KERNEL, CPU_ATTENTION, CPU_ARGMAX]
 
 
 def _walk(op):
