@@ -32,6 +32,7 @@ from dflash_jax.bench import speculative as bench
 from dflash_jax.bench import tree as tree_bench
 from dflash_jax.bench.step_costs import draft_costs, format_draft_costs, format_step_costs, step_costs
 from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.decode.draft_length import predicts_no_gain
 from dflash_jax.decode.lookup import DEFAULT_MIN_MATCH
 from dflash_jax.decode.prepare import check_context_lookup
 from dflash_jax.decode.programs import generate, with_draft_pass
@@ -141,10 +142,11 @@ def step_table(args, target, drafter, prompts):
                            + (", drafting over the drafted slots only" if best.draft_pass == "drafted" else ""))
         if best is None:
             print(f"wrote {path} (no row for the drafter's draft vocabulary)")
-        elif best.predicted_speedup < 1.0:  # generate's plain_when_slower: no setting is worth drafting
+        elif predicts_no_gain(best):  # generate's plain_when_slower: no gain beyond the table's noise margin
             # three decimals: a prediction just below 1 must not print as "1.00x"
-            print(f"wrote {path}: generate decodes plainly for this pair on {table.platform} at batch 1 (its best row, "
-                  f"{choice}, predicts {best.predicted_speedup:.3f}x)")
+            print(f"wrote {path}: generate decodes plainly for this pair on {table.platform}"
+                  f"{' when sampling' if T else ''} at batch 1 (its best row, {choice}, predicts "
+                  f"{best.predicted_speedup:.3f}x: within the table's noise margin of plain decoding)")
         else:
             print(f"wrote {path}: generate's default for this pair on {table.platform}{' when sampling' if T else ''} "
                   f"is now {choice} (predicted {best.predicted_speedup:.2f}x)")

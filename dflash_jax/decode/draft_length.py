@@ -111,7 +111,7 @@ def default_choice(drafter: Drafter, target: Target, batch: int = 1, trees: bool
     fallback = drafter.config.block_size - 1
     own_pass = drafter.config.draft_pass or "block"
     row, why = _table_row(drafter, target, batch, trees, q8, sampled)
-    if plain_when_slower and _slower(row):
+    if plain_when_slower and predicts_no_gain(row):
         layout = (f"a draft tree of {row.tree_budget}" if row.tree_budget else f"draft length {row.draft_length}") + (
             ", over the drafted slots only" if row.draft_pass == "drafted" else "")
         _warn_once(f"generate: the drafter's step table predicts {row.predicted_speedup:.3f}x for its best setting at "
@@ -141,7 +141,7 @@ def running_cpu_kernel(q8: bool | None = None) -> str | None:
     return cpu_kernel.isa() + ("-q8" if q8 else "")
 
 
-def _slower(row) -> bool:
+def predicts_no_gain(row) -> bool:
     """Whether the best row predicts no gain beyond the table's noise: within NOISE_MARGIN of 1.0 is a tie with plain
     decoding, which then runs (the Zen 4 Q8 table of 2026-12-06 predicted a tree of 2 at 1.02x, measured 0.97x there
     and 0.85-0.90x beside llama.cpp; rows are ranked by the same margin, `StepTable.best`)."""
@@ -156,10 +156,10 @@ def _warn_once(message: str) -> None:
 
 def slower_than_plain(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True):
     """The step table's best row for this pair, platform and batch when even it predicts no gain over plain decoding
-    beyond the table's noise (`_slower`), else None (it predicts a speedup, or there is no table that applies): where
-    `default_layout` with plain_when_slower gives plain decoding."""
+    beyond the table's noise (`predicts_no_gain`), else None (it predicts a speedup, or there is no table that
+    applies): where `default_layout` with plain_when_slower gives plain decoding."""
     row, _ = _table_row(drafter, target, batch, trees)
-    return row if _slower(row) else None
+    return row if predicts_no_gain(row) else None
 
 
 def default_draft_length(drafter: Drafter, target: Target, batch: int = 1) -> int:
