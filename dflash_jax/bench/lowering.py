@@ -23,14 +23,11 @@ from dflash_jax.decode import programs as G
 from dflash_jax.decode.buckets import uses_live_length_loop
 from dflash_jax.quant import cpu_kernel
 
-# The Pallas NVFP4 kernel lowers to this custom call for CUDA, the CPU matmul kernel to its own for CPU (opaque
-# kernels here; neither is a stable export target, which these exports only inspect).
+# The Pallas NVFP4 kernel lowers to this custom call for CUDA, the CPU kernel to its own for CPU (opaque kernels
+# here; none is a stable export target, which these exports only inspect).
 TRITON = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-CPU_KERNEL = export.DisabledSafetyCheck.custom_call(cpu_kernel.TARGET_NAME)
-CPU_ATTENTION = export.DisabledSafetyCheck.custom_call(cpu_kernel.ATTENTION_TARGET)
-CPU_ARGMAX = export.DisabledSafetyCheck.custom_call(cpu_kernel.ARGMAX_TARGET)
 # custom calls an export may hold (no compatibility guarantee)
-UNCHECKED = [TRITON, CPU_KERNEL, CPU_ATTENTION, CPU_ARGMAX]
+UNCHECKED = [TRITON, *(export.DisabledSafetyCheck.custom_call(name) for name in cpu_kernel.FFI_TARGETS)]
 
 
 def _walk(op):

@@ -14,6 +14,7 @@ typedef int32_t I16v __attribute__((vector_size(64)));
 
 // The first index of the maximum of x[0, n) (of the first NaN if there is one); 0 for n == 0.
 inline int32_t first_argmax_row(const float* x, int64_t n) {
+  if (n == 0) return 0;
   int64_t i = 0;
   int32_t best_at = 0;
   if (n >= 16) {
@@ -61,10 +62,6 @@ ffi::Error FirstArgmaxImpl(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi:
   if (out->element_count() != rows) return ffi::Error::InvalidArgument("one index per row of x");
   const float* xp = x.typed_data();
   int32_t* op = out->typed_data();
-  if (n == 0) {
-    for (int64_t r = 0; r < rows; ++r) op[r] = 0;
-    return ffi::Error::Success();
-  }
   Workers::get().run(rows, [&](int64_t r) { op[r] = first_argmax_row(xp + r * n, n); });
   return ffi::Error::Success();
 }

@@ -39,6 +39,10 @@ ENV_CACHE = "DFLASH_JAX_KERNEL_CACHE"
 TARGET_NAME = "dflash_block_matmul"
 ATTENTION_TARGET = "dflash_row_attention"
 ARGMAX_TARGET = "dflash_first_argmax"
+# every custom-call target the library registers, with its handler symbol: what `_load` registers and what an export
+# may hold (`bench.lowering`)
+FFI_TARGETS = {TARGET_NAME: "DflashBlockMatmul", ATTENTION_TARGET: "DflashRowAttention",
+               ARGMAX_TARGET: "DflashFirstArgmax"}
 # -ffp-contract=off: g++ fuses a * b + c into one FMA wherever the target has FMA (even with -std=c++17), so without it
 # the AVX2 / AVX-512 builds rounded the row attention's sums differently from the portable one (no FMA there); every
 # FMA the kernel means to run is an explicit intrinsic or std::fma.
@@ -122,9 +126,8 @@ def _load() -> None:
         if not path.exists():
             _build(cxx, path)
         lib = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.DflashBlockMatmul), platform="cpu")
-        jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.DflashRowAttention), platform="cpu")
-        jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.DflashFirstArgmax), platform="cpu")
+        for name, symbol in FFI_TARGETS.items():
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except Exception as e:  # a broken toolchain must not break the package: XLA's dot still works
         _state["why"] = f"{type(e).__name__}: {e}"
         return

@@ -126,6 +126,20 @@ inline RowBytes row_bytes(const Weight& w, int64_t n) {
 #else
 #include "cpu_vectors_portable.h"
 #endif
+#if !defined(__AVX512F__)
+// The builds that decode half a block at a time (AVX2, portable): a block is its two halves.
+template <Format F>
+inline void decode(const Weight& w, int64_t n, int64_t b, Vec& w0, Vec& w1) {
+  w0 = decode_half<F, 0>(w, n, b);
+  w1 = decode_half<F, 1>(w, n, b);
+}
+
+template <Format F>
+inline void decode_block(const RowBytes& r, int64_t b, Vec& w0, Vec& w1) {
+  w0 = decode_half_block<F, 0>(r, b);
+  w1 = decode_half_block<F, 1>(r, b);
+}
+#endif
 #include "cpu_q8_dot.h"
 
 // GGML weights' float16 block scales (and Q4_1's mins) as float32, converted a small group of consecutive rows at a

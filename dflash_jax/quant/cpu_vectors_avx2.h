@@ -1,7 +1,7 @@
 // dflash-jax CPU matmul kernel: the AVX2 + FMA + F16C build (x86 without AVX-512).
 // Included by cpu_matmul.cc inside its anonymous namespace, after Weight, the E4M3 / E2M1 tables, half_to_float and
-// kBlock, RowBytes; defines Vec (16 float lanes), vzero / vfma / vadd / vsum / vload, decode<F> / decode_half<F, H>
-// and, for whole blocks from a row's own pointers, decode_block<F> / decode_half_block<F, H>.
+// kBlock, RowBytes; defines Vec (16 float lanes), vzero / vfma / vadd / vsum / vload, decode_half<F, H> and, for
+// whole blocks from a row's own pointers, decode_half_block<F, H> (cpu_matmul.cc makes decode / decode_block of them).
 
 // AVX2 (x86 CPUs without AVX-512: Zen 1-3, most Intel client chips): a 16-lane vector as two 8-lane halves, so every
 // chain, and the horizontal reduction, is the AVX-512 build's, value for value.
@@ -99,16 +99,4 @@ inline Vec decode_half(const Weight& w, int64_t n, int64_t b) {
     static_assert(!kWholeBlocksOnly<F>, "GGML weights run through decode_half_block with their float32 scales");
   }
   return decode_half_block<F, H>(row_bytes<F>(w, n), b);
-}
-
-template <Format F>
-inline void decode(const Weight& w, int64_t n, int64_t b, Vec& w0, Vec& w1) {
-  w0 = decode_half<F, 0>(w, n, b);
-  w1 = decode_half<F, 1>(w, n, b);
-}
-
-template <Format F>
-inline void decode_block(const RowBytes& r, int64_t b, Vec& w0, Vec& w1) {
-  w0 = decode_half_block<F, 0>(r, b);
-  w1 = decode_half_block<F, 1>(r, b);
 }

@@ -1,8 +1,8 @@
 // dflash-jax CPU matmul kernel: the portable C++ build (ARM, older x86).
 // The same chains (16 lanes, block order, one fixed reduction), left to the compiler.
 // Included by cpu_matmul.cc inside its anonymous namespace, after Weight, the E4M3 / E2M1 tables, half_to_float and
-// kBlock, RowBytes; defines Vec (16 float lanes), vzero / vfma / vadd / vsum / vload, decode<F> / decode_half<F, H>
-// and decode_half_block<F, H> (whole blocks from a row's own pointers).
+// kBlock, RowBytes; defines Vec (16 float lanes), vzero / vfma / vadd / vsum / vload, decode_half<F, H> and
+// decode_half_block<F, H> (whole blocks from a row's own pointers; cpu_matmul.cc makes decode / decode_block of them).
 
 
 struct Vec { float v[16]; };
@@ -60,18 +60,6 @@ inline Vec decode_half(const Weight& w, int64_t n, int64_t b) {
 // Half H of whole block b of one row (the loops' whole blocks before a ragged end).
 template <Format F, int H>
 inline Vec decode_half_block(const RowBytes& r, int64_t b) { return decode_half_at<F, H>(r, b, 16); }
-
-template <Format F>
-inline void decode(const Weight& w, int64_t n, int64_t b, Vec& w0, Vec& w1) {
-  w0 = decode_half<F, 0>(w, n, b);
-  w1 = decode_half<F, 1>(w, n, b);
-}
-
-template <Format F>
-inline void decode_block(const RowBytes& r, int64_t b, Vec& w0, Vec& w1) {
-  w0 = decode_half_block<F, 0>(r, b);
-  w1 = decode_half_block<F, 1>(r, b);
-}
 
 // n float16 values as float32 (exact): a group of GGML block scales (`GroupScales`).
 inline void halves_to_floats(const uint16_t* h, int64_t n, float* out) {
