@@ -167,6 +167,10 @@ MUTANTS = [
     Mutant("argmax-last-tie", "the CPU kernel's argmax keeps the last of equal maxima, not the first",
            "quant/cpu_argmax.h", "const I16v gt = v > best;", "const I16v gt = v >= best;",
            ("tests/test_cpu_kernel.py", "-k", "argmax")),
+    Mutant("attention-chunks-unscaled", "the CPU kernel's row attention adds a row's 64-key chunks without "
+           "rescaling each to the row's maximum", "quant/cpu_attention.h",
+           "const float w = f16_exp(f16_splat(c[0] - M))[0];", "const float w = 1.f;",
+           ("tests/test_q8_dot.py", "-k", "fixed_order")),
     Mutant("budget-overshoot", "a block may overshoot max_new_tokens", "decode/programs.py",
            "n = jnp.minimum(n, max_new - state.n_out)  # a block may overshoot the budget: cut inside it",
            "n = n", ("tests/test_eos.py", "-k", "budget"),

@@ -253,7 +253,8 @@ def _products_of_every_format(out: str) -> None:
                     with q8_activations_scope(True):
                         found[f"{name}-q8-K{K}-M{M}"] = np.asarray(_kernel_linear(x[:M], w))
     rng = np.random.default_rng(9)  # the fixed-order row attention (cpu_attention.h) of the CPU loops
-    for T, S, hd in ((1, 37, 64), (5, 11, 128)):
+    # one chunk of keys, and rows over several 64-key chunks (merged); head sizes of whole and half 16-lane slices
+    for T, S, hd in ((1, 37, 64), (5, 11, 128), (3, 150, 64), (2, 90, 24), (1, 70, 8)):
         def arr(*shape):
             return jnp.asarray(rng.standard_normal(shape), jnp.float32)
         vis_c = jnp.asarray(rng.random((2, T, S)) < 0.8, jnp.uint8)

@@ -161,17 +161,19 @@ def test_fixed_order_attention_is_xlas_and_a_rows_result_ignores_the_other_rows(
     assert not np.abs(nothing).any()
 
 
-def test_a_tree_nodes_row_equals_the_decode_of_its_path():
+@pytest.mark.parametrize("n", [20, 63, 130])
+def test_a_tree_nodes_row_equals_the_decode_of_its_path(n):
     """A draft tree's node attends to the cache plus its ancestors among the fresh keys; the decode of the same
-    token attends to the cache holding that path. Under the fixed order both are one pass over the same keys in the
-    same order: the same bits."""
+    token attends to the cache holding that path. Under the fixed order both take the same keys in the same order,
+    in the same 64-key chunks of the row's visible sequence (n = 63: the path's two keys fall in two chunks; 130:
+    three chunks merged): the same bits."""
     from dflash_jax import execution
     from dflash_jax.models.attention import attention
     rng = np.random.default_rng(8)
-    B, S, nKV, G, hd = 1, 64, 2, 2, 8
+    B, S, nKV, G, hd = 1, 160, 2, 2, 8
     ck = np.asarray(rng.standard_normal((B, S, nKV, hd)), np.float32)
     cv = np.asarray(rng.standard_normal((B, S, nKV, hd)), np.float32)
-    n = 20  # committed
+    # n: committed
     # nodes: 0 = child of the root at depth 1, 1 = its sibling, 2 = child of node 0 at depth 2
     fk = np.asarray(rng.standard_normal((B, 3, nKV, hd)), np.float32)
     fv = np.asarray(rng.standard_normal((B, 3, nKV, hd)), np.float32)
