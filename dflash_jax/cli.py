@@ -19,6 +19,7 @@ turns it off.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 
@@ -41,6 +42,8 @@ def _generate(args):
         drafter = quantize_nvfp4(drafter)
     if not args.prompt.strip():
         raise SystemExit("error: the prompt is empty")
+    if args.repeats < 1:
+        raise SystemExit(f"error: --repeats must be at least 1, got {args.repeats}")
     # An instruct model gets the request as one user turn through its own chat template; --raw continues the text.
     chat = bool(getattr(tok, "chat_template", None)) and not args.raw
     ids = (tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True) if chat
@@ -70,29 +73,43 @@ def _generate(args):
     # That first run decodes 2 tokens where the budget is a traced value of the same program (one budget bucket),
     # else the whole budget.
     first = dict(kw, max_new_tokens=_same_program_budget(args.max_new_tokens))
-    for run in (first, kw):
-        ar = generate_autoregressive(target, [ids], **run)
-        sp = generate(target, drafter, [ids], draft_length=args.draft_length, tree_budget=args.tree_budget,
-                      context_lookup=args.context_lookup, draft_pass=args.draft_pass, **run)
+
+    def speculative(run):
+        return generate(target, drafter, [ids], draft_length=args.draft_length, tree_budget=args.tree_budget,
+                        context_lookup=args.context_lookup, draft_pass=args.draft_pass, **run)
+    ar, sp = generate_autoregressive(target, [ids], **first), speculative(first)
+    # The timed runs alternate which goes first, and the line quotes medians: one pair of runs on a shared CPU moved
+    # the ratio by +-10% between invocations.
+    speeds = []
+    for i in range(args.repeats):
+        if i % 2:
+            sp, ar = speculative(kw), generate_autoregressive(target, [ids], **kw)
+        else:
+            ar, sp = generate_autoregressive(target, [ids], **kw), speculative(kw)
+        speeds.append((sp.decode_tokens_per_second, ar.decode_tokens_per_second))
     print(show(sp.token_lists()[0]))
     print("-" * 72)
     same = "identical to" if sp.token_lists() == ar.token_lists() else "differs from (sampling)"
     print(f"{'DFlash2' if args.kind == 'dflash2' else 'DFlash'} output {same} autoregressive output; "
           f"{int(sp.num_tokens[0])} tokens, {sp.num_steps} steps")
     print(_acceptance(sp))
-    print(_speed_line(sp, ar) + f"  (prefill {1e3 * sp.timings['prefill_s']:.1f} ms; compile and first run excluded"
-          f"{_kernel_note(target)})")
+    runs = f"medians of {len(speeds)} alternated runs; " if len(speeds) > 1 else ""
+    print(_speed_line(sp, ar, speeds) + f"  (prefill {1e3 * sp.timings['prefill_s']:.1f} ms; {runs}compile and first "
+          f"run excluded{_kernel_note(target)})")
 
 
-def _speed_line(sp, ar) -> str:
-    """The two runs' decode speeds, and their ratio where the speculative run drafted: where `generate` decoded
-    plainly (its step table predicts no speedup), both runs are the same program, and a ratio would only be noise."""
+def _speed_line(sp, ar, speeds: list[tuple[float, float]] | None = None) -> str:
+    """The decode speeds (with `speeds`, the (speculative, autoregressive) tokens/s of alternated runs: the median
+    of each side), and their ratio where the speculative run drafted: where
+    `generate` decoded plainly (its step table predicts no speedup), both runs are the same program, and a ratio
+    would only be noise."""
+    speeds = speeds or [(sp.decode_tokens_per_second, ar.decode_tokens_per_second)]
+    s, a = (statistics.median(x[i] for x in speeds) for i in (0, 1))
     if sp.draft_length == 0:
-        return (f"decode tokens/s: {sp.decode_tokens_per_second:.1f}, plain decoding (the drafter's step table "
-                f"predicts no speedup here; --draft-length or --tree-budget speculates anyway); the autoregressive "
-                f"run, the same program: {ar.decode_tokens_per_second:.1f}")
-    return (f"decode tokens/s: DFlash {sp.decode_tokens_per_second:.1f} vs autoregressive "
-            f"{ar.decode_tokens_per_second:.1f} -> {sp.decode_tokens_per_second / ar.decode_tokens_per_second:.2f}x")
+        return (f"decode tokens/s: {s:.1f}, plain decoding (the drafter's step table predicts no speedup here; "
+                f"--draft-length or --tree-budget speculates anyway); the autoregressive run, the same program: "
+                f"{a:.1f}")
+    return f"decode tokens/s: DFlash {s:.1f} vs autoregressive {a:.1f} -> {s / a:.2f}x"
 
 
 def _same_program_budget(max_new_tokens: int) -> int:
@@ -248,6 +265,8 @@ def main(argv=None):
     _add_filters(g)
     g.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     g.add_argument("--nvfp4", action="store_true", help="quantize the drafter to NVFP4 first")
+    g.add_argument("--repeats", type=int, default=3,
+                   help="timed runs of each decoder, alternated; the speeds printed are their medians (default 3)")
     g.add_argument("--no-compare", action="store_true",
                    help="print the text and tau only: skip the autoregressive run and the tokens/s comparison")
     g.add_argument("--kind", choices=("dflash", "dflash2"), default="dflash", help="which shipped drafter")

@@ -28,6 +28,11 @@ def test_a_plain_run_prints_no_speedup_ratio():
     line = cli._speed_line(plain, ar)
     assert "275.5, plain decoding" in line and "300.0" in line and "->" not in line
     assert cli._speed_line(spec, ar) == "decode tokens/s: DFlash 330.0 vs autoregressive 300.0 -> 1.10x"
+    # alternated runs: the median of each side (an even count: the mean of the middle two), and their ratio
+    speeds = [(330.0, 310.0), (280.0, 290.0), (360.0, 300.0)]
+    assert cli._speed_line(spec, ar, speeds) == "decode tokens/s: DFlash 330.0 vs autoregressive 300.0 -> 1.10x"
+    assert cli._speed_line(spec, ar, speeds[1:]) == "decode tokens/s: DFlash 320.0 vs autoregressive 295.0 -> 1.08x"
+    assert "312.5" in cli._speed_line(plain, ar, [(300.0, 310.0), (325.0, 315.0)])
 
 
 def test_the_untimed_first_run_is_short_only_where_it_runs_the_same_program():
