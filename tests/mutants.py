@@ -8,9 +8,9 @@
 Each bug is a source-text patch (`old` -> `new`, `old` must occur exactly once) applied to a temporary copy of
 `dflash_jax/`; `alt` lists the same bug written against other versions of the code (tried in order when `old` is
 absent, so the list survives a refactoring landing). The copy's tests/ and checkpoints/ are symlinks to the real
-ones. The relevant tests then run against the mutant with `-x`: the bug is KILLED when they fail, SURVIVED when they
-pass, and a patch that no longer applies (the code moved) is reported as STALE, which fails the script like a
-survivor: keep this list in step with the code. The tests chosen for a bug are the ones meant to catch it (e.g. the
+ones. The relevant tests then run against the mutant with `-x`: the bug is KILLED when they fail (or a fixture that
+runs the mutated code raises in a test's setup), SURVIVED when they pass, and a patch that no longer applies (the
+code moved) is reported as STALE, which fails the script like a survivor: keep this list in step with the code. The tests chosen for a bug are the ones meant to catch it (e.g. the
 statistical proof, not the bit-identity test of the re-derived sampler), so a kill shows that those tests have the
 power to see the bug.
 """
@@ -210,14 +210,17 @@ def run_one(m: Mutant, timeout: int, all_failures: bool = False) -> tuple[str, f
             return "STALE", 0.0, why
         env = dict(os.environ, PYTHONPATH=str(tmp), PYTHONDONTWRITEBYTECODE="1")
         cmd = [sys.executable, "-m", "pytest", *([] if all_failures else ["-x"]), "-q", "-p", "no:cacheprovider",
-               "-rf", *m.tests]
+               "-rfE", *m.tests]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return "TIMEOUT", time.perf_counter() - t0, ""
         dt = time.perf_counter() - t0
-        tail = [line.split(" - ")[0] for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        # a failed test, or a test whose setup (a fixture running the mutated code) raised: both saw the bug; an ERROR
+        # without a test id (a module that no longer collects) says nothing about it
+        tail = [line.split(" - ")[0] for line in proc.stdout.splitlines()
+                if line.startswith("FAILED") or (line.startswith("ERROR") and "::" in line.split(" - ")[0])]
         if proc.returncode == 0:
             return "SURVIVED", dt, proc.stdout.splitlines()[-1] if proc.stdout else ""
         if proc.returncode == 1 and tail:
