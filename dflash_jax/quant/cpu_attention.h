@@ -107,7 +107,7 @@ inline F16 f16_exp(F16 x) {
   return tiny ? f16_splat(0.f) : out;
 }
 
-// Attention of every (row b, kv head h, group member g, query t) over two key sources in one pass, as
+// Attention of every (row b, kv head h, group member g, query t) over two key sources in one call, as
 // models/attention.py's `attention` computes it: the cached keys (slot order), then this call's fresh keys (their
 // order: a draft tree's nodes come parent before child, so a path's keys are in position order as a decode's are).
 // l = sum of exp(score - max) over the visible keys, o = the exp-weighted sum of their values (the caller divides);
