@@ -265,6 +265,9 @@ def _products_of_every_format(out: str) -> None:
         l, o = jax.jit(cpu_kernel.attention_rows, static_argnums=3)(q, cached, fresh, hd ** -0.5)
         found[f"attention-T{T}-l"], found[f"attention-T{T}-o"] = np.asarray(l), np.asarray(o)
     found["argmax"] = np.asarray(jax.jit(cpu_kernel.first_argmax)(_argmax_rows()))  # cpu_argmax.h
+    rows = jnp.asarray(np.random.default_rng(14).standard_normal((64, 197)) * 3, jnp.float32)  # cpu_sample.h
+    u = jnp.asarray(np.random.default_rng(15).random(64), jnp.float32)
+    found["sample"] = np.asarray(jax.jit(cpu_kernel.sample_rows)(rows, u, 0.8))
     np.savez(out, **found)
 
 
@@ -308,6 +311,45 @@ def test_the_kernel_argmax_is_jnp_argmax():
     with cpu_kernel_scope(True):  # the CPU loops' first_argmax runs it; elsewhere XLA's two reductions
         assert "dflash_first_argmax" in jax.jit(first_argmax).lower(x).as_text()
     assert "dflash_first_argmax" not in jax.jit(first_argmax).lower(x).as_text()
+
+
+def test_the_kernel_draw_is_the_inverse_cdf_of_the_softmax():
+    """The kernel's draw (`cpu_sample.h`, the CPU loops' sampled token without top-k / top-p) is the inverse CDF of
+    softmax(x / T): the same token as `sampling._categorical` over `processed_probs` for all but the uniforms that
+    fall within float rounding of a boundary, a histogram within the sampling noise of the exact law, never a token of
+    zero probability (-inf logits), and in the CPU loops `sample_tokens` lowers to it."""
+    from dflash_jax import execution
+    from dflash_jax.decode import sampling
+    rng = np.random.default_rng(16)
+    V, R, T = 300, 60000, 0.7
+    x = rng.standard_normal(V).astype(np.float32) * 2
+    x[rng.choice(V, 40, replace=False)] = -np.inf  # masked ids
+    u = rng.random(R).astype(np.float32) * np.float32(1 - 1e-6) + np.float32(1e-7)
+    rows = jnp.broadcast_to(jnp.asarray(x), (R, V))
+    drawn = np.asarray(jax.jit(cpu_kernel.sample_rows)(rows, jnp.asarray(u), T))
+    sp = sampling.SamplingParams.make(temperature=T)
+    probs = sampling.processed_probs(jnp.asarray(x)[None], sp)
+    xla = np.asarray(jax.jit(sampling._categorical)(jnp.asarray(u), jnp.broadcast_to(probs, (R, V))))
+    assert (drawn == xla).mean() > 0.999
+    p = np.asarray(probs[0], np.float64)
+    assert not np.isin(drawn, np.flatnonzero(p == 0)).any()
+    counts = np.bincount(drawn, minlength=V)
+    big = p * R >= 20  # a chi-square over the ids with expected counts >= 20, the rest pooled
+    observed = np.append(counts[big], counts[~big].sum())
+    expected = np.append(p[big] * R, p[~big].sum() * R)
+    chi2 = ((observed - expected) ** 2 / expected).sum()
+    dof = observed.size - 1
+    assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)  # ~5 sigma
+    logits = jnp.asarray(x)[None]
+    keys = jnp.zeros((1, 2), jnp.uint32)
+    with execution.changed(cpu_kernel=True):
+        assert cpu_kernel.SAMPLE_TARGET in jax.jit(
+            lambda l, k: sampling.sample_tokens(l, k, sp.as_arrays())).lower(logits, keys).as_text()
+        top_p = sampling.SamplingParams.make(temperature=T, top_p=0.9).as_arrays()
+        assert cpu_kernel.SAMPLE_TARGET not in jax.jit(
+            lambda l, k: sampling.sample_tokens(l, k, top_p)).lower(logits, keys).as_text()
+    assert cpu_kernel.SAMPLE_TARGET not in jax.jit(
+        lambda l, k: sampling.sample_tokens(l, k, sp.as_arrays())).lower(logits, keys).as_text()
 
 
 def _cpu_has(*features: str) -> bool:

@@ -39,10 +39,11 @@ ENV_CACHE = "DFLASH_JAX_KERNEL_CACHE"
 TARGET_NAME = "dflash_block_matmul"
 ATTENTION_TARGET = "dflash_row_attention"
 ARGMAX_TARGET = "dflash_first_argmax"
+SAMPLE_TARGET = "dflash_sample_rows"
 # every custom-call target the library registers, with its handler symbol: what `_load` registers and what an export
 # may hold (`bench.lowering`)
 FFI_TARGETS = {TARGET_NAME: "DflashBlockMatmul", ATTENTION_TARGET: "DflashRowAttention",
-               ARGMAX_TARGET: "DflashFirstArgmax"}
+               ARGMAX_TARGET: "DflashFirstArgmax", SAMPLE_TARGET: "DflashSampleRows"}
 # -ffp-contract=off: g++ fuses a * b + c into one FMA wherever the target has FMA (even with -std=c++17), so without it
 # the AVX2 / AVX-512 builds rounded the row attention's sums differently from the portable one (no FMA there); every
 # FMA the kernel means to run is an explicit intrinsic or std::fma.
@@ -248,6 +249,19 @@ def attention_rows(qg: jax.Array, cached: tuple, fresh: tuple, scale: float) -> 
     for k, v, vis in (cached, fresh):
         operands += [k.astype(jnp.float32), v.astype(jnp.float32), vis.astype(jnp.uint8)]
     return tuple(jax.ffi.ffi_call(ATTENTION_TARGET, outs, vmap_method="sequential")(*operands, scale=np.float32(scale)))
+
+
+def sample_rows(x: jax.Array, u: jax.Array, temperature) -> jax.Array:
+    """int32 [...]: the token each row of logits x [..., N] draws from softmax(x / temperature) for its uniform u
+    [...] in (0, 1), by the inverse CDF in three passes over the row (`cpu_sample.h`): the first index whose
+    cumulative mass reaches u x the total, as `decode.sampling._categorical` draws from `processed_probs` without
+    top-k / top-p. temperature: a traced scalar > 0."""
+    if not available():
+        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
+    out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32)
+    t = jnp.reshape(jnp.asarray(temperature, jnp.float32), (1,))
+    return jax.ffi.ffi_call(SAMPLE_TARGET, out, vmap_method="sequential")(
+        x.astype(jnp.float32), jnp.reshape(u, x.shape[:-1]).astype(jnp.float32), t)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:

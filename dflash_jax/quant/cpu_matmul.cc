@@ -450,6 +450,7 @@ class Workers {
 
 #include "cpu_attention.h"
 #include "cpu_argmax.h"
+#include "cpu_sample.h"
 
 // One call computes the products of one x with several weights (a layer's q / k / v, or gate / up: the same input),
 // so the per-call cost (the custom call, waking the pool, the final wait) is paid once for all of them. Operands:
@@ -529,6 +530,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashFirstArgmax, FirstArgmaxImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [..., N]
                                   .Ret<ffi::Buffer<ffi::S32>>());  // [...]
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashSampleRows, SampleRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [..., N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // u [...]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // temperature [1]
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // [...]
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashBlockMatmul, BlockMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [..., K]
@@ -537,7 +545,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashBlockMatmul, BlockMatmulImpl,
                                   .Attr<ffi::Span<const int64_t>>("formats")
                                   .Attr<ffi::Span<const int64_t>>("n_rows"));
 
-extern "C" int dflash_kernel_abi_version() { return 4; }
+extern "C" int dflash_kernel_abi_version() { return 5; }
 
 // Which build this is (the chains and values are the same in all three; the speed is not).
 extern "C" const char* dflash_kernel_isa() {
