@@ -225,13 +225,13 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, sp: SamplingParams, draft:
     probs: processed_probs(logits, sp) where the caller keeps it (a draft's q), drawn from as it is."""
     if sp.greedy or (draft and sp.draft_sampling == "greedy"):
         return first_argmax(logits), keys
+    keys, u = _draw(keys, logits[0].size // logits.shape[-1])  # one uniform per row and slot
+    u = u.reshape(logits.shape[:-1])
     if probs is None and not draft and not (sp.top_k_cap or sp.use_top_p) and _kernel_draws(logits):
         # the CPU loops: the kernel's three passes over each row (`cpu_kernel.sample_rows`), the same rule as below
-        keys, u = _draw(keys, logits[0].size // logits.shape[-1])
-        return cpu_kernel.sample_rows(logits, u.reshape(logits.shape[:-1]), sp.temperature), keys
+        return cpu_kernel.sample_rows(logits, u, sp.temperature), keys
     probs = processed_probs(logits, sp) if probs is None else probs
-    keys, u = _draw(keys, probs[0].size // probs.shape[-1])  # one uniform per row and slot
-    return _categorical(u.reshape(probs.shape[:-1]), probs), keys
+    return _categorical(u, probs), keys
 
 
 def _pmin_mask(d_logits: jax.Array, sp: SamplingParams, draft_probs=None) -> jax.Array:
