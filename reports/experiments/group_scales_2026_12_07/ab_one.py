@@ -1,5 +1,6 @@
-# One process's share of a two-tree A/B: AR and generate's default (+ chains of 1 and 3 with lookup), greedy, held-out
-# requests x 128 tokens; prints one JSON line of decode tok/s per setting and request, and the tokens' hash.
+# One process's share of a two-tree A/B: AR and generate's default (+ chains of 1, 3 and 7 with lookup), greedy,
+# held-out requests x 128 tokens; prints one JSON line of decode tok/s per setting and request, and the tokens' hash.
+# AB_TOKENS sets the length, AB_SETTINGS a comma list of the settings to run (e.g. AR,default).
 import hashlib, json, os, sys
 sys.path.insert(0, os.getcwd())
 import numpy as np
@@ -8,10 +9,12 @@ from dflash_jax.train.drafter_data import chat_prompt_ids
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 target, drafter, tok = dj.load_default()
 ids = chat_prompt_ids(tok, n, split="eval", seed=1)
-base = dict(max_new_tokens=128, prefill_timing="rerun")
+base = dict(max_new_tokens=int(os.environ.get("AB_TOKENS", "128")), prefill_timing="rerun")
 settings = {"AR": None, "default": {}, "D1": dict(draft_length=1, context_lookup=2, draft_pass="drafted"),
             "D3": dict(draft_length=3, context_lookup=2, draft_pass="drafted"),
             "D7": dict(draft_length=7, context_lookup=2, draft_pass="drafted")}
+if os.environ.get("AB_SETTINGS"):
+    settings = {k: settings[k] for k in os.environ["AB_SETTINGS"].split(",")}
 def run(s, p):
     return dj.generate_autoregressive(target, [p], **base) if s is None else dj.generate(target, drafter, [p], **s, **base)
 for s in settings.values(): run(s, ids[0])
