@@ -352,6 +352,69 @@ def test_the_kernel_draw_is_the_inverse_cdf_of_the_softmax():
         lambda l, k: sampling.sample_tokens(l, k, sp.as_arrays())).lower(logits, keys).as_text()
 
 
+def test_the_kernel_acceptance_reads_the_target_rows_as_accept_block_does():
+    """Rejection sampling's two reads of the target's rows in the CPU loops (`cpu_sample.h`): the log-sum-exp of a
+    row equals XLA's to float rounding; the residual's draw is `_categorical` over `residual_probs` (a dense q over
+    the first nq ids, a point mass, no q, and a q that covers p everywhere, where the residual is empty and p itself
+    is drawn from) for all but uniforms within rounding of a boundary; and `accept_block` in the CPU loops lowers to
+    both and keeps the same drafts and tokens as its XLA form, with the same keys, for a PrefixQ, a dense q and
+    greedy drafts."""
+    from dflash_jax import execution
+    from dflash_jax.decode import sampling
+    rng = np.random.default_rng(17)
+    B, R, V, nq, T = 4, 3, 700, 300, 0.7
+    x = rng.standard_normal((B, R, V)).astype(np.float32) * 2
+    x[:, :, rng.choice(V, 30, replace=False)] = -np.inf
+    lse = np.asarray(cpu_kernel.row_logsumexp(jnp.asarray(x), T))
+    np.testing.assert_allclose(lse, np.asarray(jax.scipy.special.logsumexp(x / T, axis=-1)), rtol=2e-6)
+    row = np.array([0, 2, 1, 2], np.int32)
+    p = np.asarray(jax.nn.softmax(x[np.arange(B), row] / T, axis=-1))  # [B, V]
+    q = rng.dirichlet(np.ones(nq), B).astype(np.float32)
+    point = np.array([5, -1, int(np.argmax(p[2])), -1], np.int32)
+    q_on = np.array([1.0, 1.0, 0.0, 0.0], np.float32)
+    q_over = np.zeros((B, nq), np.float32)  # row 3: q = 2p over every id (nq = V below): the residual is empty
+    cases = [(q, q_on, point), (np.pad(q_over, ((0, 0), (0, V - nq))) + 2 * p * (np.arange(B) == 3)[:, None],
+                                 np.array([0, 0, 0, 1], np.float32), point)]
+    n_u = 4000
+    u = rng.random(n_u).astype(np.float32) * np.float32(1 - 1e-6) + np.float32(1e-7)
+    for qq, on, pt in cases:
+        full = np.zeros((B, V), np.float32)
+        full[:, :qq.shape[1]] = qq * on[:, None]
+        full[np.arange(B)[pt >= 0], pt[pt >= 0]] += 1.0
+        res = sampling.residual_probs(jnp.asarray(p), jnp.asarray(full))  # [B, V]
+        rep = lambda a: jnp.asarray(np.repeat(a, n_u, axis=0))  # noqa: E731
+        drawn = np.asarray(jax.jit(cpu_kernel.residual_draw)(
+            rep(x), rep(row), rep(qq), rep(on), rep(pt), jnp.asarray(np.tile(u, B)), T))
+        want = np.asarray(jax.jit(sampling._categorical)(jnp.asarray(np.tile(u, B)), rep(np.asarray(res))))
+        assert (drawn == want).mean() > 0.999
+        assert not np.isin(drawn.reshape(B, n_u)[3], np.flatnonzero(p[3] == 0)).any()
+        for b in range(B):  # a point mass is never drawn from its residual
+            assert pt[b] < 0 or not (drawn.reshape(B, n_u)[b] == pt[b]).any()
+
+    D, n, M = 3, 64, 3000
+    v_logits = jnp.asarray(rng.standard_normal((M, D + 1, n * 2)).astype(np.float32))
+    d_logits = jnp.asarray(rng.standard_normal((M, D, n)).astype(np.float32) + 2 * np.asarray(v_logits)[:, :D, :n])
+    sp = sampling.SamplingParams.make(temperature=T)
+    keys = jax.random.key_data(jax.random.split(jax.random.key(3), M))
+    probs = sampling.processed_probs(d_logits, sp)
+    drafts, _ = sampling.sample_tokens(d_logits, keys, sp, draft=True, probs=probs)
+    copied = jnp.asarray(rng.random((M, D)) < 0.3)
+    drafts = jnp.where(copied, jnp.asarray(rng.integers(0, 2 * n, (M, D)), jnp.int32), drafts)
+    runs = [(sampling.PrefixQ(probs, copied), sp), (jnp.pad(probs, ((0, 0), (0, 0), (0, n))), sp),
+            (None, sampling.SamplingParams.make(temperature=T, draft_sampling="greedy"))]
+    for q_kw, spq in runs:
+        def accept(dl, dr, vl, k, q=q_kw, s=spq):
+            return sampling.accept_block(dl, dr, vl, k, s, draft_probs=q)
+        xla = [np.asarray(a) for a in jax.jit(accept)(d_logits, drafts, v_logits, keys)]
+        with execution.changed(cpu_kernel=True):
+            text = jax.jit(accept).lower(d_logits, drafts, v_logits, keys).as_text()
+            assert cpu_kernel.RESIDUAL_TARGET in text and cpu_kernel.LOGSUMEXP_TARGET in text
+            kern = [np.asarray(a) for a in jax.jit(accept)(d_logits, drafts, v_logits, keys)]
+        assert (kern[0] == xla[0]).mean() > 0.999  # n_acc
+        assert (kern[1] == xla[1]).all(axis=1).mean() > 0.995  # committed
+        np.testing.assert_array_equal(kern[2], xla[2])  # keys
+
+
 def _cpu_has(*features: str) -> bool:
     flags = cpu_kernel._cpu_flags().split()  # the kernel's own reading of /proc/cpuinfo (its cache key)
     return all(f in flags for f in features)

@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 
 import stats
+from dflash_jax import execution
 from dflash_jax.decode import sampling
 from dflash_jax.decode import lookup
 from dflash_jax.decode import loop as decode_loop
@@ -48,6 +49,7 @@ from dflash_jax.models.drafter import Drafter
 from dflash_jax.params import abstract_drafter, abstract_target, map_named
 from dflash_jax.decode.sampling import SamplingParams, accept_block, processed_probs, residual_probs, sample_tokens
 from dflash_jax.models.target import Target, target_forward
+from dflash_jax.quant import cpu_kernel
 
 gen = importlib.import_module("dflash_jax.decode.programs")  # the module (the package exports a function of that name)
 
@@ -234,14 +236,14 @@ def _replicate(x, m=M):
     return jnp.asarray(np.repeat(np.asarray(x), m, axis=0))
 
 
-def _block(q, sp, bug=None, seed=0, p=_P):
+def _block(q, sp, bug=None, seed=0, p=_P, accept=jit_accept):
     """One block for M replicas of each of the 3 rows: drafts x ~ q as in the loop, then accept_block (or the
     variant with `bug`). Returns numpy (drafts, n_acc, committed, keys); rows b*M..(b+1)*M-1 are hand-built row b."""
     d_logits, v_logits = _replicate(_logits_from_probs(q)), _replicate(_logits_from_probs(p))
     keys = row_keys(seed, 3 * M)
     drafts, keys = jit_drafts(d_logits, keys, sp)
     if bug is None:
-        out = jit_accept(d_logits, drafts, v_logits, keys, sp)
+        out = accept(d_logits, drafts, v_logits, keys, sp)
     else:
         out = jit_accept_with_bug(d_logits, drafts, v_logits, keys, sp, BUGS.index(bug))
     return (np.asarray(drafts),) + tuple(np.asarray(o) for o in out)
@@ -308,6 +310,18 @@ def test_block_negative_controls_fail(bug):
 def test_block_rejection_sampling_is_lossless_at_temperature_0_6():
     _, n_acc, committed, _ = _block(_Q, SP_COLD)
     assert_matches("block T=0.6 p_min=0.45", _block_checks(_block_positions(n_acc, committed, SP_COLD), SP_COLD))
+
+
+def test_block_rejection_sampling_is_lossless_where_the_cpu_kernel_reads_the_target():
+    """The same rule as the CPU loops run it: the target's rows read by the kernel (`cpu_kernel.row_logsumexp` for p
+    at the drafts, `residual_draw` for the token after them; tests/test_cpu_kernel.py compares them with XLA's)."""
+    if not cpu_kernel.available():
+        pytest.skip(f"no CPU kernel: {cpu_kernel.unavailable_reason()}")
+    with execution.changed(cpu_kernel=True):  # traced here: a jit of its own, not jit_accept's cached XLA program
+        in_kernel = jax.jit(accept_block, static_argnums=4, compiler_options=LARGE_BATCH_COMPILER_OPTIONS)
+        _, n_acc, committed, _ = _block(_Q, SP_COLD, seed=5, accept=in_kernel)
+    assert_matches("block T=0.6 p_min=0.45, CPU kernel",
+                   _block_checks(_block_positions(n_acc, committed, SP_COLD, seed=5), SP_COLD))
 
 
 def test_block_pmin_cut_samples_from_p():

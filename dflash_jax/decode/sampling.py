@@ -305,7 +305,14 @@ def accept_block(d_logits: jax.Array, drafts: jax.Array, v_logits: jax.Array, ke
         n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
         return n_acc, post, keys  # accepted drafts equal post there, and post[n_acc] is the bonus
 
-    p_entries, p_row = verify_probs(v_logits, sp)  # p [B, D+1, V] where it is read
+    # the CPU loops: the kernel reads the target's rows (`cpu_kernel.row_logsumexp`, `residual_draw`), the same rule
+    kernel = candidates is None and not (sp.top_k_cap or sp.use_top_p) and _kernel_draws(v_logits)
+    if kernel:
+        lse = cpu_kernel.row_logsumexp(v_logits, sp.temperature)[:, :D]  # [B, D] (row D's is not read)
+        p_entries = lambda ids: jnp.exp(  # noqa: E731
+            jnp.take_along_axis(v_logits[:, :D], ids[..., None], axis=-1)[..., 0] / sp.temperature - lse)
+    else:
+        p_entries, p_row = verify_probs(v_logits, sp)  # p [B, D+1, V] where it is read
     V = v_logits.shape[-1]
     prefix = draft_probs if isinstance(draft_probs, PrefixQ) and sp.draft_sampling == "sample" else None
     if sp.draft_sampling == "greedy":
@@ -331,9 +338,14 @@ def accept_block(d_logits: jax.Array, drafts: jax.Array, v_logits: jax.Array, ke
     ok = (u * q_x < p_x) & proposed
     n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B]
 
-    p_at = p_row(n_acc)  # [B, V] target row at the stop
     # q's row at the stop [B, V]; row D (nothing proposed) is zeroed below by was_proposed, so it may be anything.
     stop = jnp.minimum(n_acc, D - 1)[:, None]  # [B, 1]
+    was_proposed = jnp.take_along_axis(jnp.concatenate([proposed, jnp.zeros((B, 1), bool)], axis=1),
+                                       n_acc[:, None], axis=1)  # [B, 1]
+    if kernel:
+        final = _kernel_residual(v_logits, n_acc, stop, was_proposed[:, 0], drafts, q, prefix, uniforms[:, D], sp)
+        return n_acc, _committed(drafts, n_acc, final), keys
+    p_at = p_row(n_acc)  # [B, V] target row at the stop
     if q is not None:
         q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # row D: nothing proposed -> bonus from p
         q_at = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]
@@ -348,11 +360,32 @@ def accept_block(d_logits: jax.Array, drafts: jax.Array, v_logits: jax.Array, ke
         cand_at = jnp.take_along_axis(candidates, stop[..., None], axis=1)[:, 0]  # [B, k]
         q_k_at = jnp.take_along_axis(draft_probs.astype(jnp.float32), stop[..., None], axis=1)[:, 0]
         q_at = jnp.zeros((B, V), jnp.float32).at[jnp.arange(B)[:, None], cand_at].set(q_k_at)
-    was_proposed = jnp.take_along_axis(jnp.concatenate([proposed, jnp.zeros((B, 1), bool)], axis=1),
-                                       n_acc[:, None], axis=1)  # [B, 1]
     # Not proposed (p_min cut, or past the last draft): nothing to correct for, so sample from p itself.
     final = _categorical(uniforms[:, D:], residual_probs(p_at, jnp.where(was_proposed, q_at, 0.0)))  # [B]
-    j = jnp.arange(D + 1)[None, :]
+    return n_acc, _committed(drafts, n_acc, final), keys
+
+
+def _committed(drafts: jax.Array, n_acc: jax.Array, final: jax.Array) -> jax.Array:
+    """[B, D+1]: the accepted drafts [B, D] before n_acc [B], then final [B] (the correction / bonus token)."""
+    B, D = drafts.shape
     drafts_pad = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
-    committed = jnp.where(j < n_acc[:, None], drafts_pad, final[:, None])
-    return n_acc, committed, keys
+    return jnp.where(jnp.arange(D + 1)[None, :] < n_acc[:, None], drafts_pad, final[:, None])
+
+
+def _kernel_residual(v_logits, n_acc, stop, was_proposed, drafts, q, prefix, u, sp) -> jax.Array:
+    """accept_block's token after the accepted drafts, drawn by the CPU kernel (`cpu_kernel.residual_draw`) from the
+    target's row n_acc: q's row at the stop is passed as it is held (a point mass as its id; a PrefixQ's row over its
+    n ids; a dense q's row), and only where that slot was proposed."""
+    B = drafts.shape[0]
+    draft_at = jnp.take_along_axis(drafts, stop, axis=1)[:, 0]  # [B]
+    none = jnp.full((B,), -1, jnp.int32)
+    if q is not None:  # dense [B, D, V]
+        q_row, q_on, point = jnp.take_along_axis(q, stop[..., None], axis=1)[:, 0], was_proposed, none
+    elif prefix is not None:  # over the draft vocabulary; a copied slot's q is the point mass at its draft
+        copied = jnp.take_along_axis(prefix.copied, stop, axis=1)[:, 0]
+        q_row = jnp.take_along_axis(prefix.probs, stop[..., None], axis=1)[:, 0]  # [B, n]
+        q_on, point = was_proposed & ~copied, jnp.where(was_proposed & copied, draft_at, -1)
+    else:  # greedy drafts: the point mass at the draft
+        q_row, q_on = jnp.zeros((B, 1), jnp.float32), jnp.zeros((B,), bool)
+        point = jnp.where(was_proposed, draft_at, -1)
+    return cpu_kernel.residual_draw(v_logits, n_acc, q_row, q_on, point, u, sp.temperature)

@@ -40,10 +40,13 @@ TARGET_NAME = "dflash_block_matmul"
 ATTENTION_TARGET = "dflash_row_attention"
 ARGMAX_TARGET = "dflash_first_argmax"
 SAMPLE_TARGET = "dflash_sample_rows"
+LOGSUMEXP_TARGET = "dflash_row_logsumexp"
+RESIDUAL_TARGET = "dflash_residual_rows"
 # every custom-call target the library registers, with its handler symbol: what `_load` registers and what an export
 # may hold (`bench.lowering`)
 FFI_TARGETS = {TARGET_NAME: "DflashBlockMatmul", ATTENTION_TARGET: "DflashRowAttention",
-               ARGMAX_TARGET: "DflashFirstArgmax", SAMPLE_TARGET: "DflashSampleRows"}
+               ARGMAX_TARGET: "DflashFirstArgmax", SAMPLE_TARGET: "DflashSampleRows",
+               LOGSUMEXP_TARGET: "DflashRowLogsumexp", RESIDUAL_TARGET: "DflashResidualRows"}
 # -ffp-contract=off: g++ fuses a * b + c into one FMA wherever the target has FMA (even with -std=c++17), so without it
 # the AVX2 / AVX-512 builds rounded the row attention's sums differently from the portable one (no FMA there); every
 # FMA the kernel means to run is an explicit intrinsic or std::fma.
@@ -262,6 +265,32 @@ def sample_rows(x: jax.Array, u: jax.Array, temperature) -> jax.Array:
     t = jnp.reshape(jnp.asarray(temperature, jnp.float32), (1,))
     return jax.ffi.ffi_call(SAMPLE_TARGET, out, vmap_method="sequential")(
         x.astype(jnp.float32), jnp.reshape(u, x.shape[:-1]).astype(jnp.float32), t)
+
+
+def row_logsumexp(x: jax.Array, temperature) -> jax.Array:
+    """float32 [...]: log sum exp(x / temperature) of each row of x [..., N] (`cpu_sample.h`: the maximum, then one
+    pass of exp in 16-lane blocks), -inf for a row of -inf; rejection sampling's p at an id is exp(x_id / T - this).
+    temperature: a traced scalar > 0."""
+    if not available():
+        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
+    out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32)
+    t = jnp.reshape(jnp.asarray(temperature, jnp.float32), (1,))
+    return jax.ffi.ffi_call(LOGSUMEXP_TARGET, out, vmap_method="sequential")(x.astype(jnp.float32), t)
+
+
+def residual_draw(x: jax.Array, row: jax.Array, q: jax.Array, q_on: jax.Array, point: jax.Array, u: jax.Array,
+                  temperature) -> jax.Array:
+    """int32 [B]: the token each batch row draws where rejection sampling stops, from normalize(max(p - q, 0)), or
+    from p where that is all zero (`decode.sampling.residual_probs`), by the inverse CDF with its uniform u [B]:
+    p = softmax(x[b, row[b]] / temperature) over x [B, R, N]; q = q_on[b] x q[b] over the first nq ids (q [B, nq],
+    nq <= N; zero past them) plus a point mass at point[b] (none where point[b] < 0). `cpu_sample.h`."""
+    if not available():
+        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
+    B = x.shape[0]
+    t = jnp.reshape(jnp.asarray(temperature, jnp.float32), (1,))
+    return jax.ffi.ffi_call(RESIDUAL_TARGET, jax.ShapeDtypeStruct((B,), jnp.int32), vmap_method="sequential")(
+        x.astype(jnp.float32), row.astype(jnp.int32), q.astype(jnp.float32), q_on.astype(jnp.float32),
+        point.astype(jnp.int32), jnp.reshape(u, (B,)).astype(jnp.float32), t)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:

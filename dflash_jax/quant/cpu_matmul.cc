@@ -537,6 +537,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashSampleRows, SampleRowsImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // temperature [1]
                                   .Ret<ffi::Buffer<ffi::S32>>());  // [...]
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashRowLogsumexp, RowLogsumexpImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [..., N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // temperature [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // [...]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashResidualRows, ResidualRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [B, R, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // row [B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [B, nq]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_on [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // point [B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // u [B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // temperature [1]
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // [B]
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashBlockMatmul, BlockMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [..., K]
@@ -545,7 +562,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashBlockMatmul, BlockMatmulImpl,
                                   .Attr<ffi::Span<const int64_t>>("formats")
                                   .Attr<ffi::Span<const int64_t>>("n_rows"));
 
-extern "C" int dflash_kernel_abi_version() { return 5; }
+extern "C" int dflash_kernel_abi_version() { return 6; }
 
 // Which build this is (the chains and values are the same in all three; the speed is not).
 extern "C" const char* dflash_kernel_isa() {

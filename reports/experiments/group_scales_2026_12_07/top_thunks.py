@@ -1,4 +1,5 @@
 # The spec loop's and AR loop's most expensive thunks (non-matmul, non-attention), per step: name, group, us, MB.
+# python top_thunks.py N [TEMPERATURE]: the N most expensive, at that temperature (default 0: greedy).
 import collections, sys, warnings
 from dflash_jax.bench.loop_profile import loop_group
 from dflash_jax.bench.profile import parse_hlo, _computations, trace_program, CONTAINERS
@@ -8,7 +9,7 @@ from dflash_jax.io.shipped import load_default
 from dflash_jax.train.drafter_data import chat_prompt_ids
 target, drafter, tok = load_default()
 p = chat_prompt_ids(tok, 1, split="eval", seed=1)[0]
-kw = dict(max_new_tokens=128)
+kw = dict(max_new_tokens=128, temperature=float(sys.argv[2]) if len(sys.argv) > 2 else 0.0)
 for name, call in (("speculative", speculative_call(target, drafter, [p], plain_when_slower=False, **kw)),
                    ("autoregressive", autoregressive_call(target, [p], **kw))):
     with warnings.catch_warnings():
