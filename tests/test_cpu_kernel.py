@@ -415,6 +415,49 @@ def test_the_kernel_acceptance_reads_the_target_rows_as_accept_block_does():
         np.testing.assert_array_equal(kern[2], xla[2])  # keys
 
 
+def test_the_kernel_top_k_and_softmax_draw_are_laxs_and_the_samplers():
+    """The draft side's row reductions in the CPU loops (`cpu_sample.h`): `top_k` gives `lax.top_k`'s values and ids
+    (ties in id order, +0 above -0, -inf rows; a NaN ranks as -inf); `softmax_draw` gives softmax(x / T) to float
+    rounding and the token `sample_rows` draws for the same uniform, so a sampled draft step's kernel form (same keys
+    and uniforms) keeps the drafts and q of its XLA form (tests/test_device_lowering.py checks that the CPU loops
+    lower to these calls)."""
+    from dflash_jax.decode import sampling
+    rng = np.random.default_rng(19)
+    for _ in range(60):
+        n = int(rng.integers(1, 200))
+        k = int(rng.integers(1, min(n, 33) + 1))
+        x = np.round(rng.standard_normal((3, n)) * 2).astype(np.float32)  # ties, and -0 / +0
+        x[rng.random((3, n)) < 0.2] = -np.inf
+        x[2] = -np.inf
+        vals, ids = jax.jit(cpu_kernel.top_k, static_argnums=1)(jnp.asarray(x), k)
+        want_vals, want_ids = jax.lax.top_k(jnp.asarray(x), k)
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_array_equal(np.signbit(vals), np.signbit(want_vals))
+        np.testing.assert_array_equal(vals, want_vals)
+    nan = np.array([[np.nan, 1.0, np.nan, 3.0, 2.0]], np.float32)
+    assert np.asarray(cpu_kernel.top_k(jnp.asarray(nan), 3)[1]).tolist() == [[3, 4, 1]]
+
+    T = 0.7
+    x = jnp.asarray(rng.standard_normal((2, 3, 1000)).astype(np.float32) * 3)
+    u = jnp.asarray(rng.random((2, 3)).astype(np.float32))
+    probs, tokens = jax.jit(cpu_kernel.softmax_draw)(x, u, T)
+    np.testing.assert_allclose(probs, jax.nn.softmax(x / T, axis=-1), rtol=1e-5, atol=1e-8)
+    np.testing.assert_array_equal(tokens, cpu_kernel.sample_rows(x, u, T))
+
+    sp = sampling.SamplingParams.make(temperature=T)
+    keys = jax.random.key_data(jax.random.split(jax.random.key(4), 2))
+
+    def draft(logits, k):  # the draft step's XLA form: q, then drafts drawn from it
+        q = sampling.processed_probs(logits, sp)
+        return sampling.sample_tokens(logits, k, sp, draft=True, probs=q) + (q,)
+    xla_drafts, xla_keys, xla_q = jax.jit(draft)(x, keys)
+    next_keys, u_draft = sampling._draw(keys, 3)  # what the kernel form draws with
+    q, drafts = cpu_kernel.softmax_draw(x, u_draft, T)
+    np.testing.assert_array_equal(next_keys, xla_keys)
+    assert (np.asarray(drafts) == np.asarray(xla_drafts)).mean() > 0.99
+    np.testing.assert_allclose(q, xla_q, rtol=1e-5, atol=1e-8)
+
+
 def _cpu_has(*features: str) -> bool:
     flags = cpu_kernel._cpu_flags().split()  # the kernel's own reading of /proc/cpuinfo (its cache key)
     return all(f in flags for f in features)

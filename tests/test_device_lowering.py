@@ -93,6 +93,27 @@ def test_cpu_program_uses_the_live_length_loop_and_the_cuda_export_does_not(mode
     assert cpu_kernel.ATTENTION_TARGET not in cuda_text and cpu_kernel.ARGMAX_TARGET not in cuda_text
 
 
+def test_the_cpu_loops_reduce_rows_of_logits_in_the_kernel(models):
+    """Where the CPU kernel is built, the loop programs `generate` builds on this CPU take every row reduction over
+    logits without top-k / top-p through it: a sampled chain's draft q and drafts (`softmax_draw`), the target's
+    log-sum-exp at the drafts and the residual's draw (`row_logsumexp`, `residual_draw`); a greedy tree's top k and
+    log-sum-exp of the draft rows (`top_k`); with top-k / top-p the XLA forms (none of them)."""
+    if jax.default_backend() != "cpu" or not cpu_kernel.available():
+        pytest.skip("the CPU kernel's rule is checked on a CPU host with the kernel")
+    target, drafters = models
+
+    def text(**kw):
+        return G.speculative_call(target, drafters["dflash"], PROMPTS, max_new_tokens=16, **kw).lower()[1].as_text()
+    sampled = text(temperature=0.7, draft_length=3)
+    for name in (cpu_kernel.SOFTMAX_DRAW_TARGET, cpu_kernel.LOGSUMEXP_TARGET, cpu_kernel.RESIDUAL_TARGET):
+        assert name in sampled, name
+    tree = text(tree_budget=3)
+    assert cpu_kernel.TOP_K_TARGET in tree and cpu_kernel.LOGSUMEXP_TARGET in tree
+    filtered = text(temperature=0.7, top_p=0.9, draft_length=3)
+    for name in (cpu_kernel.SOFTMAX_DRAW_TARGET, cpu_kernel.LOGSUMEXP_TARGET, cpu_kernel.RESIDUAL_TARGET):
+        assert name not in filtered, name
+
+
 def test_nvfp4_drafter_on_pallas_lowers_without_loops_or_conditionals(models):
     target, drafters = models
     quantized = dj.quantize_nvfp4(drafters["dflash"])

@@ -764,7 +764,8 @@ def _control(monkeypatch, models, enumeration, pair, kw, **patches):
     fresh_programs(monkeypatch)
     from dflash_jax.decode import draft_step
     for name, fn in patches.items():
-        monkeypatch.setattr(decode_loop, name, fn)  # the names the loop program calls
+        if hasattr(decode_loop, name):  # the names the loop program calls
+            monkeypatch.setattr(decode_loop, name, fn)
         if hasattr(draft_step, name):  # drafts are drawn in draft_step (one draft step for DFlash and DFlash2)
             monkeypatch.setattr(draft_step, name, fn)
     target, drafter = models[pair]
@@ -784,14 +785,19 @@ def test_control_q_at_the_wrong_temperature_fails(models, enumeration, monkeypat
 
 
 def test_control_drafting_key_reused_for_acceptance_fails(models, enumeration, monkeypatch):
-    """accept_block gets the key the drafts were drawn with (sample_tokens hands back its input key for drafts):
-    acceptance uniforms and the residual's noise are then the drafts' own Gumbel noise."""
+    """accept_block gets the key the drafts were drawn with (sample_tokens hands back its input key for drafts; in
+    the CPU loops, where the kernel draws the drafts from the draft step's own `_draw`, that one does): acceptance
+    uniforms and the residual's noise are then the drafts' own noise."""
     def reuse(logits, keys, sp, draft=False, **kw):
         tokens, new_keys = sample_tokens(logits, keys, sp, draft=draft, **kw)
         return tokens, keys if draft else new_keys
 
+    def reuse_draw(keys, n):
+        return keys, sampling._draw(keys, n)[1]
+
     assert_fails("drafting key reused (close, T=1)", _control(monkeypatch, models, enumeration, "close",
-                                                              dict(temperature=1.0), sample_tokens=reuse))
+                                                              dict(temperature=1.0), sample_tokens=reuse,
+                                                              _draw=reuse_draw))
 
 
 def test_control_copied_drafts_verified_against_the_drafters_q_fails(models, enumeration, monkeypatch):

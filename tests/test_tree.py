@@ -590,8 +590,9 @@ def test_tree_loop_is_one_while_without_host_sync(pair):
     assert top.count("while") == 1
     loop = closed.jaxpr.eqns[top.index("while")]
     inside = H.primitives(loop.params["body_jaxpr"].jaxpr) + H.primitives(loop.params["cond_jaxpr"].jaxpr)
-    # the tree step is in there: its products (XLA's, or the CPU kernel's calls in the CPU loops) and its top-k
-    assert {"dot_general", "ffi_call"} & set(inside) and "top_k" in inside, sorted(set(inside))
+    # the tree step is in there: its products and its top-k (XLA's, or the CPU kernel's calls in the CPU loops:
+    # tests/test_device_lowering.py names them)
+    assert {"dot_general", "ffi_call"} & set(inside) and {"top_k", "ffi_call"} & set(inside), sorted(set(inside))
     assert not H.host_ops(inside), H.host_ops(inside)
 
 
@@ -601,6 +602,32 @@ def test_tree_build_takes_the_top_k_without_sorting_the_vocabulary():
     logp = jnp.zeros((1, 7, 4096), jnp.float32)
     text = jax.jit(T.build, static_argnums=2).lower(logp, jnp.zeros((1,), jnp.int32), 8).compile().as_text()
     assert '"TopK"' in text and " sort(" not in text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_draft_top_is_the_top_k_of_the_draft_scores(temperature):
+    """The loop's tree takes each position's best ids and log-probabilities from `draft_top` (the top k of the logits
+    minus the row's log-sum-exp: the kernel's in the CPU loops) instead of a log-softmax of the whole row: the same
+    ids as the top k of `draft_scores`, the same values to float rounding, -inf ids (a draft vocabulary) never among
+    them, and in the CPU loops the kernel's log-sum-exp in the program."""
+    from dflash_jax import execution
+    from dflash_jax.quant import cpu_kernel
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 3, 300)).astype(np.float32) * 3
+    x[..., 200:] = -np.inf
+    x = jnp.asarray(x)
+    sp = SamplingParams.make(temperature=temperature)
+    want_lp, want_id = T._top_k(T.draft_scores(x, sp), 6)
+    runs = [jax.jit(lambda v: T.draft_top(v, sp, 6))(x)]
+    if cpu_kernel.available():
+        with execution.changed(cpu_kernel=True):
+            top = jax.jit(lambda v: T.draft_top(v, sp, 6))
+            assert cpu_kernel.LOGSUMEXP_TARGET in top.lower(x).as_text()
+            runs.append(top(x))
+    for lp, ids in runs:
+        np.testing.assert_array_equal(ids, want_id)
+        np.testing.assert_allclose(lp, want_lp, rtol=1e-5, atol=1e-5)
+        assert (np.asarray(ids) < 200).all()
 
 
 @pytest.mark.parametrize("family", ["dense", "hybrid"])

@@ -33,7 +33,7 @@ DRAFT_FUNCTIONS = ("append_context", "draft_step", "draft_logits", "draft_propos
                    "head_logits")
 TARGET_FUNCTIONS = ("forward_with_cache", "forward_tree", "forward_hidden", "target_forward")
 LOOP_GROUPS = (
-    ("tree build", ("build", "draft_scores", "ancestor_mask", "chain_tree")),
+    ("tree build", ("build", "draft_scores", "draft_top", "ancestor_mask", "chain_tree")),
     ("context lookup", ("prefer_context", "continuation", "_copied_drafts")),
     ("commits", ("commit_tree", "_commit", "commit_states", "write_rows")),
     ("walk, acceptance and sampling", ("walk", "verify_tokens", "accept_block", "_accept", "greedy_accept",

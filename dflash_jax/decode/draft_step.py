@@ -21,9 +21,10 @@ from dflash_jax.decode import tree
 from dflash_jax.models import selector
 from dflash_jax.models.drafter import Drafter, block_hidden, head_logits, pad_vocabulary, propose_from_hidden
 from dflash_jax.models.layers import first_argmax
-from dflash_jax.decode.sampling import PrefixQ, SamplingParams, _draw, processed_probs, sample_tokens
+from dflash_jax.decode.sampling import PrefixQ, SamplingParams, _draw, in_cpu_kernel, processed_probs, sample_tokens
 from dflash_jax.models.cache import KVCache
 from dflash_jax.models.target import Target
+from dflash_jax.quant import cpu_kernel
 
 
 def draft_step(drafter: Drafter, target: Target, block: jax.Array, cache: KVCache, num_slots: int, keys: jax.Array,
@@ -40,8 +41,13 @@ def draft_step(drafter: Drafter, target: Target, block: jax.Array, cache: KVCach
         if sp.greedy or sp.draft_sampling == "greedy":  # the same ids as over the padded row, at a fraction of it
             return first_argmax(drafted), logits, None, keys
         # drawn from, and verified against, q over the n computed ids (zero past them, as over the padded row)
-        q = processed_probs(drafted, sp)  # [B, D, n]
-        drafts, keys = sample_tokens(drafted, keys, sp, draft=True, probs=q)
+        if not (sp.top_k_cap or sp.use_top_p) and in_cpu_kernel(drafted):
+            # the CPU loops: q and the drafts in one kernel call (`cpu_kernel.softmax_draw`), the same keys and uniforms
+            keys, u = _draw(keys, D)
+            q, drafts = cpu_kernel.softmax_draw(drafted, u, sp.temperature)  # [B, D, n], [B, D]
+        else:
+            q = processed_probs(drafted, sp)  # [B, D, n]
+            drafts, keys = sample_tokens(drafted, keys, sp, draft=True, probs=q)
         return drafts, logits, PrefixQ(q, jnp.zeros(drafts.shape, bool)), keys
     B = block.shape[0]
     k = drafter.config.selector_top_k
@@ -67,7 +73,8 @@ def draft_tree(drafter: Drafter, target: Target, block: jax.Array, cache: KVCach
     -inf would only cost a log-softmax and a top-k over the whole vocabulary), the `budget` best prefixes."""
     h = block_hidden(drafter, target, block, cache)[:, 1:1 + depth]  # [B, depth, H]
     d_logits = head_logits(drafter, target, h, padded=False)  # [B, depth, n]
-    return tree.build(tree.draft_scores(d_logits, sp), block[:, 0], budget)
+    top_lp, top_id = tree.draft_top(d_logits, sp, min(int(budget), d_logits.shape[-1]))  # [B, depth, K]
+    return tree.build_from_top(top_lp, top_id, block[:, 0], budget)
 
 
 __all__ = ["draft_step", "draft_tree"]

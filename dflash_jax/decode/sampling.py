@@ -212,10 +212,10 @@ def _categorical(u: jax.Array, probs: jax.Array) -> jax.Array:
     return _first_reaching(probs.astype(jnp.float32).reshape(-1, V), lambda total: u.reshape(-1) * total).reshape(lead)
 
 
-def _kernel_draws(logits: jax.Array) -> bool:
-    """Whether a draw from these logits runs through the CPU kernel: float32 rows inside the CPU generation loops
-    (`execution`'s `cpu_kernel`), where the kernel runs. XLA:CPU's softmax and two-level inverse CDF over SmolLM2's
-    49,152 ids took ~0.22 ms of a ~3.6 ms sampled decode step."""
+def in_cpu_kernel(logits: jax.Array) -> bool:
+    """Whether a row reduction over these logits (a draw, a log-sum-exp, a residual) runs through the CPU kernel:
+    float32 rows inside the CPU generation loops (`execution`'s `cpu_kernel`), where the kernel runs. XLA:CPU's
+    softmax and two-level inverse CDF over SmolLM2's 49,152 ids took ~0.22 ms of a ~3.6 ms sampled decode step."""
     return logits.dtype == jnp.float32 and execution.current().cpu_kernel and cpu_kernel_runs()
 
 
@@ -227,7 +227,7 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, sp: SamplingParams, draft:
         return first_argmax(logits), keys
     keys, u = _draw(keys, logits[0].size // logits.shape[-1])  # one uniform per row and slot
     u = u.reshape(logits.shape[:-1])
-    if probs is None and not draft and not (sp.top_k_cap or sp.use_top_p) and _kernel_draws(logits):
+    if probs is None and not draft and not (sp.top_k_cap or sp.use_top_p) and in_cpu_kernel(logits):
         # the CPU loops: the kernel's three passes over each row (`cpu_kernel.sample_rows`), the same rule as below
         return cpu_kernel.sample_rows(logits, u, sp.temperature), keys
     probs = processed_probs(logits, sp) if probs is None else probs
@@ -306,7 +306,7 @@ def accept_block(d_logits: jax.Array, drafts: jax.Array, v_logits: jax.Array, ke
         return n_acc, post, keys  # accepted drafts equal post there, and post[n_acc] is the bonus
 
     # the CPU loops: the kernel reads the target's rows (`cpu_kernel.row_logsumexp`, `residual_draw`), the same rule
-    kernel = candidates is None and not (sp.top_k_cap or sp.use_top_p) and _kernel_draws(v_logits)
+    kernel = candidates is None and not (sp.top_k_cap or sp.use_top_p) and in_cpu_kernel(v_logits)
     if kernel:
         lse = cpu_kernel.row_logsumexp(v_logits, sp.temperature)[:, :D]  # [B, D] (row D's is not read)
         p_entries = lambda ids: jnp.exp(  # noqa: E731

@@ -30,7 +30,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.decode.sampling import SamplingParams
+from dflash_jax.decode.sampling import SamplingParams, in_cpu_kernel
+from dflash_jax.quant import cpu_kernel
 from dflash_jax.frozen import Replaceable
 
 NO_TOKEN = -1  # a node that does not exist: never equal to a target token
@@ -66,6 +67,20 @@ def draft_scores(d_logits: jax.Array, sp: SamplingParams) -> jax.Array:
     return jax.nn.log_softmax(x, axis=-1)
 
 
+def draft_top(d_logits: jax.Array, sp: SamplingParams, k: int) -> tuple[jax.Array, jax.Array]:
+    """(log-probabilities [B, D, k], ids [B, D, k]): each position's k best ids under `draft_scores`, best first,
+    without writing the log-softmax of the whole row: the top k of the logits (the same order), minus the row's
+    log-sum-exp. In the CPU loops both are the kernel's, one pass over each row each (`cpu_kernel.top_k`,
+    `row_logsumexp`): XLA's log-softmax and TopK over a tree of 2's two 8,192-id rows took ~65 us of a step."""
+    x = d_logits.astype(jnp.float32)
+    t = 1.0 if sp.greedy else sp.temperature
+    if in_cpu_kernel(x):
+        (vals, ids), lse = cpu_kernel.top_k(x, k), cpu_kernel.row_logsumexp(x, t)  # [B, D, k] x 2, [B, D]
+    else:
+        (vals, ids), lse = _top_k(x, k), jax.nn.logsumexp(x / t, axis=-1)
+    return vals / t - lse[..., None], ids
+
+
 def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """`lax.top_k` over the last axis, taken on a 2-D view: XLA:CPU lowered the 3-D one inside `build` to a full sort
     of the vocabulary (138 ms for 7 x 49,152 logits, against 0.4 ms for its TopK call on the 2-D view)."""
@@ -76,10 +91,14 @@ def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 def build(logp: jax.Array, root: jax.Array, budget: int) -> DraftTree:
     """The `budget` best prefixes of the per-position draft log-probabilities logp [B, D, V] (position k is depth
     k + 1) as a tree under root [B]; best first, N pops (a static trip count)."""
-    B, D, V = logp.shape
+    return build_from_top(*_top_k(logp, min(int(budget), logp.shape[-1])), root, budget)
+
+
+def build_from_top(top_lp: jax.Array, top_id: jax.Array, root: jax.Array, budget: int) -> DraftTree:
+    """`build` from each position's K = min(budget, V) best log-probabilities and ids [B, D, K], best first (ties:
+    the lower id first), as `_top_k` or `draft_top` give them."""
+    B, D, K = top_lp.shape
     N = int(budget)
-    K = min(N, V)
-    top_lp, top_id = _top_k(logp, K)  # [B, D, K] best first (ties: the lower id first)
     C = 2 * N + 1  # candidate slots: the root's first child, then two per pop
     neg = jnp.float32(-jnp.inf)
     rows = jnp.arange(B)
@@ -181,5 +200,5 @@ def walk(tree: DraftTree, anc: jax.Array, target_tokens: jax.Array) -> tuple[jax
     return path.astype(jnp.int32), n_acc.astype(jnp.int32)
 
 
-__all__ = ["DraftTree", "NO_TOKEN", "ancestor_mask", "ancestors", "build", "conv_taps", "draft_scores",
-           "positions", "tree_depth", "verify_tokens", "walk"]
+__all__ = ["DraftTree", "NO_TOKEN", "ancestor_mask", "ancestors", "build", "build_from_top", "conv_taps",
+           "draft_scores", "draft_top", "positions", "tree_depth", "verify_tokens", "walk"]

@@ -42,11 +42,14 @@ ARGMAX_TARGET = "dflash_first_argmax"
 SAMPLE_TARGET = "dflash_sample_rows"
 LOGSUMEXP_TARGET = "dflash_row_logsumexp"
 RESIDUAL_TARGET = "dflash_residual_rows"
+SOFTMAX_DRAW_TARGET = "dflash_softmax_draw"
+TOP_K_TARGET = "dflash_top_k"
 # every custom-call target the library registers, with its handler symbol: what `_load` registers and what an export
 # may hold (`bench.lowering`)
 FFI_TARGETS = {TARGET_NAME: "DflashBlockMatmul", ATTENTION_TARGET: "DflashRowAttention",
                ARGMAX_TARGET: "DflashFirstArgmax", SAMPLE_TARGET: "DflashSampleRows",
-               LOGSUMEXP_TARGET: "DflashRowLogsumexp", RESIDUAL_TARGET: "DflashResidualRows"}
+               LOGSUMEXP_TARGET: "DflashRowLogsumexp", RESIDUAL_TARGET: "DflashResidualRows",
+               SOFTMAX_DRAW_TARGET: "DflashSoftmaxDraw", TOP_K_TARGET: "DflashTopK"}
 # -ffp-contract=off: g++ fuses a * b + c into one FMA wherever the target has FMA (even with -std=c++17), so without it
 # the AVX2 / AVX-512 builds rounded the row attention's sums differently from the portable one (no FMA there); every
 # FMA the kernel means to run is an explicit intrinsic or std::fma.
@@ -291,6 +294,28 @@ def residual_draw(x: jax.Array, row: jax.Array, q: jax.Array, q_on: jax.Array, p
     return jax.ffi.ffi_call(RESIDUAL_TARGET, jax.ShapeDtypeStruct((B,), jnp.int32), vmap_method="sequential")(
         x.astype(jnp.float32), row.astype(jnp.int32), q.astype(jnp.float32), q_on.astype(jnp.float32),
         point.astype(jnp.int32), jnp.reshape(u, (B,)).astype(jnp.float32), t)
+
+
+def softmax_draw(x: jax.Array, u: jax.Array, temperature) -> tuple[jax.Array, jax.Array]:
+    """(probs float32 [..., N], tokens int32 [...]): softmax(x / temperature) of each row of x [..., N] and the token
+    its uniform u [...] draws from it by the inverse CDF (`cpu_sample.h`; the draw as `sample_rows`): a drafter's q
+    and its draft in one call. temperature: a traced scalar > 0."""
+    if not available():
+        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
+    outs = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32))
+    t = jnp.reshape(jnp.asarray(temperature, jnp.float32), (1,))
+    return tuple(jax.ffi.ffi_call(SOFTMAX_DRAW_TARGET, outs, vmap_method="sequential")(
+        x.astype(jnp.float32), jnp.reshape(u, x.shape[:-1]).astype(jnp.float32), t))
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """(values float32 [..., k], ids int32 [..., k]): each row's k largest of x [..., N], largest first, equal
+    values in id order, as `lax.top_k` (a NaN ranks as -inf), in one pass over the row (`cpu_sample.h`)."""
+    if not available():
+        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
+    shape = x.shape[:-1] + (k,)
+    outs = (jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32))
+    return tuple(jax.ffi.ffi_call(TOP_K_TARGET, outs, vmap_method="sequential")(x.astype(jnp.float32)))
 
 
 def first_argmax(x: jax.Array) -> jax.Array:

@@ -554,6 +554,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashResidualRows, ResidualRowsImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // temperature [1]
                                   .Ret<ffi::Buffer<ffi::S32>>());  // [B]
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashSoftmaxDraw, SoftmaxDrawImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [..., N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // u [...]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // temperature [1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // probs [..., N]
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // [...]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashTopK, TopKImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [..., N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // values [..., k]
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // ids [..., k]
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DflashBlockMatmul, BlockMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [..., K]

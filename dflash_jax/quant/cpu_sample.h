@@ -198,3 +198,84 @@ ffi::Error ResidualRowsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> row, 
   });
   return ffi::Error::Success();
 }
+
+// The FFI handler (DflashSoftmaxDraw): x [..., N], u [...] in (0, 1), temperature [1] -> probs float32 [..., N] =
+// softmax(x / T) (e_i / S, the e of `exp_blocks`), and int32 [...] the token the inverse CDF of e draws for u (as
+// `sample_row`): a drafter's q at temperature T and the draft drawn from it, in one pass over the row.
+ffi::Error SoftmaxDrawImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> u, ffi::Buffer<ffi::F32> temperature,
+                           ffi::Result<ffi::Buffer<ffi::F32>> probs, ffi::Result<ffi::Buffer<ffi::S32>> out) {
+  const auto dims = x.dimensions();
+  if (dims.size() == 0) return ffi::Error::InvalidArgument("x has no last axis");
+  const int64_t n = dims.back(), rows = n ? x.element_count() / n : 0;
+  if (out->element_count() != rows || u.element_count() != rows || probs->element_count() != x.element_count())
+    return ffi::Error::InvalidArgument("probs like x; one uniform and one token per row of x");
+  if (temperature.element_count() != 1) return ffi::Error::InvalidArgument("one temperature");
+  const float inv_t = 1.f / temperature.typed_data()[0];
+  Workers::get().run(rows, [&](int64_t r) {
+    thread_local std::vector<float> e, sums;
+    e.resize(size_t(n + 16));
+    sums.resize(size_t(n / 16 + 16));
+    const float* xr = x.typed_data() + r * n;
+    float* pr = probs->typed_data() + r * n;
+    const float m = row_max(xr, n);
+    if (!(m > -INFINITY)) {  // no distribution: zeros, token 0 (as sample_row)
+      std::fill(pr, pr + n, 0.f);
+      out->typed_data()[r] = 0;
+      return;
+    }
+    const float total = exp_blocks(xr, n, m, inv_t, e.data(), sums.data());
+    const float inv_total = 1.f / total;
+    for (int64_t i = 0; i < n; ++i) pr[i] = e[size_t(i)] * inv_total;
+    out->typed_data()[r] = inverse_cdf(e.data(), sums.data(), n, u.typed_data()[r] * total);
+  });
+  return ffi::Error::Success();
+}
+
+// Whether v ranks above w in lax.top_k's order: the larger value, and +0 above -0.
+inline bool ranks_above(float v, float w) {
+  return v > w || (v == 0.f && w == 0.f && !std::signbit(v) && std::signbit(w));
+}
+
+// The k largest of x[0, n) and their ids, largest first, equal values in id order (lax.top_k's order; a NaN ranks
+// as -inf): one pass, each 16 ids tested against the k-th best so far before any is inserted.
+inline void top_k_row(const float* x, int64_t n, int64_t k, float* vals, int32_t* ids) {
+  int64_t count = 0;
+  auto insert = [&](float v, int32_t id) {
+    if (!(v == v)) v = -INFINITY;
+    if (count == k && !ranks_above(v, vals[k - 1])) return;
+    int64_t at = std::min(count, k - 1);
+    while (at > 0 && ranks_above(v, vals[at - 1])) {  // after every value ranked >= v: equal values keep id order
+      vals[at] = vals[at - 1];
+      ids[at] = ids[at - 1];
+      --at;
+    }
+    vals[at] = v;
+    ids[at] = id;
+    count = std::min(count + 1, k);
+  };
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    if (count == k) {  // >=: a superset of the ids that rank above the k-th (+0 over -0), each then tested exactly
+      const I16 maybe = f16_load(x + i) >= f16_splat(vals[k - 1]);
+      bool any = false;
+      for (int l = 0; l < 16; ++l) any |= maybe[l] != 0;
+      if (!any) continue;
+    }
+    for (int l = 0; l < 16; ++l) insert(x[i + l], int32_t(i + l));
+  }
+  for (; i < n; ++i) insert(x[i], int32_t(i));
+}
+
+// The FFI handler (DflashTopK): x [..., N] -> vals float32 [..., k], ids int32 [..., k] (k <= N).
+ffi::Error TopKImpl(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>> vals,
+                    ffi::Result<ffi::Buffer<ffi::S32>> ids) {
+  const auto dims = x.dimensions(), kdims = vals->dimensions();
+  if (dims.size() == 0 || kdims.size() != dims.size()) return ffi::Error::InvalidArgument("x [..., N], vals [..., k]");
+  const int64_t n = dims.back(), k = kdims.back(), rows = n ? x.element_count() / n : 0;
+  if (k < 1 || k > n || vals->element_count() != rows * k || ids->element_count() != rows * k)
+    return ffi::Error::InvalidArgument("1 <= k <= N; k values and ids per row of x");
+  Workers::get().run(rows, [&](int64_t r) {
+    top_k_row(x.typed_data() + r * n, n, k, vals->typed_data() + r * k, ids->typed_data() + r * k);
+  });
+  return ffi::Error::Success();
+}
