@@ -149,8 +149,11 @@ def test_ggml_blocks_dequantize_as_gguf_py_and_embed_rows():
         leaf = ggml.from_blocks(raw, qtype.name, w.shape)
         ref = gguf.quants.dequantize(raw, qtype).astype(np.float32)
         np.testing.assert_array_equal(np.asarray(ggml.dequantize(leaf)), ref, err_msg=qtype.name)
-        ids = jnp.asarray([[3, 0, 32], [5, 5, 1]])
+        ids = jnp.asarray([[3, 0, 32], [5, 5, 1]])  # a few rows (one slice each) and many (a gather): the same rows
         np.testing.assert_array_equal(np.asarray(embedding_rows(leaf, ids, jnp.float32)), ref[np.asarray(ids)])
+        many = jnp.asarray(np.random.default_rng(7).integers(0, 33, (3, 9)))
+        np.testing.assert_array_equal(np.asarray(jax.jit(embedding_rows, static_argnums=2)(leaf, many, jnp.float32)),
+                                      ref[np.asarray(many)])
     with pytest.raises(ValueError, match="Q5_0 is not kept as blocks"):
         ggml.from_blocks(gguf.quants.quantize(w, Q.Q5_0), "Q5_0", w.shape)
 

@@ -18,7 +18,7 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax.config import TargetConfig
-from dflash_jax.models.layers import rms_norm, rope, rope_inv_freq, write_kv, write_rows
+from dflash_jax.models.layers import rms_norm, rope, rope_inv_freq, write_kv, write_kv_run, write_rows
 from dflash_jax.params import (abstract_drafter, abstract_target, is_spec, logical_axes, map_named,
                                named_leaves)
 from dflash_jax.models.target import KVCache, Target, forward_with_cache, init_target, target_forward
@@ -265,6 +265,25 @@ def test_writes_beyond_cache_are_dropped_not_clamped(cache_target):
     out = np.asarray(write_kv(jnp.zeros((2, 2, 4, 1)), new_kv, pos))[..., 0]
     np.testing.assert_array_equal(out[:, 0], [[0, 0, 1, 2], [5, 7, 0, 0]])
     np.testing.assert_array_equal(out[:, 1], [[0, 0, 10, 20], [50, 70, 0, 0]])
+
+
+def test_a_run_written_in_place_equals_the_scatter_of_its_slots():
+    """`write_kv_run` (a tree commit's and the drafter context's write: rows j < n at slots start + j) equals
+    `write_kv` at those slots, past ones dropped: for one batch row as a clamped block (the run in the middle, at the
+    end of the cache, partly and wholly past it, n = 0 and n = T) and for several rows, under jit."""
+    S, T = 6, 3
+    old = jnp.asarray(-np.arange(1.0, 2 * S * 2 + 1).reshape(1, 2, S, 2))  # [1, nKV, S, hd], distinct values
+    new = jnp.asarray(np.arange(1.0, T * 2 * 2 + 1).reshape(1, T, 2, 2))  # [1, T, nKV, hd]
+    run = jax.jit(write_kv_run)
+    for start in range(0, S + 2):
+        for n in range(0, T + 1):
+            slots = jnp.where(jnp.arange(T)[None] < n, start + jnp.arange(T)[None], S)
+            want = write_kv(old, new, slots)
+            np.testing.assert_array_equal(run(old, new, jnp.asarray([start]), jnp.asarray([n])), want)
+    two = jnp.concatenate([old, 2 * old]), jnp.concatenate([new, 3 * new])
+    starts, ns = jnp.asarray([4, 1]), jnp.asarray([3, 2])
+    slots = jnp.where(jnp.arange(T)[None] < ns[:, None], starts[:, None] + jnp.arange(T)[None], S)
+    np.testing.assert_array_equal(run(*two, starts, ns), write_kv(*two, slots))
 
 
 # ---------------------------------------------------------------------------------------------------------------

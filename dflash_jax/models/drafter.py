@@ -26,7 +26,7 @@ from dflash_jax.models import block_conv, selector
 from dflash_jax import execution
 from dflash_jax.config import DrafterConfig, check_pair
 from dflash_jax.frozen import Replaceable
-from dflash_jax.models.layers import decoder_layer, first_argmax, norm, project_kv, write_kv
+from dflash_jax.models.layers import decoder_layer, first_argmax, norm, project_kv, write_kv_run
 from dflash_jax.quant.linear import embedding_rows, linear, program_backend
 from dflash_jax.params import (DFlash2Params, DrafterParams, abstract_drafter, committed, init_from_abstract,
                                static_field)
@@ -78,11 +78,10 @@ def append_context(drafter: Drafter, features: jax.Array, n_valid: jax.Array, ca
     cfg = drafter.config.model
     B, C, _ = features.shape
     chex.assert_shape(features, (B, C, drafter.config.num_taps * cfg.hidden_size))
-    offsets = jnp.arange(C, dtype=jnp.int32)[None, :]
-    positions = cache.lengths[:, None] + offsets  # [B, C]
-    # Slots past a row's valid count go to an out-of-range index and are dropped by the scatter.
-    write_pos = jnp.where(offsets < n_valid[:, None], positions, cache.max_len)
-    layers = tuple(AttentionCache(k=write_kv(old.k, k, write_pos), v=write_kv(old.v, v, write_pos))
+    positions = cache.lengths[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]  # [B, C]
+    n = n_valid.astype(jnp.int32)  # a row's slots past its valid count are not written
+    layers = tuple(AttentionCache(k=write_kv_run(old.k, k, cache.lengths, n),
+                                  v=write_kv_run(old.v, v, cache.lengths, n))
                    for old, (k, v) in zip(cache.layers, _context_rows(drafter, features, positions)))
     return KVCache(layers=layers, lengths=cache.lengths + n_valid.astype(jnp.int32))
 

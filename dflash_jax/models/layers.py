@@ -250,6 +250,25 @@ def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Ar
     return cache.at[rows, positions].set(new.astype(cache.dtype), mode="drop")
 
 
+def write_kv_run(cache: jax.Array, new: jax.Array, start: jax.Array, n: jax.Array) -> jax.Array:
+    """`write_kv` of a run: new [B, T, nKV, hd] row j at slot start[b] + j of cache [B, nKV, S, hd] for j < n[b]
+    (slots past S dropped). With one batch row this is a slice, a select and a dynamic-update-slice of T slots (the
+    block [s0, s0 + T) clamped inside the cache, new row j at block row start - s0 + j), which XLA:CPU runs in place
+    as one small loop; a scatter of T rows into the cache was split across its thread pool (a tree step's 60 commits
+    and the drafter's context writes). Several rows: `write_kv` at the run's slots."""
+    B, nKV, S, hd = cache.shape
+    T = new.shape[1]
+    j = jnp.arange(T, dtype=jnp.int32)
+    if B != 1 or T > S:
+        return write_kv(cache, new, jnp.where(j[None] < n[:, None], start[:, None] + j[None], S))
+    s0 = jnp.clip(start[0], 0, S - T)
+    src = j - (start[0] - s0)  # [T] the new row each block row takes (< 0 or >= n: it keeps its old value)
+    taken = jnp.take(jnp.swapaxes(new, 1, 2), jnp.clip(src, 0, T - 1), axis=2).astype(cache.dtype)  # [1, nKV, T, hd]
+    old = jax.lax.dynamic_slice(cache, (0, 0, s0, 0), (1, nKV, T, hd))
+    block = jnp.where(((src >= 0) & (src < n[0]))[None, None, :, None], taken, old)
+    return jax.lax.dynamic_update_slice(cache, block, (0, 0, s0, 0))
+
+
 def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array, rows: jax.Array | None = None) -> jax.Array:
     """Scatter keys or values new [R, T, nKV, hd] (as the projections make them) into a head-major cache
     [B, nKV, S, hd] at positions [R, T] of cache rows `rows` [R, 1] (default: every row, R = B); out-of-range

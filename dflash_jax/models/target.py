@@ -34,7 +34,7 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.frozen import Replaceable
 from dflash_jax.models import deltanet as dn
 from dflash_jax.models.cache import AttentionCache, DeltaNetCache, KVCache
-from dflash_jax.models.layers import decoder_layer, linear_attn_layer, norm, write_kv
+from dflash_jax.models.layers import decoder_layer, linear_attn_layer, norm, write_kv, write_kv_run
 from dflash_jax.quant.linear import embedding_rows, linear, program_backend
 from dflash_jax.params import (DecoderLayer, LinearAttnLayer, TargetParams, abstract_target, committed,
                                init_from_abstract, static_field)
@@ -183,17 +183,15 @@ def commit_tree(cache: KVCache, pending: tuple, path: jax.Array, n: jax.Array, c
     `decode.tree.walk` gives): their K/V written at slots length .. length + n - 1 (slot = position: the node at
     path step j sits at depth j) and the DeltaNet states advanced along them; lengths += n. n = 0 leaves a row as
     it was."""
-    B, P = path.shape
     start = cache.lengths
-    j = jnp.arange(P, dtype=jnp.int32)[None, :]
-    slots = jnp.where(j < n[:, None], start[:, None] + j, cache.max_len)  # the rest past the cache: dropped
     width = cfg.linear_conv_kernel_dim - 1
 
     def commit(entry, new):
         if isinstance(entry, DeltaNetCache):
             return DeltaNetCache(*dn.commit_path(new, entry.state, path, n, width))
         take = lambda x: jnp.take_along_axis(x, path[:, :, None, None], axis=1)  # [B, P, nKV, hd]
-        return AttentionCache(k=write_kv(entry.k, take(new.k), slots), v=write_kv(entry.v, take(new.v), slots))
+        return AttentionCache(k=write_kv_run(entry.k, take(new.k), start, n),
+                              v=write_kv_run(entry.v, take(new.v), start, n))
 
     return KVCache(layers=tuple(commit(e, x) for e, x in zip(cache.layers, pending)), lengths=start + n)
 

@@ -102,8 +102,19 @@ def dequantize(w: GGMLArray, dtype=jnp.float32) -> jax.Array:
 
 
 def take_rows(w: GGMLArray, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """Rows `ids` [...] of the dense weight -> [..., K], decoding only those rows (an embedding lookup)."""
-    take = lambda a: None if a is None else jnp.take(a, ids, axis=0)  # noqa: E731
+    """Rows `ids` [...] of the dense weight -> [..., K], decoding only those rows (an embedding lookup). Up to 16 rows
+    (a step's tokens) are one dynamic slice each: XLA:CPU split a gather of a tree step's 3 rows across its thread
+    pool, 14-26 us per table against ~1.5 us for the slices. Ids are in range (checked where they enter)."""
+    flat = ids.reshape(-1)
+
+    def take(a):
+        if a is None:
+            return None
+        if flat.size > 16:
+            return jnp.take(a, ids, axis=0)
+        # a few rows (a step's tokens): one dynamic slice each; XLA:CPU split a gather of them across its threads
+        rows = [jax.lax.dynamic_slice_in_dim(a, jnp.clip(flat[i], 0, a.shape[0] - 1), 1) for i in range(flat.size)]
+        return jnp.concatenate(rows).reshape(*ids.shape, a.shape[-1])
     return _values(w, take(w.codes), take(w.scale), take(w.mins), dtype)
 
 
