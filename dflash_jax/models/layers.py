@@ -195,7 +195,8 @@ def decoder_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cfg: 
     write=False: the queries attend to cached keys (cache_k/cache_v [B, nKV, S, hd], slot = position, valid below
     cache_len; none when cache_k is None) and to this call's own keys (restricted by mask [B, T, T] when given).
     Returns (x [B, T, H], k, v [B, T, nKV, hd]): this call's post-RoPE keys and values (the drafter drops its block's).
-    write=True: this call's keys and values are first written into the cache at `positions`, then the queries attend
+    write=True: this call's keys and values are first written into the cache at `positions` (a run of consecutive
+    slots per row, from its length, as `forward_hidden` makes them), then the queries attend
     to the cache alone, valid below cache_len (which counts the new tokens). Returns (x, cache_k, cache_v) updated.
     Writing before reading lets XLA update the cache in place: a read of the old cache next to an in-place write of
     it forces a copy of the whole cache every step.
@@ -207,8 +208,9 @@ def decoder_layer(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cfg: 
     q = project_q(attn, h, positions, cfg, projected=qy)
     q, gate = q if cfg.attn_output_gate else (q, None)
     k, v = project_kv(attn, h, positions, cfg, projected=(ky, vy))
-    if write:
-        k, v = write_kv(cache_k, k, positions), write_kv(cache_v, v, positions)
+    if write:  # positions are each row's run from its length (slot = position): `write_kv_run`, in place
+        start, n = positions[:, 0], jnp.full(positions.shape[:1], positions.shape[1], jnp.int32)
+        k, v = write_kv_run(cache_k, k, start, n), write_kv_run(cache_v, v, start, n)
         a = attention(q, positions, cache_k=k, cache_v=v, cache_len=cache_len, causal=causal, window=window,
                       chunk=chunk)
     else:
