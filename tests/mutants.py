@@ -137,8 +137,12 @@ MUTANTS = [
            "    return (anc[..., None] == jnp.arange(T, dtype=jnp.int32)).any(axis=2) | sib",
            TREE_TESTS),
     Mutant("tree-compaction-off-by-one", "the accepted path's K/V written one slot past its positions",
-           "models/target.py", "slots = jnp.where(j < n[:, None], start[:, None] + j, cache.max_len)",
-           "slots = jnp.where(j < n[:, None], start[:, None] + j + 1, cache.max_len)", TREE_TESTS),
+           "models/target.py",
+           "k=write_kv_run(entry.k, take(new.k), start, n),\n"
+           "                              v=write_kv_run(entry.v, take(new.v), start, n))",
+           "k=write_kv_run(entry.k, take(new.k), start + 1, n),\n"
+           "                              v=write_kv_run(entry.v, take(new.v), start + 1, n))",
+           TREE_TESTS),
     Mutant("tree-hybrid-predecessor", "a hybrid tree node's recurrent state from the node before it, not its parent",
            "models/deltanet.py", "    o = tree_rule(d.q, d.k, d.v, d.g, d.beta, state, mask)",
            "    o = tree_rule(d.q, d.k, d.v, d.g, d.beta, state, jnp.tril(jnp.ones_like(mask)))",
