@@ -175,6 +175,10 @@ MUTANTS = [
            "rescaling each to the row's maximum", "quant/cpu_attention.h",
            "const float w = f16_exp(f16_splat(c[0] - M))[0];", "const float w = 1.f;",
            ("tests/test_q8_dot.py", "-k", "fixed_order")),
+    Mutant("kernel-residual-from-p", "the CPU kernel's residual draw ignores q: the token after a rejection drawn "
+           "from p itself", "quant/cpu_sample.h", "const F16 sq = f16_splat(S * q_on);",
+           "const F16 sq = f16_splat(0.f * q_on);",
+           (SAMPLING, "-k", "cpu_kernel_reads or speculative_output_has_target_distribution")),
     Mutant("budget-overshoot", "a block may overshoot max_new_tokens", "decode/programs.py",
            "n = jnp.minimum(n, max_new - state.n_out)  # a block may overshoot the budget: cut inside it",
            "n = n", ("tests/test_eos.py", "-k", "budget"),
