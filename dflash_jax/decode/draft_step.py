@@ -41,7 +41,7 @@ def draft_step(drafter: Drafter, target: Target, block: jax.Array, cache: KVCach
         if sp.greedy or sp.draft_sampling == "greedy":  # the same ids as over the padded row, at a fraction of it
             return first_argmax(drafted), logits, None, keys
         # drawn from, and verified against, q over the n computed ids (zero past them, as over the padded row)
-        if not (sp.top_k_cap or sp.use_top_p) and in_cpu_kernel(drafted):
+        if in_cpu_kernel(drafted, sp):
             # the CPU loops: q and the drafts in one kernel call (`cpu_kernel.softmax_draw`), the same keys and uniforms
             keys, u = _draw(keys, D)
             q, drafts = cpu_kernel.softmax_draw(drafted, u, sp.temperature)  # [B, D, n], [B, D]

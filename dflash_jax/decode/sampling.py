@@ -212,10 +212,13 @@ def _categorical(u: jax.Array, probs: jax.Array) -> jax.Array:
     return _first_reaching(probs.astype(jnp.float32).reshape(-1, V), lambda total: u.reshape(-1) * total).reshape(lead)
 
 
-def in_cpu_kernel(logits: jax.Array) -> bool:
+def in_cpu_kernel(logits: jax.Array, sp: SamplingParams | None = None) -> bool:
     """Whether a row reduction over these logits (a draw, a log-sum-exp, a residual) runs through the CPU kernel:
-    float32 rows inside the CPU generation loops (`execution`'s `cpu_kernel`), where the kernel runs. XLA:CPU's
-    softmax and two-level inverse CDF over SmolLM2's 49,152 ids took ~0.22 ms of a ~3.6 ms sampled decode step."""
+    float32 rows inside the CPU generation loops (`execution`'s `cpu_kernel`), where the kernel runs, and (given sp)
+    a temperature-only rule: the kernel knows no top-k / top-p. XLA:CPU's softmax and two-level inverse CDF over
+    SmolLM2's 49,152 ids took ~0.22 ms of a ~3.6 ms sampled decode step."""
+    if sp is not None and (sp.top_k_cap or sp.use_top_p):
+        return False
     return logits.dtype == jnp.float32 and execution.current().cpu_kernel and cpu_kernel_runs()
 
 
@@ -227,7 +230,7 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, sp: SamplingParams, draft:
         return first_argmax(logits), keys
     keys, u = _draw(keys, logits[0].size // logits.shape[-1])  # one uniform per row and slot
     u = u.reshape(logits.shape[:-1])
-    if probs is None and not draft and not (sp.top_k_cap or sp.use_top_p) and in_cpu_kernel(logits):
+    if probs is None and not draft and in_cpu_kernel(logits, sp):
         # the CPU loops: the kernel's three passes over each row (`cpu_kernel.sample_rows`), the same rule as below
         return cpu_kernel.sample_rows(logits, u, sp.temperature), keys
     probs = processed_probs(logits, sp) if probs is None else probs
@@ -258,14 +261,18 @@ def verify_probs(v_logits: jax.Array, sp: SamplingParams):
 
     With temperature alone (no top-k, no top-p) p = exp(x / T - logsumexp(x / T)) is read at those entries and the
     one row only: no [B, R, V] of probabilities is written (a step reads each row's logits twice, for the max and
-    the sum). With top-k or top-p every row is processed whole (`processed_probs`)."""
+    the sum; in the CPU loops the log-sum-exp is the kernel's, `cpu_kernel.row_logsumexp`). With top-k or top-p
+    every row is processed whole (`processed_probs`)."""
     if sp.top_k_cap or sp.use_top_p:
         p = processed_probs(v_logits, sp)
         return (lambda ids: jnp.take_along_axis(p[:, :ids.shape[1]], ids[..., None], axis=-1)[..., 0],
                 lambda i: jnp.take_along_axis(p, i[:, None, None], axis=1)[:, 0])
     x = v_logits.astype(jnp.float32) / sp.temperature  # [B, R, V]
-    m = jnp.max(x, axis=-1, keepdims=True)
-    lse = m + jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True))  # [B, R, 1]
+    if in_cpu_kernel(v_logits):
+        lse = cpu_kernel.row_logsumexp(v_logits, sp.temperature)[..., None]  # [B, R, 1]
+    else:
+        m = jnp.max(x, axis=-1, keepdims=True)
+        lse = m + jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True))  # [B, R, 1]
     return (lambda ids: jnp.exp(jnp.take_along_axis(x[:, :ids.shape[1]], ids[..., None], axis=-1)
                                 - lse[:, :ids.shape[1]])[..., 0],
             lambda i: jnp.exp(jnp.take_along_axis(x, i[:, None, None], axis=1)[:, 0]
@@ -305,14 +312,9 @@ def accept_block(d_logits: jax.Array, drafts: jax.Array, v_logits: jax.Array, ke
         n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
         return n_acc, post, keys  # accepted drafts equal post there, and post[n_acc] is the bonus
 
-    # the CPU loops: the kernel reads the target's rows (`cpu_kernel.row_logsumexp`, `residual_draw`), the same rule
-    kernel = candidates is None and not (sp.top_k_cap or sp.use_top_p) and in_cpu_kernel(v_logits)
-    if kernel:
-        lse = cpu_kernel.row_logsumexp(v_logits, sp.temperature)[:, :D]  # [B, D] (row D's is not read)
-        p_entries = lambda ids: jnp.exp(  # noqa: E731
-            jnp.take_along_axis(v_logits[:, :D], ids[..., None], axis=-1)[..., 0] / sp.temperature - lse)
-    else:
-        p_entries, p_row = verify_probs(v_logits, sp)  # p [B, D+1, V] where it is read
+    p_entries, p_row = verify_probs(v_logits, sp)  # p [B, D+1, V] where it is read
+    # the CPU loops: the residual's token is the kernel's (`_kernel_residual`), the same rule
+    kernel = candidates is None and in_cpu_kernel(v_logits, sp)
     V = v_logits.shape[-1]
     prefix = draft_probs if isinstance(draft_probs, PrefixQ) and sp.draft_sampling == "sample" else None
     if sp.draft_sampling == "greedy":

@@ -188,6 +188,17 @@ def library_path() -> Path | None:
     return _state.get("path")
 
 
+def _require() -> None:
+    """Raise, naming the reason, where the kernel is not built (every entry point below calls it first)."""
+    if not available():
+        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
+
+
+def _temperature(temperature) -> jax.Array:
+    """A traced scalar temperature as the row kernels take it: float32 [1]."""
+    return jnp.reshape(jnp.asarray(temperature, jnp.float32), (1,))
+
+
 _NONE = np.zeros((1,), np.uint8)  # stands for an absent scale / mins operand
 _ONE = np.ones((1,), np.float32)
 
@@ -234,8 +245,7 @@ def matmul_many(x: jax.Array, weights: list[tuple]) -> tuple[jax.Array, ...]:
     (fmt (a FORMATS name), codes, scale, mins, tensor_scale, n_i, dequantized) with `dequantized(codes, scale, mins,
     tensor_scale)` -> float32 [n_i, K] (for derivatives only). Every output equals the call with that weight alone,
     bit for bit (a row's chain depends on nothing else in the call)."""
-    if not available():
-        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
+    _require()
     fmts = tuple(FORMATS[w[0]] for w in weights)
     n_rows = tuple(int(w[5]) for w in weights)
     return _matmul(fmts, n_rows, tuple(w[6] for w in weights), x, tuple(tuple(w[1:5]) for w in weights))
@@ -247,8 +257,7 @@ def attention_rows(qg: jax.Array, cached: tuple, fresh: tuple, scale: float) -> 
     [B, nKV, S, hd], head-major as the caches hold them), then this call's fresh keys (k, v [B, Tk, nKV, hd]). Every row's sums run over its visible keys in that order, in one pass
     (`cpu_attention.h`), so a row's values never depend on the other rows or on which source holds a key. No
     derivative (generation programs only)."""
-    if not available():
-        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
+    _require()
     B, T, nKV, G, hd = qg.shape
     outs = (jax.ShapeDtypeStruct((B, nKV, G, T), jnp.float32), jax.ShapeDtypeStruct((B, nKV, G, T, hd), jnp.float32))
     operands = [qg.astype(jnp.float32)]
@@ -262,10 +271,9 @@ def sample_rows(x: jax.Array, u: jax.Array, temperature) -> jax.Array:
     [...] in (0, 1), by the inverse CDF in three passes over the row (`cpu_sample.h`): the first index whose
     cumulative mass reaches u x the total, as `decode.sampling._categorical` draws from `processed_probs` without
     top-k / top-p. temperature: a traced scalar > 0."""
-    if not available():
-        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
+    _require()
     out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32)
-    t = jnp.reshape(jnp.asarray(temperature, jnp.float32), (1,))
+    t = _temperature(temperature)
     return jax.ffi.ffi_call(SAMPLE_TARGET, out, vmap_method="sequential")(
         x.astype(jnp.float32), jnp.reshape(u, x.shape[:-1]).astype(jnp.float32), t)
 
@@ -274,10 +282,9 @@ def row_logsumexp(x: jax.Array, temperature) -> jax.Array:
     """float32 [...]: log sum exp(x / temperature) of each row of x [..., N] (`cpu_sample.h`: the maximum, then one
     pass of exp in 16-lane blocks), -inf for a row of -inf; rejection sampling's p at an id is exp(x_id / T - this).
     temperature: a traced scalar > 0."""
-    if not available():
-        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
+    _require()
     out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32)
-    t = jnp.reshape(jnp.asarray(temperature, jnp.float32), (1,))
+    t = _temperature(temperature)
     return jax.ffi.ffi_call(LOGSUMEXP_TARGET, out, vmap_method="sequential")(x.astype(jnp.float32), t)
 
 
@@ -287,10 +294,9 @@ def residual_draw(x: jax.Array, row: jax.Array, q: jax.Array, q_on: jax.Array, p
     from p where that is all zero (`decode.sampling.residual_probs`), by the inverse CDF with its uniform u [B]:
     p = softmax(x[b, row[b]] / temperature) over x [B, R, N]; q = q_on[b] x q[b] over the first nq ids (q [B, nq],
     nq <= N; zero past them) plus a point mass at point[b] (none where point[b] < 0). `cpu_sample.h`."""
-    if not available():
-        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
+    _require()
     B = x.shape[0]
-    t = jnp.reshape(jnp.asarray(temperature, jnp.float32), (1,))
+    t = _temperature(temperature)
     return jax.ffi.ffi_call(RESIDUAL_TARGET, jax.ShapeDtypeStruct((B,), jnp.int32), vmap_method="sequential")(
         x.astype(jnp.float32), row.astype(jnp.int32), q.astype(jnp.float32), q_on.astype(jnp.float32),
         point.astype(jnp.int32), jnp.reshape(u, (B,)).astype(jnp.float32), t)
@@ -300,10 +306,9 @@ def softmax_draw(x: jax.Array, u: jax.Array, temperature) -> tuple[jax.Array, ja
     """(probs float32 [..., N], tokens int32 [...]): softmax(x / temperature) of each row of x [..., N] and the token
     its uniform u [...] draws from it by the inverse CDF (`cpu_sample.h`; the draw as `sample_rows`): a drafter's q
     and its draft in one call. temperature: a traced scalar > 0."""
-    if not available():
-        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
+    _require()
     outs = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32))
-    t = jnp.reshape(jnp.asarray(temperature, jnp.float32), (1,))
+    t = _temperature(temperature)
     return tuple(jax.ffi.ffi_call(SOFTMAX_DRAW_TARGET, outs, vmap_method="sequential")(
         x.astype(jnp.float32), jnp.reshape(u, x.shape[:-1]).astype(jnp.float32), t))
 
@@ -311,8 +316,7 @@ def softmax_draw(x: jax.Array, u: jax.Array, temperature) -> tuple[jax.Array, ja
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """(values float32 [..., k], ids int32 [..., k]): each row's k largest of x [..., N], largest first, equal
     values in id order, as `lax.top_k` (a NaN ranks as -inf), in one pass over the row (`cpu_sample.h`)."""
-    if not available():
-        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
+    _require()
     shape = x.shape[:-1] + (k,)
     outs = (jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32))
     return tuple(jax.ffi.ffi_call(TOP_K_TARGET, outs, vmap_method="sequential")(x.astype(jnp.float32)))
@@ -321,7 +325,6 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 def first_argmax(x: jax.Array) -> jax.Array:
     """int32 [...]: the first index of each row's maximum of x [..., N] (of the row's first NaN where it holds one),
     jnp.argmax's index, in one pass over the row (`cpu_argmax.h`); x is read as float32."""
-    if not available():
-        raise RuntimeError(f"the CPU matmul kernel is not available: {unavailable_reason()}")
+    _require()
     out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32)
     return jax.ffi.ffi_call(ARGMAX_TARGET, out, vmap_method="sequential")(x.astype(jnp.float32))

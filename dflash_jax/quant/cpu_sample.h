@@ -90,10 +90,19 @@ inline int32_t inverse_cdf(const float* e, const float* sums, int64_t n, float t
 }
 
 // The token of one row x[0, n) at 1 / inv_t, for the uniform u; e: scratch of n + 16 floats, sums: of n / 16 + 16.
-inline int32_t sample_row(const float* x, int64_t n, float inv_t, float u, float* e, float* sums) {
+// probs (may be null): softmax(x / T) itself, e_i / S, written there (zeros for a row with no distribution).
+inline int32_t sample_row(const float* x, int64_t n, float inv_t, float u, float* e, float* sums,
+                          float* probs = nullptr) {
   const float m = row_max(x, n);
-  if (!(m > -INFINITY)) return 0;  // every logit -inf (or NaN): no distribution to draw from
+  if (!(m > -INFINITY)) {  // every logit -inf (or NaN): no distribution to draw from
+    if (probs) std::fill(probs, probs + n, 0.f);
+    return 0;
+  }
   const float total = exp_blocks(x, n, m, inv_t, e, sums);
+  if (probs) {
+    const float inv_total = 1.f / total;
+    for (int64_t i = 0; i < n; ++i) probs[i] = e[i] * inv_total;
+  }
   return inverse_cdf(e, sums, n, u * total);
 }
 
@@ -131,17 +140,28 @@ inline int32_t residual_row(const float* x, int64_t n, float inv_t, const float*
   return inverse_cdf(e, sums, n, u * S);
 }
 
-// The FFI handler (its symbol, DflashSampleRows, is defined in cpu_matmul.cc): x [..., N], u [...] in (0, 1),
-// temperature [1] (> 0) -> int32 [...].
-ffi::Error SampleRowsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> u, ffi::Buffer<ffi::F32> temperature,
-                          ffi::Result<ffi::Buffer<ffi::S32>> out) {
+// The rows of x [..., N] (n = N, rows = the count of rows) and 1 / temperature [1] that the row handlers share, or
+// the error that names what is wrong.
+inline ffi::Error rows_and_temperature(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& temperature, int64_t& n,
+                                       int64_t& rows, float& inv_t) {
   const auto dims = x.dimensions();
   if (dims.size() == 0) return ffi::Error::InvalidArgument("x has no last axis");
-  const int64_t n = dims.back(), rows = n ? x.element_count() / n : 0;
-  if (out->element_count() != rows || u.element_count() != rows)
-    return ffi::Error::InvalidArgument("one uniform and one token per row of x");
+  n = dims.back();
+  rows = n ? x.element_count() / n : 0;
   if (temperature.element_count() != 1) return ffi::Error::InvalidArgument("one temperature");
-  const float inv_t = 1.f / temperature.typed_data()[0];
+  inv_t = 1.f / temperature.typed_data()[0];
+  return ffi::Error::Success();
+}
+
+// The token of every row of x [..., N] for its uniform u [...] in (0, 1) at temperature [1] (> 0), and where probs is
+// given, softmax(x / T) [..., N] (`sample_row`): the handlers DflashSampleRows and DflashSoftmaxDraw.
+ffi::Error DrawRows(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& u, ffi::Buffer<ffi::F32>& temperature,
+                    float* probs, int64_t probs_count, ffi::Result<ffi::Buffer<ffi::S32>>& out) {
+  int64_t n, rows;
+  float inv_t;
+  if (ffi::Error err = rows_and_temperature(x, temperature, n, rows, inv_t); err.failure()) return err;
+  if (out->element_count() != rows || u.element_count() != rows || (probs && probs_count != x.element_count()))
+    return ffi::Error::InvalidArgument("probs like x; one uniform and one token per row of x");
   const float* xp = x.typed_data();
   const float* up = u.typed_data();
   int32_t* op = out->typed_data();
@@ -149,20 +169,33 @@ ffi::Error SampleRowsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> u, ffi:
     thread_local std::vector<float> e, sums;
     e.resize(size_t(n + 16));
     sums.resize(size_t(n / 16 + 16));
-    op[r] = n ? sample_row(xp + r * n, n, inv_t, up[r], e.data(), sums.data()) : 0;
+    op[r] = n ? sample_row(xp + r * n, n, inv_t, up[r], e.data(), sums.data(), probs ? probs + r * n : nullptr) : 0;
   });
   return ffi::Error::Success();
+}
+
+// The FFI handler (its symbol, DflashSampleRows, is defined in cpu_matmul.cc): x [..., N], u [...] in (0, 1),
+// temperature [1] (> 0) -> int32 [...].
+ffi::Error SampleRowsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> u, ffi::Buffer<ffi::F32> temperature,
+                          ffi::Result<ffi::Buffer<ffi::S32>> out) {
+  return DrawRows(x, u, temperature, nullptr, 0, out);
+}
+
+// The FFI handler (DflashSoftmaxDraw): x [..., N], u [...] in (0, 1), temperature [1] -> probs float32 [..., N] =
+// softmax(x / T) and int32 [...] the token drawn from it for u (as DflashSampleRows): a drafter's q at temperature T
+// and the draft drawn from it, in one call.
+ffi::Error SoftmaxDrawImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> u, ffi::Buffer<ffi::F32> temperature,
+                           ffi::Result<ffi::Buffer<ffi::F32>> probs, ffi::Result<ffi::Buffer<ffi::S32>> out) {
+  return DrawRows(x, u, temperature, probs->typed_data(), probs->element_count(), out);
 }
 
 // The FFI handler (DflashRowLogsumexp): x [..., N], temperature [1] (> 0) -> float32 [...], log sum exp(x / T) per row.
 ffi::Error RowLogsumexpImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> temperature,
                             ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  const auto dims = x.dimensions();
-  if (dims.size() == 0) return ffi::Error::InvalidArgument("x has no last axis");
-  const int64_t n = dims.back(), rows = n ? x.element_count() / n : 0;
+  int64_t n, rows;
+  float inv_t;
+  if (ffi::Error err = rows_and_temperature(x, temperature, n, rows, inv_t); err.failure()) return err;
   if (out->element_count() != rows) return ffi::Error::InvalidArgument("one value per row of x");
-  if (temperature.element_count() != 1) return ffi::Error::InvalidArgument("one temperature");
-  const float inv_t = 1.f / temperature.typed_data()[0];
   const float* xp = x.typed_data();
   float* op = out->typed_data();
   Workers::get().run(rows, [&](int64_t r) {
@@ -195,38 +228,6 @@ ffi::Error ResidualRowsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> row, 
     out->typed_data()[b] = n ? residual_row(x.typed_data() + (b * R + at) * n, n, inv_t, q.typed_data() + b * nq, nq,
                                             q_on.typed_data()[b], point.typed_data()[b], u.typed_data()[b], e.data(),
                                             r.data(), sums.data()) : 0;
-  });
-  return ffi::Error::Success();
-}
-
-// The FFI handler (DflashSoftmaxDraw): x [..., N], u [...] in (0, 1), temperature [1] -> probs float32 [..., N] =
-// softmax(x / T) (e_i / S, the e of `exp_blocks`), and int32 [...] the token the inverse CDF of e draws for u (as
-// `sample_row`): a drafter's q at temperature T and the draft drawn from it, in one pass over the row.
-ffi::Error SoftmaxDrawImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> u, ffi::Buffer<ffi::F32> temperature,
-                           ffi::Result<ffi::Buffer<ffi::F32>> probs, ffi::Result<ffi::Buffer<ffi::S32>> out) {
-  const auto dims = x.dimensions();
-  if (dims.size() == 0) return ffi::Error::InvalidArgument("x has no last axis");
-  const int64_t n = dims.back(), rows = n ? x.element_count() / n : 0;
-  if (out->element_count() != rows || u.element_count() != rows || probs->element_count() != x.element_count())
-    return ffi::Error::InvalidArgument("probs like x; one uniform and one token per row of x");
-  if (temperature.element_count() != 1) return ffi::Error::InvalidArgument("one temperature");
-  const float inv_t = 1.f / temperature.typed_data()[0];
-  Workers::get().run(rows, [&](int64_t r) {
-    thread_local std::vector<float> e, sums;
-    e.resize(size_t(n + 16));
-    sums.resize(size_t(n / 16 + 16));
-    const float* xr = x.typed_data() + r * n;
-    float* pr = probs->typed_data() + r * n;
-    const float m = row_max(xr, n);
-    if (!(m > -INFINITY)) {  // no distribution: zeros, token 0 (as sample_row)
-      std::fill(pr, pr + n, 0.f);
-      out->typed_data()[r] = 0;
-      return;
-    }
-    const float total = exp_blocks(xr, n, m, inv_t, e.data(), sums.data());
-    const float inv_total = 1.f / total;
-    for (int64_t i = 0; i < n; ++i) pr[i] = e[size_t(i)] * inv_total;
-    out->typed_data()[r] = inverse_cdf(e.data(), sums.data(), n, u.typed_data()[r] * total);
   });
   return ffi::Error::Success();
 }

@@ -112,7 +112,6 @@ def take_rows(w: GGMLArray, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
             return None
         if flat.size > 16:
             return jnp.take(a, ids, axis=0)
-        # a few rows (a step's tokens): one dynamic slice each; XLA:CPU split a gather of them across its threads
         rows = [jax.lax.dynamic_slice_in_dim(a, jnp.clip(flat[i], 0, a.shape[0] - 1), 1) for i in range(flat.size)]
         return jnp.concatenate(rows).reshape(*ids.shape, a.shape[-1])
     return _values(w, take(w.codes), take(w.scale), take(w.mins), dtype)
