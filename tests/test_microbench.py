@@ -67,6 +67,8 @@ def test_profile_puts_decode_against_its_weight_bytes_at_the_measured_stream_rat
     assert abs(profile.weight_megabytes(target) - want) < 1e-9
     line = profile.bandwidth_line(13.0, 96.6, 20.0)  # 96.6 MB at 20 GB/s = 4.83 ms
     assert "4.83 ms: 2.69x" in line and "goal <= 1.3x" in line
+    line = profile.bandwidth_line(13.0, 96.6, 20.0, call_ms=14.49)  # a call of its own: its launch included
+    assert "4.83 ms: 2.69x" in line and "(14.49 ms as a call of its own: 3.00x)" in line
     assert profile.stream_gbps(megabytes=8.0, reps=3) > 0.1
 
 

@@ -324,3 +324,25 @@ def test_a_sampled_run_takes_the_rows_measured_sampled(pair, tmp_path):
     other = StepTable(platform=jax.default_backend(), target="another-target", rows=tuple(greedy))
     write_step_table(tmp_path, other)  # another target's table replaces the file whole
     assert read_step_table(tmp_path) == other
+
+
+def test_a_step_timed_inside_one_program_runs_the_whole_piece_every_time(pair):
+    """`step_costs.repeated`: a piece run 3 times in one program returns what one run returns and leaves the same
+    state (each rolls its lengths back), and XLA hoists none of it out of the loop: the target's matmuls and the
+    embedding of the verified tokens stay in the while body, so the time per piece is the piece's."""
+    from dflash_jax.bench import step_costs as sc
+
+    target, drafter = pair
+    once = sc.step_functions(target, drafter, context_len=20, draft_length=2)
+    thrice = sc.step_functions(target, drafter, context_len=20, draft_length=2, repeat=3)
+    for key in ("decode_ms", "verify_ms", "draft_ms"):
+        (s1, c1), (s3, c3) = once.pop(key), thrice.pop(key)
+        text = s3.compiled_text(c3)
+        r1, n1 = s1.program(*s1.before, c1, *s1.after, 1)
+        r3, n3 = s3.program(*s3.before, c3, *s3.after, 3)
+        for a, b in zip(jax.tree.leaves((r1, n1)), jax.tree.leaves((r3, n3))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        entry = text[text.index("\nENTRY"):]
+        assert " while(" in entry, key
+        assert not any(op in entry for op in (" dot(", " gather(", "custom-call(")), key  # all inside the loop
+    assert once.pop("_meta")["repeat"] == 1 and thrice.pop("_meta")["repeat"] == 3

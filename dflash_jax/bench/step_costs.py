@@ -2,7 +2,11 @@
 tokens) and one drafter call, timed in turns on donated caches, giving r = verify / decode and c = draft / decode
 (the predicted speedup is tau / (r + c); next to the loop's measured ms per step, the rest is bookkeeping:
 acceptance, commits, rollback). Each piece runs as generate's loop program runs it on this platform (NVFP4 backend,
-attention rule). Timings are never asserted anywhere: these machines are noisy, so read the medians.
+attention rule), and `repeat` times inside one program (`repeated`), as the loop runs it: a program call of its own
+pays a launch (flattening ~700 weight and cache buffers, ~1.7 ms on a 2-core CPU: a decode step timed alone read
+6.0 ms, 4.3 ms a step when 16 ran in one program) that the loop pays once per request, and that launch had made
+r and c the ratios of launch + step (a verify and a decode alike one launch: r too low; a draft one launch of its
+own: c too high). Timings are never asserted anywhere: these machines are noisy, so read the medians.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from dflash_jax.decode.buckets import uses_live_length_loop
 from dflash_jax.decode.draft_step import draft_step
@@ -30,7 +35,8 @@ from dflash_jax.quant.linear import backend_scope, cpu_kernel_scope, program_bac
 
 def interleaved_ms(steps: dict, reps: int) -> dict:
     """{name: (step, state)} -> {name: median ms of state = step(state)}, the steps taking turns in each round, so a
-    change of machine load during the run hits all of them alike (state threaded: steps may donate buffers)."""
+    change of machine load during the run hits all of them alike (state threaded: steps may donate buffers). A `Step`
+    that runs its piece `repeat` times in one program counts ms per piece."""
     states = {k: jax.block_until_ready(step(state)) for k, (step, state) in steps.items()}  # compile + warm up
     times = {k: [] for k in steps}
     for _ in range(reps):
@@ -38,31 +44,52 @@ def interleaved_ms(steps: dict, reps: int) -> dict:
             t0 = time.perf_counter()
             states[k] = jax.block_until_ready(step(states[k]))
             times[k].append(time.perf_counter() - t0)
-    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    return {k: 1e3 * statistics.median(v) / getattr(steps[k][0], "repeat", 1) for k, v in times.items()}
+
+
+def repeated(one, state, inputs: tuple, repeat: int):
+    """`one(state, *inputs)` -> (result, next state), run `repeat` times in one program (a `lax.fori_loop`, the last
+    result returned), as generate's while loop runs a step. The inputs pass through an optimization barrier with the
+    carried state every time, so XLA cannot hoist what depends on them alone (the embedding of the verified tokens,
+    the drafter's context projection) out of the loop; the weights are loop-invariant here as in generate's loop."""
+    if repeat == 1:
+        return one(state, *inputs)
+
+    def body(_, carry):
+        state, inputs, _ = lax.optimization_barrier(carry)
+        result, state = one(state, *inputs)
+        return state, inputs, result
+
+    shapes = jax.eval_shape(one, state, *inputs)[0]
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    state, _, result = lax.fori_loop(0, repeat, body, (state, tuple(inputs), zeros))
+    return result, state
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One step program on its state: `step(state)` -> the next state (the state, a cache, is donated);
-    `compiled_text(state)` -> its optimized HLO (what `bench.profile` reads)."""
+    `compiled_text(state)` -> its optimized HLO (what `bench.profile` reads). The program runs its piece `repeat`
+    times (its last static argument, `repeated`)."""
 
-    program: object  # a jitted function: program(*before, state, *after) -> (result, next state)
+    program: object  # a jitted function: program(*before, state, *after, repeat) -> (result, next state)
     before: tuple
     after: tuple
+    repeat: int = 1
 
     def __call__(self, state):
-        return self.program(*self.before, state, *self.after)[1]
+        return self.program(*self.before, state, *self.after, self.repeat)[1]
 
     def compiled_text(self, state) -> str:
-        return self.program.lower(*self.before, state, *self.after).compile().as_text()
+        return self.program.lower(*self.before, state, *self.after, self.repeat).compile().as_text()
 
 
 def step_functions(target: Target, drafter: Drafter, *, context_len: int = 64, draft_length: int | None = None,
-                   batch: int = 1, seed: int = 0, cache_len: int | None = None) -> dict:
+                   batch: int = 1, seed: int = 0, cache_len: int | None = None, repeat: int = 1) -> dict:
     """{"decode_ms" | "verify_ms" | "draft_ms": (step, state)}: one decode step (1 token), one verify (D+1 tokens)
-    and one drafter call on caches holding `context_len` live tokens in `cache_len` slots (default: just enough).
-    Each step runs on donated caches and rolls its lengths back, as a rejected step does, so every repetition sees
-    the same context."""
+    and one drafter call on caches holding `context_len` live tokens in `cache_len` slots (default: just enough),
+    each `repeat` times in one program (`repeated`). Each step runs on donated caches and rolls its lengths back, as
+    a rejected step does, so every repetition sees the same context."""
     dcfg = drafter.config
     D = dcfg.block_size - 1 if draft_length is None else draft_length
     tcfg = target.config
@@ -81,18 +108,23 @@ def step_functions(target: Target, drafter: Drafter, *, context_len: int = 64, d
     block = draft_block(drafter, prompt[:, -1], D)  # as generate's loop drafts
     _, _, tcache2, _ = fill(target, prompt, lens, cache_len, drafter=drafter)  # decode and verify donate theirs
     tb, db = program_backend(target), program_backend(drafter, target)
-    return {"decode_ms": (Step(_decode_rolled_back, (target,), (tok, tb)), tcache),
-            "verify_ms": (Step(_verify_rolled_back, (target,), (toks, layer_ids, tb)), tcache2),
-            "draft_ms": (Step(_draft_rolled_back, (drafter, target), (pending, block, D, db)), dcache),
-            "_meta": dict(context_len=context_len, draft_length=D, batch=batch, cache_len=cache_len,
+    return {"decode_ms": (Step(_decode_rolled_back, (target,), (tok, tb), repeat), tcache),
+            "verify_ms": (Step(_verify_rolled_back, (target,), (toks, layer_ids, tb), repeat), tcache2),
+            "draft_ms": (Step(_draft_rolled_back, (drafter, target), (pending, block, D, db), repeat), dcache),
+            "_meta": dict(context_len=context_len, draft_length=D, batch=batch, cache_len=cache_len, repeat=repeat,
                           state_bytes_per_row=tcache.state_bytes_per_row())}  # a hybrid target's DeltaNet states
 
 
+STEPS_PER_PROGRAM = 16  # pieces per timed program in the step table (`repeated`): launch / 16 is ~0.1 ms
+
+
 def step_costs(target: Target, drafter: Drafter, *, context_len: int = 64, draft_length: int | None = None,
-               batch: int = 1, reps: int = 30, seed: int = 0, cache_len: int | None = None) -> dict:
-    """ms per decode step, verify and draft at a given context length (see `step_functions`), and r, c."""
+               batch: int = 1, reps: int = 30, seed: int = 0, cache_len: int | None = None,
+               repeat: int = STEPS_PER_PROGRAM) -> dict:
+    """ms per decode step, verify and draft at a given context length (see `step_functions`; each piece `repeat`
+    times in one program), and r, c."""
     fns = step_functions(target, drafter, context_len=context_len, draft_length=draft_length, batch=batch, seed=seed,
-                         cache_len=cache_len)
+                         cache_len=cache_len, repeat=repeat)
     meta = fns.pop("_meta")
     out = interleaved_ms(fns, reps)
     out["r"] = out["verify_ms"] / out["decode_ms"]
@@ -126,32 +158,41 @@ def _as_in_the_loop(backend):
 # (the target's decode and verify across drafters, e.g.); the NVFP4 backend is a static argument, as in generate.
 
 
-@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(1,))
-def _decode_rolled_back(target, tcache, tok, backend):
-    """One decode step (1 token) on a donated cache whose lengths are rolled back, as a rejected step does."""
-    with _as_in_the_loop(backend):
-        logits, _, c = forward_with_cache(target, tok, tcache)
-    return first_argmax(logits), c.replace(lengths=tcache.lengths)
-
-
 @functools.partial(jax.jit, static_argnums=(3, 4), donate_argnums=(1,))
-def _verify_rolled_back(target, tcache, toks, layer_ids, backend):
+def _decode_rolled_back(target, tcache, tok, backend, repeat=1):
+    """One decode step (1 token) on a donated cache whose lengths are rolled back, as a rejected step does."""
+    def one(c, tok):
+        with _as_in_the_loop(backend):
+            logits, _, c2 = forward_with_cache(target, tok, c)
+        return first_argmax(logits), c2.replace(lengths=c.lengths)
+
+    return repeated(one, tcache, (tok,), repeat)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5), donate_argnums=(1,))
+def _verify_rolled_back(target, tcache, toks, layer_ids, backend, repeat=1):
     """One verify (D+1 tokens, tapped features) on a donated cache whose lengths are rolled back. A hybrid target's
     DeltaNet states are deferred and committed as the loop does (here keeping one token: a rejection at slot 1)."""
-    with _as_in_the_loop(backend):
-        hybrid = target.config.is_hybrid
-        logits, feats, c = forward_with_cache(target, toks, tcache, layer_ids, defer_states=hybrid)
-        if hybrid:
-            c = commit_states(c, jnp.ones(toks.shape[:1], jnp.int32), target.config)
-    return (first_argmax(logits), feats), c.replace(lengths=tcache.lengths)
+    def one(c, toks):
+        with _as_in_the_loop(backend):
+            hybrid = target.config.is_hybrid
+            logits, feats, c2 = forward_with_cache(target, toks, c, layer_ids, defer_states=hybrid)
+            if hybrid:
+                c2 = commit_states(c2, jnp.ones(toks.shape[:1], jnp.int32), target.config)
+        return (first_argmax(logits), feats), c2.replace(lengths=c.lengths)
+
+    return repeated(one, tcache, (toks,), repeat)
 
 
-@functools.partial(jax.jit, static_argnums=(5, 6), donate_argnums=(2,))
-def _draft_rolled_back(drafter, target, dcache, pending, block, D, backend):
+@functools.partial(jax.jit, static_argnums=(5, 6, 7), donate_argnums=(2,))
+def _draft_rolled_back(drafter, target, dcache, pending, block, D, backend, repeat=1):
     """`greedy_draft` on a donated draft cache whose lengths are rolled back."""
-    with _as_in_the_loop(backend):
-        tokens, dc = greedy_draft(drafter, target, dcache, pending, block, D)
-    return tokens, dc.replace(lengths=dcache.lengths)
+    def one(dc, pending, block):
+        with _as_in_the_loop(backend):
+            tokens, dc2 = greedy_draft(drafter, target, dc, pending, block, D)
+        return tokens, dc2.replace(lengths=dc.lengths)
+
+    return repeated(one, dcache, (pending, block), repeat)
 
 
 @functools.partial(jax.jit, static_argnums=(5, 6))
@@ -229,5 +270,6 @@ def format_draft_costs(c: dict) -> str:
     return s
 
 
-__all__ = ["interleaved_ms", "step_functions", "step_costs", "greedy_draft", "draft_costs", "format_step_costs",
+__all__ = ["interleaved_ms", "repeated", "STEPS_PER_PROGRAM", "step_functions", "step_costs", "greedy_draft",
+           "draft_costs", "format_step_costs",
            "format_draft_costs"]

@@ -3,8 +3,9 @@ measured like the chain rows of `speculative.step_table` and printed with them.
 
 A tree step's verify is one target pass over root + N nodes with the cache read-only, the target's token at every
 node, the walk and the commit of the accepted path (`_tree_verify_rolled_back`); its draft is the chain's drafter
-pass plus the tree's construction (`_tree_draft_rolled_back`). r = verify / decode and c = draft / decode, timed in
-turns with a decode step (`speculative.interleaved_ms`); tau and the measured speedup come from `speculative.compare`
+pass plus the tree's construction (`_tree_draft_rolled_back`). r = verify / decode and c = draft / decode, each piece
+run 16 times in one program as the loop runs it (`step_costs.repeated`), timed in turns with a decode step
+(`step_costs.interleaved_ms`); tau and the measured speedup come from `speculative.compare`
 on the same prompts in the same run. On CPU the matmul kernel reads every weight once per 8 rows of a product
 (`quant/cpu_matmul.cc`), so a verify of 1 + N nodes costs about ceil((1 + N) / 8) weight reads: N = 7 and 15 are
 the budgets that fill their passes.
@@ -20,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.bench.speculative import compare
-from dflash_jax.bench.step_costs import Step, _as_in_the_loop, _decode_rolled_back, interleaved_ms
+from dflash_jax.bench.step_costs import (STEPS_PER_PROGRAM, Step, _as_in_the_loop, _decode_rolled_back, interleaved_ms,
+                                         repeated)
 from dflash_jax.decode import tree
 from dflash_jax.decode.draft_step import draft_tree
 from dflash_jax.decode.prefill import prefill
@@ -47,11 +49,14 @@ def _draft_tree(drafter, target, dcache, pending, block, depth, budget):
     return draft_tree(drafter, target, block, dc, depth, budget, SamplingParams()), dc
 
 
-@functools.partial(jax.jit, static_argnums=(5, 6, 7), donate_argnums=(2,))
-def _tree_draft_rolled_back(drafter, target, dcache, pending, block, depth, budget, backend):
-    with _as_in_the_loop(backend):
-        tr, dc = _draft_tree(drafter, target, dcache, pending, block, depth, budget)
-    return tr, dc.replace(lengths=dcache.lengths)
+@functools.partial(jax.jit, static_argnums=(5, 6, 7, 8), donate_argnums=(2,))
+def _tree_draft_rolled_back(drafter, target, dcache, pending, block, depth, budget, backend, repeat=1):
+    def one(dc, pending, block):
+        with _as_in_the_loop(backend):
+            tr, dc2 = _draft_tree(drafter, target, dc, pending, block, depth, budget)
+        return tr, dc2.replace(lengths=dc.lengths)
+
+    return repeated(one, dcache, (pending, block), repeat)
 
 
 @functools.partial(jax.jit, static_argnums=(5, 6, 7))
@@ -60,23 +65,28 @@ def _tree_draft_only(drafter, target, dcache, pending, block, depth, budget, bac
         return _draft_tree(drafter, target, dcache, pending, block, depth, budget)[0]
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5), donate_argnums=(1,))
-def _tree_verify_rolled_back(target, tcache, tr, layer_ids, depth, backend):
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6), donate_argnums=(1,))
+def _tree_verify_rolled_back(target, tcache, tr, layer_ids, depth, backend, repeat=1):
     """One tree verify (greedy) on a donated cache: the pass over root + N nodes, the target's token per node, the
     walk, the commit of the accepted path; then the lengths rolled back, so every repetition sees the same context."""
-    with _as_in_the_loop(backend):
-        layout, anc = _layout(target, tr, tcache.lengths, depth)
-        logits, feats, pending = forward_tree(target, tree.verify_tokens(tr), tcache, layer_ids, layout)
-        own, _ = sample_tokens(logits, jnp.zeros((logits.shape[0], 2), jnp.uint32), SamplingParams())
-        path, n_acc = tree.walk(tr, anc, own)
-        c = commit_tree(tcache, pending, path, n_acc + 1, target.config)
-    return (own, jnp.take_along_axis(feats, path[:, :, None], axis=1)), c.replace(lengths=tcache.lengths)
+    def one(c, tr):
+        with _as_in_the_loop(backend):
+            layout, anc = _layout(target, tr, c.lengths, depth)
+            logits, feats, pending = forward_tree(target, tree.verify_tokens(tr), c, layer_ids, layout)
+            own, _ = sample_tokens(logits, jnp.zeros((logits.shape[0], 2), jnp.uint32), SamplingParams())
+            path, n_acc = tree.walk(tr, anc, own)
+            c2 = commit_tree(c, pending, path, n_acc + 1, target.config)
+        return (own, jnp.take_along_axis(feats, path[:, :, None], axis=1)), c2.replace(lengths=c.lengths)
+
+    return repeated(one, tcache, (tr,), repeat)
 
 
 def tree_step_costs(target: Target, drafter: Drafter, *, tree_budget: int, context_len: int = 64, batch: int = 1,
-                    reps: int = 30, seed: int = 0, cache_len: int | None = None) -> dict:
+                    reps: int = 30, seed: int = 0, cache_len: int | None = None,
+                    repeat: int = STEPS_PER_PROGRAM) -> dict:
     """ms of one decode step, one tree verify (root + N nodes) and one tree draft (drafter pass + construction) at
-    `context_len` live tokens, timed in turns; r = verify / decode, c = draft / decode."""
+    `context_len` live tokens, each `repeat` times in one program (`step_costs.repeated`), timed in turns;
+    r = verify / decode, c = draft / decode."""
     dcfg = drafter.config
     depth = tree.tree_depth(tree_budget, dcfg.block_size)
     cache_len = context_len + tree_budget + dcfg.block_size + 64 if cache_len is None else cache_len
@@ -90,11 +100,11 @@ def tree_step_costs(target: Target, drafter: Drafter, *, tree_budget: int, conte
     block = draft_block(drafter, prompt[:, -1], depth)  # as generate's tree step drafts
     tb, db = program_backend(target), program_backend(drafter, target)
     tr = _tree_draft_only(drafter, target, dcache2, pending, block, depth, tree_budget, db)  # the tree verified
-    steps = {"decode_ms": (Step(_decode_rolled_back, (target,), (prompt[:, -1:], tb)), tcache),
-             "verify_ms": (Step(_tree_verify_rolled_back, (target,), (tr, dcfg.target_layer_ids, depth, tb)),
+    steps = {"decode_ms": (Step(_decode_rolled_back, (target,), (prompt[:, -1:], tb), repeat), tcache),
+             "verify_ms": (Step(_tree_verify_rolled_back, (target,), (tr, dcfg.target_layer_ids, depth, tb), repeat),
                            tcache2),
-             "draft_ms": (Step(_tree_draft_rolled_back, (drafter, target), (pending, block, depth, tree_budget, db)),
-                          dcache)}
+             "draft_ms": (Step(_tree_draft_rolled_back, (drafter, target), (pending, block, depth, tree_budget, db),
+                               repeat), dcache)}
     out = interleaved_ms(steps, reps)
     out.update(r=out["verify_ms"] / out["decode_ms"], c=out["draft_ms"] / out["decode_ms"], context_len=context_len,
                tree_budget=tree_budget, draft_length=depth, batch=batch, cache_len=cache_len)
