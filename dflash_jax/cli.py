@@ -125,8 +125,8 @@ def _kernel_note(target=None) -> str:
     """Which build of the CPU matmul kernel ran (its speed differs by an order of magnitude between them), and where
     a GGUF target's blocks ran with float32 activations where Q8 activations decode faster, that they exist: on an
     AVX2 CPU they doubled the decode speed, on a Zen 4 EPYC (VNNI, 512-bit operations on 256-bit units) they gave
-    ~1.3x; on a Zen 5 (full-width units) they decode at the float32 speed, and the note names nothing
-    (docs/cpu-step.md)."""
+    ~1.3x; on a Zen 5 (full-width units) they decode at the float32 speed, and the note names bfloat16 products
+    instead where the CPU has AVX512-BF16 (a verify's rows cheaper; docs/cpu-step.md)."""
     import jax  # lazily: `dflash-jax --help` imports no JAX
 
     from dflash_jax.quant import cpu_kernel  # lazily, as above
@@ -137,15 +137,19 @@ def _kernel_note(target=None) -> str:
     from dflash_jax import execution  # lazily, as above
     if execution.current().q8_activations:
         return f"; CPU kernel: {cpu_kernel.isa()} build, Q8 activations"
+    if execution.current().bf16_products:
+        return f"; CPU kernel: {cpu_kernel.isa()} build, bfloat16 products"
+    from dflash_jax.params import named_leaves  # lazily, as above
+    from dflash_jax.quant.ggml import GGMLArray  # lazily, as above
+    if target is None or not any(isinstance(x, GGMLArray) for x in named_leaves(target.params).values()):
+        return f"; CPU kernel: {cpu_kernel.isa()} build"
     hint = ""
-    if target is not None and (cpu_kernel.isa() != "avx512" or (cpu_kernel.q8_has_vnni()
-                                                              and cpu_kernel.avx512_on_256_bit_units())):
-        from dflash_jax.params import named_leaves  # lazily, as above
-        from dflash_jax.quant.ggml import GGMLArray  # lazily, as above
-        if any(isinstance(x, GGMLArray) for x in named_leaves(target.params).values()):
-            gain = ("~1.3x the decode speed on this CPU (AVX-512 VNNI on 256-bit units)" if cpu_kernel.isa() == "avx512"
-                    else "~2x the decode speed on this build")
-            hint = f" (--q8-activations: llama.cpp's integer dot, {gain})"
+    if cpu_kernel.isa() != "avx512" or (cpu_kernel.q8_has_vnni() and cpu_kernel.avx512_on_256_bit_units()):
+        gain = ("~1.3x the decode speed on this CPU (AVX-512 VNNI on 256-bit units)" if cpu_kernel.isa() == "avx512"
+                else "~2x the decode speed on this build")
+        hint = f" (--q8-activations: llama.cpp's integer dot, {gain})"
+    elif cpu_kernel.bf16_products_native():
+        hint = " (--bf16-products: AVX512-BF16's dot product, a verify 5-16% cheaper on a Zen 5)"
     return f"; CPU kernel: {cpu_kernel.isa()} build{hint}"
 
 
@@ -238,7 +242,7 @@ def _check_filters(ap, args):
 
 
 def main(argv=None):
-    from dflash_jax.bench.flags import add_q8_flag  # lazily, as above
+    from dflash_jax.bench.flags import add_product_flags  # lazily, as above
 
     ap = argparse.ArgumentParser(prog="dflash-jax", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -278,9 +282,9 @@ def main(argv=None):
                         "SmolLM2-135M-Instruct with the drafter trained for it)")
     g.add_argument("--raw", action="store_true",
                    help="continue the prompt as text instead of sending it through the model's chat template")
-    add_q8_flag(g)
+    add_product_flags(g)
     b = sub.add_parser("bench", help="speculative vs autoregressive, one run, medians")
-    add_q8_flag(b)
+    add_product_flags(b)
     b.add_argument("--new-tokens", type=int, nargs="+", default=None,
                    help="output lengths to measure, one table row each (default 128 512 1024; --bf16-exactness: 256)")
     b.add_argument("--prompts", type=int, default=None,
@@ -399,9 +403,9 @@ def main(argv=None):
             ap.error(f"--calibration-anchors must be >= 1, got {args.calibration_anchors}")
         if args.temperature is None and not args.pair_table:
             args.temperature = 0.0
-    from dflash_jax.quant.linear import q8_scope  # JAX: once a command runs
+    from dflash_jax.quant.linear import products_scope  # JAX: once a command runs
 
-    with q8_scope(getattr(args, "q8_activations", False)):
+    with products_scope(args):
         {"generate": _generate, "quality": _quality, "bench": _bench}[args.cmd](args)
 
 

@@ -45,6 +45,10 @@ class ExecutionContext(Replaceable):
     # (`quant/cpu_q8_dot.h`): ~2x fewer cycles per weight where compute bounds a step (AVX2 CPUs), and another function
     # of x than the float path (x rounded to 8 bits per 32-wide block). A row's result still depends on that row alone.
     q8_activations: bool = False
+    # GGML weights and x rounded to bfloat16, AVX512-BF16's dot product, in the CPU kernel (`quant/cpu_bf16_dot.h`):
+    # one instruction per 32 weights and row of x instead of two FMAs, where the FMA pipes bound a verify of 3+ rows;
+    # another function of x and of the weights than the float path. A row's result still depends on that row alone.
+    bf16_products: bool = False
     # The Pallas NVFP4 kernel (`quant.pallas_nvfp4`): None = the Triton kernel on a GPU, interpreted elsewhere;
     # False forces the Triton lowering (e.g. to export a CUDA program from a CPU-only host), True the interpreter.
     pallas_interpret: bool | None = None

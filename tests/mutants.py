@@ -179,6 +179,16 @@ MUTANTS = [
            "from p itself", "quant/cpu_sample.h", "const F16 sq = f16_splat(S * q_on);",
            "const F16 sq = f16_splat(0.f * q_on);",
            (SAMPLING, "-k", "cpu_kernel_reads or speculative_output_has_target_distribution")),
+    Mutant("bf16-one-accumulator", "the bfloat16 products' odd blocks summed into the even blocks' accumulator by "
+           "the AVX512-BF16 build (a chain other than the one every build computes)", "quant/cpu_bf16_dot.h",
+           "hi[i] = _mm512_dpbf16_ps(hi[i], vb, reinterpret_cast<const __m512bh&>(x1));",
+           "lo[i] = _mm512_dpbf16_ps(lo[i], vb, reinterpret_cast<const __m512bh&>(x1));",
+           ("tests/test_bf16_dot.py", "-k", "instructions_chain")),
+    Mutant("bf16-even-first", "the bfloat16 products' plain C++ build adds a pair's even product first, unlike "
+           "the instruction", "quant/cpu_bf16_dot.h",
+           "s = flush_subnormal(std::fma(bf16_value(w[2 * j + 1]), bf16_value(x[2 * j + 1]), s));",
+           "s = flush_subnormal(std::fma(bf16_value(w[2 * j]), bf16_value(x[2 * j]), s));",
+           ("tests/test_cpu_kernel.py", "-k", "every_build")),
     Mutant("budget-overshoot", "a block may overshoot max_new_tokens", "decode/programs.py",
            "n = jnp.minimum(n, max_new - state.n_out)  # a block may overshoot the budget: cut inside it",
            "n = n", ("tests/test_eos.py", "-k", "budget"),

@@ -358,7 +358,8 @@ def test_the_package_names_static_tools_see_are_the_names_it_loads():
 def test_the_kernel_note_points_at_q8_activations_where_they_decode_faster(monkeypatch):
     """A GGUF target's blocks with float32 activations: the note names --q8-activations on an AVX2 build (~2x) and on
     an AVX-512 CPU with VNNI on 256-bit units (~1.3x, a Zen 4 EPYC), not on one without VNNI or with full-width units
-    (a Zen 5), where they bought nothing."""
+    (a Zen 5), where they bought nothing; on a full-width AVX-512 CPU with AVX512-BF16 it names --bf16-products (a
+    verify's rows cheaper), on one without it nothing."""
     if not cpu_kernel.available():
         pytest.skip(f"CPU kernel: {cpu_kernel.unavailable_reason()}")
     w = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)
@@ -367,14 +368,17 @@ def test_the_kernel_note_points_at_q8_activations_where_they_decode_faster(monke
     notes = {}
     for build, flags, family in (("avx2", "flags : fpu avx2", 23), ("avx512", "flags : avx512f avx512vl", 25),
                                  ("avx512", "flags : avx512f avx512vl avx512_vnni", 25),
-                                 ("avx512", "flags : avx512f avx512vl avx512_vnni", 26)):
+                                 ("avx512", "flags : avx512f avx512vl avx512_vnni", 26),
+                                 ("avx512", "flags : avx512f avx512vl avx512_vnni avx512_bf16", 26)):
         monkeypatch.setattr(cpu_kernel, "isa", lambda build=build: build)
         monkeypatch.setattr(cpu_kernel, "_cpu_flags", lambda flags=flags: flags)
         monkeypatch.setattr(cpu_kernel, "_cpu_vendor_family", lambda family=family: ("AuthenticAMD", family))
         notes[build, "vnni" in flags, family] = cli._kernel_note(target)
+        notes[build, "vnni" in flags, family, "bf16" in flags] = notes[build, "vnni" in flags, family]
     assert notes["avx2", False, 23].endswith("avx2 build (--q8-activations: llama.cpp's integer dot, ~2x the decode "
                                              "speed on this build)")
     assert notes["avx512", False, 25] == "; CPU kernel: avx512 build"
     assert "--q8-activations" in notes["avx512", True, 25] and "VNNI" in notes["avx512", True, 25]
-    assert notes["avx512", True, 26] == "; CPU kernel: avx512 build"
+    assert notes["avx512", True, 26, False] == "; CPU kernel: avx512 build"
+    assert notes["avx512", True, 26, True].startswith("; CPU kernel: avx512 build (--bf16-products: AVX512-BF16")
     assert cli._kernel_note(types.SimpleNamespace(params={"w": np.ones((2, 2), np.float32)})).count("q8") == 0

@@ -25,7 +25,8 @@ from dflash_jax.io.gguf import GGUFFile
 from dflash_jax.params import named_leaves
 from dflash_jax.quant import cpu_kernel, ggml
 from dflash_jax.quant.ggml import GGMLArray
-from dflash_jax.quant.linear import cpu_kernel_scope, embedding_rows, linear, linear_many, q8_activations_scope
+from dflash_jax.quant.linear import (bf16_products_scope, cpu_kernel_scope, embedding_rows, linear, linear_many,
+                                     q8_activations_scope)
 from dflash_jax.quant.nvfp4 import quantize
 from gguf_files import write_target_gguf
 from helpers import tiny_qwen3
@@ -243,9 +244,9 @@ def test_concurrent_calls_from_several_threads_agree():
 
 
 def _products_of_every_format(out: str) -> None:
-    """Every format's product at 1, 3, 8 and 9 rows (whole, ragged and half blocks; GGML's also with x as Q8 blocks) and
-    the row attention's sums, saved to `out` (npz): what `test_every_build_computes_the_same_values` compares across
-    the kernel's builds (run in a subprocess there)."""
+    """Every format's product at 1, 3, 8 and 9 rows (whole, ragged and half blocks; GGML's also with x as Q8 blocks
+    and as bfloat16 products) and the row attention's sums, saved to `out` (npz): what
+    `test_every_build_computes_the_same_values` compares across the kernel's builds (run in a subprocess there)."""
     found = {}
     for K in (96, 80, 48, 352):  # 352: 11 blocks
         x = jnp.asarray(np.random.default_rng(7).standard_normal((9, K)), jnp.float32)
@@ -255,6 +256,12 @@ def _products_of_every_format(out: str) -> None:
                 if name in ("q4_1", "q8_0"):  # x as Q8 blocks (llama.cpp's integer dot: cpu_q8_dot.h)
                     with q8_activations_scope(True):
                         found[f"{name}-q8-K{K}-M{M}"] = np.asarray(_kernel_linear(x[:M], w))
+                    # weights and x as bfloat16 (cpu_bf16_dot.h: the instruction where the CPU has it, plain C++
+                    # elsewhere), with subnormal elements in x (read as zero by both)
+                    tiny = x[:M].at[:, ::7].multiply(1e-39)
+                    with bf16_products_scope(True):
+                        found[f"{name}-bf16-K{K}-M{M}"] = np.asarray(_kernel_linear(x[:M], w))
+                        found[f"{name}-bf16-subnormal-K{K}-M{M}"] = np.asarray(_kernel_linear(tiny, w))
     rng = np.random.default_rng(9)  # the fixed-order row attention (cpu_attention.h) of the CPU loops
     # one chunk of keys, and rows over several 64-key chunks (merged); head sizes of whole and half 16-lane slices
     for T, S, hd in ((1, 37, 64), (5, 11, 128), (3, 150, 64), (2, 90, 24), (1, 70, 8)):

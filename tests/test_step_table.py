@@ -241,31 +241,34 @@ def test_a_folder_keeps_one_cpu_table_per_kernel_build_and_reads_this_cpus(pair,
     assert write_step_table(tmp_path, same).name == FILE_NAME  # the same build as step_table.json: replaces it
 
 
-def test_q8_activations_read_their_own_cpu_table_then_the_builds(pair, tmp_path):
-    """Q8 activations change a step's costs: their tables are a build of their own ("<build>-q8", measured under
-    `--q8-activations`); under them a folder's q8 table is read first, then the same build's, and the choice is held
-    to the q8 build (a plain table of that build applies with the mismatch warned)."""
+@pytest.mark.parametrize("field, suffix", [("q8_activations", "-q8"), ("bf16_products", "-bf16")])
+def test_q8_activations_read_their_own_cpu_table_then_the_builds(pair, tmp_path, field, suffix):
+    """Q8 activations (and bfloat16 products) change a step's costs: their tables are a build of their own
+    ("<build>-q8", measured under `--q8-activations`; "<build>-bf16" under `--bf16-products`); under them a folder's
+    own table is read first, then the same build's, and the choice is held to that build (a plain table of the build
+    applies with the mismatch warned)."""
     from dflash_jax import execution
     from dflash_jax.io.step_table_file import read_step_table, write_step_table
 
     target, drafter = pair
     here, other = _this_and_another_build()
     plain = _table(target, [StepRow(1, None, 1.5, 1.0, 0.1)]).replace(cpu_kernel=here)
-    q8 = _table(target, [StepRow(3, None, 2.0, 1.0, 0.1)]).replace(cpu_kernel=here + "-q8")
+    own = _table(target, [StepRow(3, None, 2.0, 1.0, 0.1)]).replace(cpu_kernel=here + suffix)
     write_step_table(tmp_path, _table(target, [StepRow(5, None, 2.0, 1.0, 0.1)]).replace(cpu_kernel=other))
     write_step_table(tmp_path, plain)
-    with execution.changed(q8_activations=True):
-        assert dl.running_cpu_kernel() == here + "-q8"
-        assert read_step_table(tmp_path) == plain  # no q8 table yet: this build's
-        assert write_step_table(tmp_path, q8).name == f"step_table.{here}-q8.json"
-        assert read_step_table(tmp_path) == q8
+    with execution.changed(**{field: True}):
+        assert dl.running_cpu_kernel() == here + suffix
+        assert read_step_table(tmp_path) == plain  # no table of its own yet: this build's
+        assert write_step_table(tmp_path, own).name == f"step_table.{here}{suffix}.json"
+        assert read_step_table(tmp_path) == own
     assert read_step_table(tmp_path) == plain
     dl._WARNED.clear()
-    with pytest.warns(UserWarning, match=f"CPU kernel's {here} build and this CPU runs its {here}-q8 build"):
-        assert dl.default_layout(_with(drafter, plain), target, q8=True) == (1, None)
+    flag = {"q8": True} if field == "q8_activations" else {"bf16": True}
+    with pytest.warns(UserWarning, match=f"CPU kernel's {here} build and this CPU runs its {here}{suffix} build"):
+        assert dl.default_layout(_with(drafter, plain), target, **flag) == (1, None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert dl.default_layout(_with(drafter, q8), target, q8=True) == (3, None)
+        assert dl.default_layout(_with(drafter, own), target, **flag) == (3, None)
 
 
 def test_rows_sharing_a_verify_share_its_r():

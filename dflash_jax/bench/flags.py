@@ -1,13 +1,20 @@
-"""The `--q8-activations` option, one definition for every command that takes it (`dflash-jax generate` / `bench`,
-`python -m dflash_jax.bench.llamacpp`, `python -m dflash_jax.bench.profile`); the one rule that applies it is
-`quant.linear.q8_scope`. No JAX here: the command's parser uses it, and `dflash-jax --help` loads no JAX."""
+"""The products options, one definition for every command that takes them (`dflash-jax generate` / `bench`,
+`python -m dflash_jax.bench.llamacpp`, `python -m dflash_jax.bench.profile`, `python -m dflash_jax.bench.loop_profile`):
+`--q8-activations` and `--bf16-products`; the one rule that applies them is `quant.linear.products_scope`. No JAX
+here: the command's parser uses it, and `dflash-jax --help` loads no JAX."""
 
 from __future__ import annotations
 
 
-def add_q8_flag(parser) -> None:
-    parser.add_argument("--q8-activations", action="store_true",
-                        help="GGML weights' products on a CPU with x rounded to Q8 blocks, llama.cpp's integer dot, "
-                             "and attention's rows in a fixed order (faster where compute bounds a step, e.g. AVX2 "
-                             "CPUs; another function of the prompt than the float products, the same for "
-                             "speculative and autoregressive decoding)")
+def add_product_flags(parser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--q8-activations", action="store_true",
+                       help="GGML weights' products on a CPU with x rounded to Q8 blocks, llama.cpp's integer dot, "
+                            "and attention's rows in a fixed order (faster where compute bounds a step, e.g. AVX2 "
+                            "CPUs; another function of the prompt than the float products, the same for "
+                            "speculative and autoregressive decoding)")
+    group.add_argument("--bf16-products", action="store_true",
+                       help="GGML weights' products on a CPU with the weights and x rounded to bfloat16, AVX512-BF16's "
+                            "dot product (a verify 5-16%% cheaper against a decode on a Zen 5; emulated, the same "
+                            "values and slower, on CPUs without AVX512-BF16; another function of the prompt than the "
+                            "float products, the same for speculative and autoregressive decoding)")

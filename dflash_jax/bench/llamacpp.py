@@ -21,10 +21,10 @@ import subprocess
 import sys
 import time
 
-from dflash_jax.bench.flags import add_q8_flag
+from dflash_jax.bench.flags import add_product_flags
 from dflash_jax.decode.programs import generate, generate_autoregressive
 from dflash_jax.io import shipped
-from dflash_jax.quant.linear import q8_scope
+from dflash_jax.quant.linear import products_scope
 from dflash_jax.train.drafter_data import chat_prompt_ids
 
 # run in the llama.cpp interpreter: argv = [gguf, threads, new tokens, json prompts]; prints one JSON line
@@ -106,17 +106,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--draft-length", type=int, default=None)
     ap.add_argument("--llama-python", default=None, help="an interpreter with llama-cpp-python (default: this one)")
-    add_q8_flag(ap)
+    add_product_flags(ap)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    with q8_scope(args.q8_activations):
+    with products_scope(args):
         r = compare(prompts=args.prompts, new_tokens=args.new_tokens, threads=args.threads,
                     llama_python=args.llama_python, draft_length=args.draft_length)
     layout = (f"speculative tree of {r['tree_budget']}" if r["tree_budget"] else
               f"speculative D {r['draft_length']}" if r["draft_length"] else
               "generate (decoding plainly: the step table predicts no speedup here)")
     print(f"llama.cpp {r['llama_cpp_version']} ({r['threads']} threads): {r['llama_cpp_tokens_per_s']:.1f} tok/s | "
-          f"dflash-jax{' (Q8 activations)' if args.q8_activations else ''} autoregressive: "
+          f"dflash-jax{' (Q8 activations)' if args.q8_activations else ' (bfloat16 products)' if args.bf16_products else ''} "
+          f"autoregressive: "
           f"{r['ar_tokens_per_s']:.1f} tok/s ({r['ar_vs_llama_cpp']:.2f}x) | "
           f"{layout}: {r['speculative_tokens_per_s']:.1f} tok/s ({r['speculative_vs_llama_cpp']:.2f}x of "
           f"llama.cpp, {r['speculative_vs_ar']:.2f}x of autoregressive, tau {r['tau']:.2f}); medians over "

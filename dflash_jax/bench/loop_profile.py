@@ -18,12 +18,12 @@ import json
 import warnings
 from pathlib import Path
 
-from dflash_jax.bench.flags import add_q8_flag
+from dflash_jax.bench.flags import add_product_flags
 from dflash_jax.bench.profile import Instruction, group_of, profile_table, trace_program
 from dflash_jax.decode.call import PROGRAM_PREFIX
 from dflash_jax.decode.programs import autoregressive_call, speculative_call
 from dflash_jax.io.shipped import load_default
-from dflash_jax.quant.linear import q8_scope
+from dflash_jax.quant.linear import products_scope
 from dflash_jax.train.drafter_data import chat_prompt_ids
 
 
@@ -124,9 +124,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--top-p", type=float, default=1.0, help="both loops' (default 1: off)")
     ap.add_argument("--reps", type=int, default=3, help="traced runs per request")
     ap.add_argument("--json", type=Path, default=None, help="also write the tables as JSON here")
-    add_q8_flag(ap)
+    add_product_flags(ap)
     args = ap.parse_args(argv)
-    with q8_scope(args.q8_activations):
+    with products_scope(args):
         target, drafter, tok = load_default(model=args.model)
         prompts = chat_prompt_ids(tok, args.prompts, split="eval", seed=1)
         kw = {k: v for k, v in (("tree_budget", args.tree_budget), ("draft_length", args.draft_length),

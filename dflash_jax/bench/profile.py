@@ -34,12 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.bench.flags import add_q8_flag
+from dflash_jax.bench.flags import add_product_flags
 from dflash_jax.bench.matmul import time_call
 from dflash_jax.bench.step_costs import STEPS_PER_PROGRAM, interleaved_ms, step_functions
 from dflash_jax.io.shipped import load_default
 from dflash_jax.params import param_bytes
-from dflash_jax.quant.linear import q8_scope
+from dflash_jax.quant.linear import products_scope
 
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1,
                "s64": 8, "u64": 8, "f64": 8, "s16": 2, "u16": 2}
@@ -325,9 +325,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=128, help="live tokens in the caches")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", type=Path, default=None, help="also write the table as JSON here")
-    add_q8_flag(ap)
+    add_product_flags(ap)
     args = ap.parse_args(argv)
-    with q8_scope(args.q8_activations):
+    with products_scope(args):
         target, drafter, _ = load_default(model=args.model)
         bs = drafter.config.block_size
         Ds = tuple(args.draft_lengths or sorted({1, min(3, bs - 1), bs - 1}))

@@ -38,7 +38,7 @@ def target_signature(target: Target) -> str:
 
 
 def _table_row(drafter: Drafter, target: Target, batch: int, trees: bool, q8: bool | None = None,
-               sampled: bool = False):
+               sampled: bool = False, bf16: bool | None = None):
     """(the step table's best row for this pair, platform and batch, None) when the table applies, else (None, why
     it does not). sampled: for a run at temperature > 0 (`StepTable.best`)."""
     cfg = drafter.config
@@ -52,7 +52,7 @@ def _table_row(drafter: Drafter, target: Target, batch: int, trees: bool, q8: bo
            if batches else None)
     if table.platform != platform:
         return None, f"it was measured on {table.platform!r} and this runs on {platform!r}"
-    kernel = running_cpu_kernel(q8)
+    kernel = running_cpu_kernel(q8, bf16)
     if platform == "cpu" and table.cpu_kernel and kernel and table.cpu_kernel != kernel:
         _warn_once(f"the drafter's step table was measured with the CPU kernel's {table.cpu_kernel} build and this CPU "
                    f"runs its {kernel} build, where a verify costs a different number of decode steps: its choice is "
@@ -72,16 +72,16 @@ def _table_row(drafter: Drafter, target: Target, batch: int, trees: bool, q8: bo
 
 def default_layout(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True,
                    plain_when_slower: bool = False, q8: bool | None = None,
-                   sampled: bool = False) -> tuple[int, int | None]:
+                   sampled: bool = False, bf16: bool | None = None) -> tuple[int, int | None]:
     """(draft_length, tree_budget) of `default_setting`."""
-    return default_setting(drafter, target, batch, trees, plain_when_slower, q8, sampled)[:2]
+    return default_setting(drafter, target, batch, trees, plain_when_slower, q8, sampled, bf16)[:2]
 
 
 def default_setting(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True,
                     plain_when_slower: bool = False, q8: bool | None = None,
-                    sampled: bool = False) -> tuple[int, int | None, str]:
+                    sampled: bool = False, bf16: bool | None = None) -> tuple[int, int | None, str]:
     """(draft_length, tree_budget, draft_pass) of `default_choice`."""
-    c = default_choice(drafter, target, batch, trees, plain_when_slower, q8, sampled)
+    c = default_choice(drafter, target, batch, trees, plain_when_slower, q8, sampled, bf16)
     return c.draft_length, c.tree_budget, c.draft_pass
 
 
@@ -98,7 +98,8 @@ class DefaultChoice:
 
 
 def default_choice(drafter: Drafter, target: Target, batch: int = 1, trees: bool = True,
-                   plain_when_slower: bool = False, q8: bool | None = None, sampled: bool = False) -> DefaultChoice:
+                   plain_when_slower: bool = False, q8: bool | None = None, sampled: bool = False,
+                   bf16: bool | None = None) -> DefaultChoice:
     """The step table's best row for this pair on this platform (rows of the largest measured batch <= `batch`, and
     of the drafter's `draft_pass` where it names one; tree rows only when `trees`): a chain of D (with its row's
     context lookup) or a draft tree of N nodes (draft_length = its depth), and the row's draft pass; a chain of
@@ -106,11 +107,12 @@ def default_choice(drafter: Drafter, target: Target, batch: int = 1, trees: bool
     plain_when_slower: draft_length 0, plain decoding (warned), where the table applies and even its best row
     predicts no gain beyond the table's noise (tau / (r + c) < 1 + NOISE_MARGIN): where a verify of several rows
     costs more decode steps than the drafts save (the shipped SmolLM2 tables at batch 4, e.g.). q8: whether the
-    programs take Q8 activations (None: the execution context's), for the build the table is held to. sampled:
+    programs take Q8 activations (None: the execution context's), for the build the table is held to; bf16 likewise
+    for bfloat16 products (`GenerationOptions.bf16_products`). sampled:
     the run samples (temperature > 0): the table's rows measured sampled rank its choices, where it has any."""
     fallback = drafter.config.block_size - 1
     own_pass = drafter.config.draft_pass or "block"
-    row, why = _table_row(drafter, target, batch, trees, q8, sampled)
+    row, why = _table_row(drafter, target, batch, trees, q8, sampled, bf16)
     if plain_when_slower and predicts_no_gain(row):
         layout = (f"a draft tree of {row.tree_budget}" if row.tree_budget else f"draft length {row.draft_length}") + (
             ", over the drafted slots only" if row.draft_pass == "drafted" else "")
@@ -131,14 +133,16 @@ def default_choice(drafter: Drafter, target: Target, batch: int = 1, trees: bool
     return DefaultChoice(fallback, None, own_pass)
 
 
-def running_cpu_kernel(q8: bool | None = None) -> str | None:
+def running_cpu_kernel(q8: bool | None = None, bf16: bool | None = None) -> str | None:
     """The CPU kernel's build the programs run with here ("avx512", "avx2", "portable"; "avx2-q8" etc. where GGML
-    products take Q8 activations: `q8`, None = the execution context's, as their step costs differ), None off CPU or
-    without the kernel."""
+    products take Q8 activations, "avx512-bf16" etc. where they take bfloat16 products: `q8` / `bf16`, None = the
+    execution context's, as their step costs differ), None off CPU or without the kernel."""
     if jax.default_backend() != "cpu" or not cpu_kernel.available():
         return None
-    q8 = execution.current().q8_activations if q8 is None else q8
-    return cpu_kernel.isa() + ("-q8" if q8 else "")
+    context = execution.current()
+    q8 = context.q8_activations if q8 is None else q8
+    bf16 = context.bf16_products if bf16 is None else bf16
+    return cpu_kernel.isa() + ("-q8" if q8 else "-bf16" if bf16 else "")
 
 
 def predicts_no_gain(row) -> bool:

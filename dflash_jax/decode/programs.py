@@ -123,15 +123,19 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
     # What the programs run under besides their arguments: the caller's context (its attention block size) with the
     # NVFP4 backend resolved now, on the host, the models' mesh and the platform's attention rule.
     cpu_loop = buckets.uses_live_length_loop(buckets.mesh_platform(mesh))
-    if options.q8_activations and not cpu_kernel_runs():
-        why = cpu_kernel.unavailable_reason() or "not a CPU"
-        warnings.warn(f"q8_activations=True: the CPU kernel does not run here ({why}), so GGML products stay float32",
-                      stacklevel=4)
+    for rounding in ("q8_activations", "bf16_products"):
+        if getattr(options, rounding) and not cpu_kernel_runs():
+            why = cpu_kernel.unavailable_reason() or "not a CPU"
+            warnings.warn(f"{rounding}=True: the CPU kernel does not run here ({why}), so GGML products stay float32",
+                          stacklevel=4)
     context = execution.current().replace(
         nvfp4_backend=program_backend(*models, backend=options.nvfp4_backend), mesh=mesh,
         # the CPU kernel takes whole weights: on a mesh of several devices it would all-gather every shard per step
         live_length_loop=cpu_loop, cpu_kernel=cpu_loop and (mesh is None or mesh.size == 1),
-        q8_activations=options.q8_activations or execution.current().q8_activations)
+        q8_activations=options.q8_activations or execution.current().q8_activations,
+        bf16_products=options.bf16_products or execution.current().bf16_products)
+    if context.q8_activations and context.bf16_products:
+        raise ValueError("q8_activations and bf16_products are two roundings of x for the same products: ask for one")
     D = 0 if drafter is None else options.draft_length
     extra = 1 if drafter is None else D + 1
     prefill_static = dict(cache_len=buckets.cache_slots(int(lens.max()), out_len, extra, limit), stamp=stamp)
@@ -197,6 +201,7 @@ def _speculative(target: Target, drafter: Drafter, prompt, sampling: SamplingPar
         best = default_choice(drafter, target, batch=len(prompt) if hasattr(prompt, "__len__") else 1,
                               trees=trees, plain_when_slower=options.plain_when_slower,
                               q8=options.q8_activations or execution.current().q8_activations,
+                              bf16=options.bf16_products or execution.current().bf16_products,
                               sampled=not sampling.greedy)
         drafter = with_draft_pass(drafter, best.draft_pass)
         if best.draft_length == 0:

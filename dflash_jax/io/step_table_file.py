@@ -2,7 +2,8 @@
 by `dflash-jax bench --step-table --save-table` and by `save` when the drafter carries one.
 
 A folder may also hold CPU tables for other builds of the CPU kernel, `step_table.<build>.json` (build: "avx512",
-"avx2", "portable", each with "-q8" where GGML products took Q8 activations): a verify's cost against a decode's
+"avx2", "portable", each with "-q8" where GGML products took Q8 activations or "-bf16" where they took bfloat16
+products): a verify's cost against a decode's
 differs between them, so on a CPU the table of the build that runs here is read first (for "avx2-q8", then "avx2"). `write_step_table` writes `step_table.json` unless that file holds a table of another build.
 """
 
@@ -28,7 +29,7 @@ def read_step_table(folder: Path) -> StepTable | None:
     None when it has none; a malformed file is ignored with a warning (a drafter without a table decodes as well,
     only with the default draft length)."""
     build = running_cpu_kernel()  # e.g. "avx2-q8", then "avx2" (the same build's float products), then the folder's
-    names = [build_file_name(b) for b in dict.fromkeys((build, build.removesuffix("-q8"))) if b] if build else []
+    names = [build_file_name(b) for b in dict.fromkeys((build, build.split("-")[0])) if b] if build else []
     f = next((Path(folder) / n for n in names if (Path(folder) / n).is_file()), Path(folder) / FILE_NAME)
     if not f.is_file():
         return None

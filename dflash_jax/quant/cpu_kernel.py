@@ -58,8 +58,10 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-ffp-contract=off", "-shared", "
 # C++), or a lower one on purpose (the tests build each and compare them value for value).
 ENV_ISA = "DFLASH_JAX_KERNEL_ISA"
 ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
-# "q4_1_q8" / "q8_0_q8": GGML weights times x rounded to Q8 blocks (llama.cpp's integer dot; cpu_q8_dot.h)
-FORMATS = {"float32": 0, "bfloat16": 1, "q4_1": 2, "q8_0": 3, "nvfp4": 4, "q4_1_q8": 5, "q8_0_q8": 6}
+# "q4_1_q8" / "q8_0_q8": GGML weights times x rounded to Q8 blocks (llama.cpp's integer dot; cpu_q8_dot.h);
+# "q4_1_bf16" / "q8_0_bf16": GGML weights and x rounded to bfloat16, AVX512-BF16's dot product (cpu_bf16_dot.h)
+FORMATS = {"float32": 0, "bfloat16": 1, "q4_1": 2, "q8_0": 3, "nvfp4": 4, "q4_1_q8": 5, "q8_0_q8": 6, "q4_1_bf16": 7,
+           "q8_0_bf16": 8}
 
 _state: dict = {}
 
@@ -181,6 +183,13 @@ def q8_has_vnni() -> bool:
     float32 ones even with AVX-512 (docs/cpu-step.md, "AVX-512 on 256-bit units")."""
     flags = _cpu_flags().split()
     return isa() == "avx512" and "avx512_vnni" in flags and "avx512vl" in flags
+
+
+def bf16_products_native() -> bool:
+    """Whether the running build's bfloat16 products (`cpu_bf16_dot.h`) run AVX512-BF16's `vdpbf16ps` (an AVX-512
+    build on a CPU with AVX512-BF16: Zen 4 and 5, Sapphire Rapids); elsewhere they are emulated, the same values,
+    slower than the float32 products."""
+    return isa() == "avx512" and "avx512_bf16" in _cpu_flags().split()
 
 
 def library_path() -> Path | None:

@@ -46,8 +46,11 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// kQ4_1_Q8 / kQ8_0_Q8: the same weights with x rounded to Q8 blocks, llama.cpp's integer dot (cpu_q8_dot.h)
-enum Format : int64_t { kF32 = 0, kBF16 = 1, kQ4_1 = 2, kQ8_0 = 3, kNVFP4 = 4, kQ4_1_Q8 = 5, kQ8_0_Q8 = 6 };
+// kQ4_1_Q8 / kQ8_0_Q8: the same weights with x rounded to Q8 blocks, llama.cpp's integer dot (cpu_q8_dot.h);
+// kQ4_1_BF16 / kQ8_0_BF16: the same weights and x rounded to bfloat16, AVX512-BF16's dot product (cpu_bf16_dot.h)
+enum Format : int64_t {
+  kF32 = 0, kBF16 = 1, kQ4_1 = 2, kQ8_0 = 3, kNVFP4 = 4, kQ4_1_Q8 = 5, kQ8_0_Q8 = 6, kQ4_1_BF16 = 7, kQ8_0_BF16 = 8
+};
 
 struct Weight {
   Format format;
@@ -312,8 +315,13 @@ void rows_of(const Weight& w, const float* x, float* y, int64_t M, int64_t n0, i
   }
 }
 
-void rows(const Weight& w, const float* x, const ActQ8& xq, float* y, int64_t M, int64_t n0, int64_t n1) {
+#include "cpu_bf16_dot.h"
+
+void rows(const Weight& w, const float* x, const ActQ8& xq, const ActBF16& xb, float* y, int64_t M, int64_t n0,
+          int64_t n1) {
   switch (w.format) {
+    case kQ4_1_BF16: return rows_bf16_of<kQ4_1>(w, xb, y, M, n0, n1);
+    case kQ8_0_BF16: return rows_bf16_of<kQ8_0>(w, xb, y, M, n0, n1);
     case kQ4_1_Q8: return rows_q8_of<kQ4_1_Q8>(w, xq, y, M, n0, n1);
     case kQ8_0_Q8: return rows_q8_of<kQ8_0_Q8>(w, xq, y, M, n0, n1);
     case kF32: return rows_of<kF32>(w, x, y, M, n0, n1);
@@ -473,7 +481,7 @@ ffi::Error BlockMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
     auto tensor_scale = args.get<ffi::Buffer<ffi::F32>>(4 * i + 3);
     auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
     if (!codes || !scale || !mins || !tensor_scale || !y) return ffi::Error::InvalidArgument("operand types");
-    if (formats[i] < kF32 || formats[i] > kQ8_0_Q8) return ffi::Error::InvalidArgument("unknown weight format");
+    if (formats[i] < kF32 || formats[i] > kQ8_0_BF16) return ffi::Error::InvalidArgument("unknown weight format");
     Weight& w = ws[i];
     w.format = Format(formats[i]);
     w.K = K;
@@ -504,8 +512,11 @@ ffi::Error BlockMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
   ActQ8 xq;  // x as Q8 blocks, rounded once for every weight of the call that asks for them
   if (std::any_of(ws.begin(), ws.end(), [](const Weight& w) { return w.format == kQ4_1_Q8 || w.format == kQ8_0_Q8; }))
     quantize_rows_q8(xp, M, K, xq);
+  ActBF16 xb;  // x as bfloat16, likewise
+  if (std::any_of(ws.begin(), ws.end(), [](const Weight& w) { return w.format == kQ4_1_BF16 || w.format == kQ8_0_BF16; }))
+    round_rows_bf16(xp, M, K, xb);
   Workers::get().run(int64_t(pieces.size()), [&](int64_t p) {
-    rows(ws[pieces[p].weight], xp, xq, ys[pieces[p].weight], M, pieces[p].n0, pieces[p].n1);
+    rows(ws[pieces[p].weight], xp, xq, xb, ys[pieces[p].weight], M, pieces[p].n0, pieces[p].n1);
   });
   return ffi::Error::Success();
 }

@@ -25,6 +25,7 @@ inline Vec vload(const float* p, int valid) {
   if (valid >= 16) return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
   return {_mm256_maskload_ps(p, lanes_below(valid)), _mm256_maskload_ps(p + 8, lanes_below(valid - 8))};
 }
+inline void vstore(float* p, const Vec& v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
 inline __m256 bf16_to_f32(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
 
 // n float16 values as float32 (exact): a group of GGML block scales (`GroupScales`).

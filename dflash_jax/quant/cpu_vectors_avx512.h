@@ -12,6 +12,7 @@ inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec vload(const float* p, int valid) {
   return valid >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(__mmask16((1u << std::max(valid, 0)) - 1), p);
 }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 
 // NVFP4: 16 weights from 8 code bytes (element 2i in the low nibble) and their e4m3 scale byte.
 inline Vec nvfp4_half(const uint8_t* c, uint8_t scale) {

@@ -15,6 +15,7 @@ inline float vsum(const Vec& a) {
   return t[0];
 }
 inline Vec vload(const float* p, int valid) { Vec r; for (int l = 0; l < 16; ++l) r.v[l] = l < valid ? p[l] : 0.f; return r; }
+inline void vstore(float* p, const Vec& v) { for (int l = 0; l < 16; ++l) p[l] = v.v[l]; }
 inline Vec vadd(const Vec& a, const Vec& b) { Vec r; for (int l = 0; l < 16; ++l) r.v[l] = a.v[l] + b.v[l]; return r; }
 
 // Half H (0: elements 0..15, 1: elements 16..31) of block b of one row (`RowBytes`: its own pointers), its first

@@ -283,12 +283,24 @@ def q8_activations_scope(on: bool):
     return execution.changed(q8_activations=bool(on))
 
 
-def q8_scope(on: bool):
-    """A command's `--q8-activations` (`bench.flags`): for the command's duration (on: True), GGML products run as
-    Q8 integer dots (`ExecutionContext.q8_activations`): every program it compiles is traced under it, and a
-    drafter's step table is read for that build. Off leaves the caller's setting as it is. Scoped, not the process
-    default: a caller running several commands in one process (the docs test) gets each one's own setting."""
-    return q8_activations_scope(True) if on else contextlib.nullcontext()
+def bf16_products_scope(on: bool):
+    """Inside the block, GGML weights' products on a CPU round the weights and x to bfloat16: AVX512-BF16's dot
+    product (the execution context's `bf16_products`; `generate(..., bf16_products=True)` sets it for its
+    programs)."""
+    return execution.changed(bf16_products=bool(on))
+
+
+def products_scope(args):
+    """A command's `--q8-activations` / `--bf16-products` (`bench.flags`; `args` the parsed arguments, either may be
+    absent): for the command's duration, GGML products run as Q8 integer dots (`ExecutionContext.q8_activations`) or
+    as bfloat16 dot products (`ExecutionContext.bf16_products`): every program it compiles is traced under it, and a
+    drafter's step table is read for that build. Neither leaves the caller's setting as it is. Scoped, not the
+    process default: a caller running several commands in one process (the docs test) gets each one's own setting."""
+    if getattr(args, "q8_activations", False):
+        return q8_activations_scope(True)
+    if getattr(args, "bf16_products", False):
+        return bf16_products_scope(True)
+    return contextlib.nullcontext()
 
 
 def cpu_kernel_runs() -> bool:
@@ -306,8 +318,9 @@ def _kernel_form(x: jax.Array, w: Any, backend: str | None):
     if isinstance(w, GGMLArray):
         def dense(codes, scale, mins, _):
             return ggml.dequantize(w.replace(codes=codes, scale=scale, mins=mins))
-        q8 = execution.current().q8_activations and w.kind in ("q4_1", "q8_0")  # llama.cpp's integer dot
-        return w.kind + "_q8" if q8 else w.kind, (w.codes, w.scale, w.mins, None), dense
+        context = execution.current()  # x rounded: llama.cpp's integer dot, or AVX512-BF16's dot product
+        suffix = "_q8" if context.q8_activations else "_bf16" if context.bf16_products else ""
+        return w.kind + suffix if w.kind in ("q4_1", "q8_0") else w.kind, (w.codes, w.scale, w.mins, None), dense
     if not execution.current().cpu_kernel:
         return None
     if isinstance(w, NVFP4Array):
