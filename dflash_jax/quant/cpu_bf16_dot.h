@@ -122,16 +122,5 @@ void tile_bf16(const Weight& w, const ActBF16& xb, float* y, int64_t m0, int64_t
 
 template <Format F>
 void rows_bf16_of(const Weight& w, const ActBF16& xb, float* y, int64_t M, int64_t n0, int64_t n1) {
-  for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-    switch (std::min<int64_t>(kTile, M - m0)) {
-      case 1: tile_bf16<F, 1>(w, xb, y, m0, n0, n1); break;
-      case 2: tile_bf16<F, 2>(w, xb, y, m0, n0, n1); break;
-      case 3: tile_bf16<F, 3>(w, xb, y, m0, n0, n1); break;
-      case 4: tile_bf16<F, 4>(w, xb, y, m0, n0, n1); break;
-      case 5: tile_bf16<F, 5>(w, xb, y, m0, n0, n1); break;
-      case 6: tile_bf16<F, 6>(w, xb, y, m0, n0, n1); break;
-      case 7: tile_bf16<F, 7>(w, xb, y, m0, n0, n1); break;
-      default: tile_bf16<F, 8>(w, xb, y, m0, n0, n1); break;
-    }
-  }
+  for_each_tile<kTile>(M, [&](auto T, int64_t m0) { tile_bf16<F, decltype(T)::value>(w, xb, y, m0, n0, n1); });
 }

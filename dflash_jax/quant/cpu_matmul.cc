@@ -143,6 +143,24 @@ inline void decode_block(const RowBytes& r, int64_t b, Vec& w0, Vec& w1) {
   w1 = decode_half_block<F, 1>(r, b);
 }
 #endif
+// Rows [0, M) of x in tiles of up to kMax rows: tile(std::integral_constant<int, T>(), m0) for each tile, its height T
+// a compile-time constant (the accumulators' count). The float, Q8 and bfloat16 products all tile this way.
+template <int T, int kMax, typename Tile>
+inline void tile_of_height(int64_t rows, int64_t m0, const Tile& tile) {
+  if constexpr (T >= kMax) {
+    tile(std::integral_constant<int, kMax>(), m0);
+  } else if (rows == T) {
+    tile(std::integral_constant<int, T>(), m0);
+  } else {
+    tile_of_height<T + 1, kMax>(rows, m0, tile);
+  }
+}
+
+template <int kMax, typename Tile>
+inline void for_each_tile(int64_t M, const Tile& tile) {
+  for (int64_t m0 = 0; m0 < M; m0 += kMax) tile_of_height<1, kMax>(std::min<int64_t>(kMax, M - m0), m0, tile);
+}
+
 #include "cpu_q8_dot.h"
 
 // GGML weights' float16 block scales (and Q4_1's mins) as float32, converted a small group of consecutive rows at a
@@ -301,18 +319,7 @@ void tile(const Weight& w, const float* x, float* y, int64_t m0, int64_t n0, int
 
 template <Format F>
 void rows_of(const Weight& w, const float* x, float* y, int64_t M, int64_t n0, int64_t n1) {
-  for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-    switch (std::min<int64_t>(kTile, M - m0)) {
-      case 1: tile<F, 1>(w, x, y, m0, n0, n1); break;
-      case 2: tile<F, 2>(w, x, y, m0, n0, n1); break;
-      case 3: tile<F, 3>(w, x, y, m0, n0, n1); break;
-      case 4: tile<F, 4>(w, x, y, m0, n0, n1); break;
-      case 5: tile<F, 5>(w, x, y, m0, n0, n1); break;
-      case 6: tile<F, 6>(w, x, y, m0, n0, n1); break;
-      case 7: tile<F, 7>(w, x, y, m0, n0, n1); break;
-      default: tile<F, 8>(w, x, y, m0, n0, n1); break;
-    }
-  }
+  for_each_tile<kTile>(M, [&](auto T, int64_t m0) { tile<F, decltype(T)::value>(w, x, y, m0, n0, n1); });
 }
 
 #include "cpu_bf16_dot.h"

@@ -251,20 +251,5 @@ constexpr int kTileQ8 = 4;
 
 template <Format F>
 void rows_q8_of(const Weight& w, const ActQ8& a, float* y, int64_t M, int64_t n0, int64_t n1) {
-  for (int64_t m0 = 0; m0 < M; m0 += kTileQ8) {
-    switch (std::min<int64_t>(kTileQ8, M - m0)) {
-      case 1: tile_q8<F, 1>(w, a, y, m0, n0, n1); break;
-      case 2: tile_q8<F, 2>(w, a, y, m0, n0, n1); break;
-      case 3: tile_q8<F, 3>(w, a, y, m0, n0, n1); break;
-#if defined(__AVX512VL__)
-      case 4: tile_q8<F, 4>(w, a, y, m0, n0, n1); break;
-      case 5: tile_q8<F, 5>(w, a, y, m0, n0, n1); break;
-      case 6: tile_q8<F, 6>(w, a, y, m0, n0, n1); break;
-      case 7: tile_q8<F, 7>(w, a, y, m0, n0, n1); break;
-      default: tile_q8<F, 8>(w, a, y, m0, n0, n1); break;
-#else
-      default: tile_q8<F, 4>(w, a, y, m0, n0, n1); break;
-#endif
-    }
-  }
+  for_each_tile<kTileQ8>(M, [&](auto T, int64_t m0) { tile_q8<F, decltype(T)::value>(w, a, y, m0, n0, n1); });
 }
