@@ -360,3 +360,40 @@ def inference_at_anchors(target, drafter, tokens, anchors, call):
             block = np.full((1, cfg.block_size), cfg.mask_token_id)
             block[0, 0] = tokens[b, a]
             yield b, n, call(target, drafter, feats[b:b + 1, :a], block)
+
+
+def assert_rounded_products_keep_greedy_exact(tmp_path, scope, option: str):
+    """A GGUF target of Q4_1 / Q8_0 blocks under a rounding of its products (`scope(True)`, the generate keyword
+    `option`: Q8 activations or bfloat16 products): the forward is another function, close to the float one, and
+    greedy speculative decoding with it (a chain and a draft tree) equals autoregressive decoding with it token for
+    token; `option=True` reaches the programs (its tokens are those of a call under the scope). -> (target, prompts)."""
+    import gguf
+
+    from gguf_files import write_target_gguf
+
+    Q = gguf.GGMLQuantizationType
+    cfg = tiny_qwen3(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, vocab_size=96, tie_word_embeddings=True, max_position_embeddings=256,
+                     num_hidden_layers=2)
+    types = {"attn_q.weight": int(Q.Q4_1), "attn_k.weight": int(Q.Q8_0), "attn_v.weight": int(Q.Q4_1),
+             "attn_output.weight": int(Q.Q4_1), "ffn_gate.weight": int(Q.Q4_1), "ffn_up.weight": int(Q.Q4_1),
+             "ffn_down.weight": int(Q.Q8_0), "token_embd.weight": int(Q.Q8_0)}
+    target = dj.load_target(write_target_gguf(tmp_path / "t.gguf", dj.init_target(cfg, jax.random.key(9)),
+                                              types=types))
+    tokens = np.arange(40, dtype=np.int32).reshape(2, 20) % 96
+    with scope(True):
+        a = dj.target_forward(target, tokens)[0]
+    b = dj.target_forward(target, tokens)[0]
+    err = float(jnp.max(jnp.abs(a - b))) / float(jnp.max(jnp.abs(b)))
+    assert 1e-6 < err < 5e-2, err
+    drafter = dj.init_drafter(dj.DrafterConfig(model=cfg.drafter_stack(1), block_size=4, mask_token_id=0,
+                                               target_layer_ids=(0, 1), num_target_layers=2), jax.random.key(10))
+    prompts = [list(range(3, 20)), list(range(40, 45))]
+    kw = dict(max_new_tokens=24, eos_ids=(), **{option: True})
+    ar = dj.generate_autoregressive(target, prompts, **kw)
+    assert ar.token_lists() == dj.generate(target, drafter, prompts, draft_length=3, **kw).token_lists()
+    assert ar.token_lists() == dj.generate(target, drafter, prompts, tree_budget=4, **kw).token_lists()
+    with scope(True):
+        assert dj.generate_autoregressive(target, prompts, max_new_tokens=24, eos_ids=()).token_lists() == \
+            ar.token_lists()
+    return target, prompts

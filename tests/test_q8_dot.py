@@ -12,12 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import dflash_jax as dj
 from dflash_jax.quant import cpu_kernel, ggml
 from dflash_jax.quant.ggml import GGMLArray
 from dflash_jax.quant.linear import linear, q8_activations_scope
-from gguf_files import write_target_gguf
-from helpers import tiny_qwen3
+from helpers import assert_rounded_products_keep_greedy_exact
 
 Q = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason=f"CPU kernel: {cpu_kernel.unavailable_reason()}")
@@ -102,30 +100,7 @@ def test_generation_with_q8_activations_is_greedy_exact_on_a_gguf_target(tmp_pat
     """A GGUF target of Q4_1 / Q8_0 blocks: the forward under Q8 activations is another function (close to the float
     one), and greedy speculative decoding with it (a chain and a draft tree) equals autoregressive decoding with it
     token for token; `q8_activations=True` reaches the programs (its tokens are those of a call under the scope)."""
-    cfg = tiny_qwen3(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=16, vocab_size=96, tie_word_embeddings=True, max_position_embeddings=256,
-                     num_hidden_layers=2)
-    types = {"attn_q.weight": int(Q.Q4_1), "attn_k.weight": int(Q.Q8_0), "attn_v.weight": int(Q.Q4_1),
-             "attn_output.weight": int(Q.Q4_1), "ffn_gate.weight": int(Q.Q4_1), "ffn_up.weight": int(Q.Q4_1),
-             "ffn_down.weight": int(Q.Q8_0), "token_embd.weight": int(Q.Q8_0)}
-    target = dj.load_target(write_target_gguf(tmp_path / "t.gguf", dj.init_target(cfg, jax.random.key(9)),
-                                              types=types))
-    tokens = np.arange(40, dtype=np.int32).reshape(2, 20) % 96
-    with q8_activations_scope(True):
-        a = dj.target_forward(target, tokens)[0]
-    b = dj.target_forward(target, tokens)[0]
-    err = float(jnp.max(jnp.abs(a - b))) / float(jnp.max(jnp.abs(b)))
-    assert 1e-6 < err < 5e-2, err
-    drafter = dj.init_drafter(dj.DrafterConfig(model=cfg.drafter_stack(1), block_size=4, mask_token_id=0,
-                                               target_layer_ids=(0, 1), num_target_layers=2), jax.random.key(10))
-    prompts = [list(range(3, 20)), list(range(40, 45))]
-    kw = dict(max_new_tokens=24, eos_ids=(), q8_activations=True)
-    ar = dj.generate_autoregressive(target, prompts, **kw)
-    assert ar.token_lists() == dj.generate(target, drafter, prompts, draft_length=3, **kw).token_lists()
-    assert ar.token_lists() == dj.generate(target, drafter, prompts, tree_budget=4, **kw).token_lists()
-    with q8_activations_scope(True):
-        assert dj.generate_autoregressive(target, prompts, max_new_tokens=24, eos_ids=()).token_lists() == \
-            ar.token_lists()
+    assert_rounded_products_keep_greedy_exact(tmp_path, q8_activations_scope, "q8_activations")
 
 
 def _attend(q, pos, cache_k, cache_v, lens, *, fixed: bool, window=None):

@@ -3,8 +3,9 @@ by `dflash-jax bench --step-table --save-table` and by `save` when the drafter c
 
 A folder may also hold CPU tables for other builds of the CPU kernel, `step_table.<build>.json` (build: "avx512",
 "avx2", "portable", each with "-q8" where GGML products took Q8 activations or "-bf16" where they took bfloat16
-products): a verify's cost against a decode's
-differs between them, so on a CPU the table of the build that runs here is read first (for "avx2-q8", then "avx2"). `write_step_table` writes `step_table.json` unless that file holds a table of another build.
+products): a verify's cost against a decode's differs between them, so on a CPU the table of the build that runs here
+is read first (for "avx2-q8", then "avx2"). `write_step_table` writes `step_table.json` unless that file holds a table
+of another build.
 """
 
 from __future__ import annotations
