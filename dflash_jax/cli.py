@@ -125,8 +125,9 @@ def _kernel_note(target=None) -> str:
     """Which build of the CPU matmul kernel ran (its speed differs by an order of magnitude between them), and where
     a GGUF target's blocks ran with float32 activations where Q8 activations decode faster, that they exist: on an
     AVX2 CPU they doubled the decode speed, on a Zen 4 EPYC (VNNI, 512-bit operations on 256-bit units) they gave
-    ~1.3x; on a Zen 5 (full-width units) they decode at the float32 speed, and the note names bfloat16 products
-    instead where the CPU has AVX512-BF16 (a verify's rows cheaper; docs/cpu-step.md)."""
+    ~1.3x; on a Zen 5 (full-width units) they decode at the float32 speed. Where the CPU has AVX512-BF16 generation
+    takes bfloat16 products by default (a verify's rows cheaper; docs/cpu-step.md): the note says so, and how to
+    turn them off."""
     import jax  # lazily: `dflash-jax --help` imports no JAX
 
     from dflash_jax.quant import cpu_kernel  # lazily, as above
@@ -135,21 +136,24 @@ def _kernel_note(target=None) -> str:
     if not cpu_kernel.available():
         return "; no CPU kernel: XLA's dot"
     from dflash_jax import execution  # lazily, as above
+    from dflash_jax.quant.linear import generation_bf16_products  # lazily, as above
     if execution.current().q8_activations:
         return f"; CPU kernel: {cpu_kernel.isa()} build, Q8 activations"
-    if execution.current().bf16_products:
-        return f"; CPU kernel: {cpu_kernel.isa()} build, bfloat16 products"
     from dflash_jax.params import named_leaves  # lazily, as above
     from dflash_jax.quant.ggml import GGMLArray  # lazily, as above
-    if target is None or not any(isinstance(x, GGMLArray) for x in named_leaves(target.params).values()):
+    ggml_target = target is not None and any(isinstance(x, GGMLArray) for x in named_leaves(target.params).values())
+    if generation_bf16_products():
+        chosen = execution.current().bf16_products is not None
+        return (f"; CPU kernel: {cpu_kernel.isa()} build, bfloat16 products" +
+                ("" if chosen or not ggml_target else " (AVX512-BF16's dot product, this CPU's default; "
+                 "--f32-products for float32 ones)"))
+    if not ggml_target:
         return f"; CPU kernel: {cpu_kernel.isa()} build"
     hint = ""
     if cpu_kernel.isa() != "avx512" or (cpu_kernel.q8_has_vnni() and cpu_kernel.avx512_on_256_bit_units()):
         gain = ("~1.3x the decode speed on this CPU (AVX-512 VNNI on 256-bit units)" if cpu_kernel.isa() == "avx512"
                 else "~2x the decode speed on this build")
         hint = f" (--q8-activations: llama.cpp's integer dot, {gain})"
-    elif cpu_kernel.bf16_products_native():
-        hint = " (--bf16-products: AVX512-BF16's dot product, a verify 5-16% cheaper on a Zen 5)"
     return f"; CPU kernel: {cpu_kernel.isa()} build{hint}"
 
 

@@ -337,7 +337,9 @@ same run (second runs, compilation excluded). Timings are this machine's at the 
 models'. On CPU the matmul kernel reads the weights once per 8 rows of a product, so a verify of 1 + N nodes costs
 about ceil((1 + N) / 8) weight reads. Each tree runs twice: with context lookup (the default: a row whose output ends
 in a repeat of 2+ tokens verifies what followed its last occurrence instead of the drafter's tree that step, the same
-number of nodes) and without it (`context_lookup=0`: the drafter's trees alone).""",
+number of nodes) and without it (`context_lookup=0`: the drafter's trees alone). Both decoders take float32
+products (`bf16_products=False`): generation's default takes bfloat16 ones on a CPU with AVX512-BF16, another function
+of the prompt, and this notebook's tau is to be the same on every machine.""",
     SETUP + """
 import os
 import dflash_jax as dj
@@ -354,7 +356,7 @@ print("prompt lengths", [len(p) for p in prompts], "| budgets", BUDGETS, "| bloc
       "| draft vocabulary", drafter.config.draft_vocab_size)
 """.replace("{QUICK_ENV}", QUICK_ENV),
     """
-kw = dict(max_new_tokens=NEW, eos_ids=(), **CACHEABLE)
+kw = dict(max_new_tokens=NEW, eos_ids=(), bf16_products=False, **CACHEABLE)  # float32 products on every CPU
 
 
 def second_run(fn, *args, **more):

@@ -55,6 +55,7 @@ import gguf
 import numpy as np
 import pytest
 
+from dflash_jax import execution
 from dflash_jax.quant import cpu_kernel, ggml
 
 
@@ -358,8 +359,9 @@ def test_the_package_names_static_tools_see_are_the_names_it_loads():
 def test_the_kernel_note_points_at_q8_activations_where_they_decode_faster(monkeypatch):
     """A GGUF target's blocks with float32 activations: the note names --q8-activations on an AVX2 build (~2x) and on
     an AVX-512 CPU with VNNI on 256-bit units (~1.3x, a Zen 4 EPYC), not on one without VNNI or with full-width units
-    (a Zen 5), where they bought nothing; on a full-width AVX-512 CPU with AVX512-BF16 it names --bf16-products (a
-    verify's rows cheaper), on one without it nothing."""
+    (a Zen 5), where they bought nothing; on a full-width AVX-512 CPU with AVX512-BF16 generation takes bfloat16
+    products by default (a verify's rows cheaper) and the note says so and names --f32-products; asked for by name
+    (--bf16-products, --f32-products) the note states the products without a hint."""
     if not cpu_kernel.available():
         pytest.skip(f"CPU kernel: {cpu_kernel.unavailable_reason()}")
     w = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)
@@ -380,5 +382,10 @@ def test_the_kernel_note_points_at_q8_activations_where_they_decode_faster(monke
     assert notes["avx512", False, 25] == "; CPU kernel: avx512 build"
     assert "--q8-activations" in notes["avx512", True, 25] and "VNNI" in notes["avx512", True, 25]
     assert notes["avx512", True, 26, False] == "; CPU kernel: avx512 build"
-    assert notes["avx512", True, 26, True].startswith("; CPU kernel: avx512 build (--bf16-products: AVX512-BF16")
+    assert notes["avx512", True, 26, True] == ("; CPU kernel: avx512 build, bfloat16 products (AVX512-BF16's dot "
+                                               "product, this CPU's default; --f32-products for float32 ones)")
+    with execution.changed(bf16_products=True):
+        assert cli._kernel_note(target) == "; CPU kernel: avx512 build, bfloat16 products"
+    with execution.changed(bf16_products=False):
+        assert cli._kernel_note(target) == "; CPU kernel: avx512 build"
     assert cli._kernel_note(types.SimpleNamespace(params={"w": np.ones((2, 2), np.float32)})).count("q8") == 0

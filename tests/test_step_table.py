@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
+from dflash_jax import execution
 from dflash_jax.decode import draft_length as dl
 from dflash_jax.io.step_table_file import FILE_NAME, read_step_table, write_step_table
 from dflash_jax.step_table import StepRow, StepTable
@@ -202,15 +203,46 @@ def test_where_even_the_best_row_is_slower_generate_decodes_plainly(pair):
         dj.generate_autoregressive(target, prompts, plain_when_slower=False, **kw)
 
 
+@pytest.fixture
+def float_products():
+    """Generation's products pinned to float32 (on a CPU with AVX512-BF16 they default to bfloat16 ones, a build of
+    their own): the tests of which table a build reads name the build they run."""
+    with execution.changed(bf16_products=False):
+        yield
+
+
+def test_generation_takes_bf16_products_by_default_where_the_cpu_has_them(monkeypatch):
+    """Generation's default products (`generation_bf16_products`): bfloat16 where the kernel runs AVX512-BF16's
+    instruction and x is not rounded to Q8, float32 elsewhere; an explicit setting wins either way; the step table's
+    build follows (the "-bf16" table read by default on such a CPU)."""
+    from dflash_jax.quant import cpu_kernel
+    from dflash_jax.quant.linear import generation_bf16_products
+
+    if not cpu_kernel.available():
+        pytest.skip(f"CPU kernel: {cpu_kernel.unavailable_reason()}")
+    for native in (True, False):
+        monkeypatch.setattr(cpu_kernel, "bf16_products_native", lambda native=native: native)
+        assert generation_bf16_products() is native
+        assert dl.running_cpu_kernel() == cpu_kernel.isa() + ("-bf16" if native else "")
+        assert generation_bf16_products(q8=True) is False
+        with execution.changed(q8_activations=True):
+            assert generation_bf16_products() is False and dl.running_cpu_kernel().endswith("-q8")
+        for explicit in (True, False):
+            with execution.changed(bf16_products=explicit):
+                assert generation_bf16_products() is explicit
+    assert execution.current().bf16_products is None  # forwards outside generation: float32 products
+
+
 def _this_and_another_build() -> tuple[str, str]:
-    """The CPU kernel build running here and another one (the test is skipped without the kernel)."""
-    here = dl.running_cpu_kernel()
+    """The CPU kernel build running here (its float32 products) and another one (the test is skipped without the
+    kernel)."""
+    here = dl.running_cpu_kernel(q8=False, bf16=False)
     if here is None:
         pytest.skip("no CPU kernel here")
     return here, "portable" if here != "portable" else "avx512"
 
 
-def test_a_table_of_another_cpu_kernel_build_is_applied_with_a_warning(pair):
+def test_a_table_of_another_cpu_kernel_build_is_applied_with_a_warning(pair, float_products):
     """A verify's cost in decode steps differs between the CPU kernel's builds (AVX-512, AVX2, portable): a CPU table
     records its build, and one measured with another build than the one running here still chooses (it is this pair's
     only measurement) but says so."""
@@ -225,7 +257,7 @@ def test_a_table_of_another_cpu_kernel_build_is_applied_with_a_warning(pair):
         assert dl.default_draft_length(_with(drafter, table.replace(cpu_kernel=here)), target) == 2
 
 
-def test_a_folder_keeps_one_cpu_table_per_kernel_build_and_reads_this_cpus(pair, tmp_path):
+def test_a_folder_keeps_one_cpu_table_per_kernel_build_and_reads_this_cpus(pair, tmp_path, float_products):
     from dflash_jax.io.step_table_file import build_file_name, read_step_table, write_step_table
 
     target, _ = pair
@@ -242,12 +274,11 @@ def test_a_folder_keeps_one_cpu_table_per_kernel_build_and_reads_this_cpus(pair,
 
 
 @pytest.mark.parametrize("field, suffix", [("q8_activations", "-q8"), ("bf16_products", "-bf16")])
-def test_q8_activations_read_their_own_cpu_table_then_the_builds(pair, tmp_path, field, suffix):
+def test_q8_activations_read_their_own_cpu_table_then_the_builds(pair, tmp_path, field, suffix, float_products):
     """Q8 activations (and bfloat16 products) change a step's costs: their tables are a build of their own
     ("<build>-q8", measured under `--q8-activations`; "<build>-bf16" under `--bf16-products`); under them a folder's
     own table is read first, then the same build's, and the choice is held to that build (a plain table of the build
     applies with the mismatch warned)."""
-    from dflash_jax import execution
     from dflash_jax.io.step_table_file import read_step_table, write_step_table
 
     target, drafter = pair

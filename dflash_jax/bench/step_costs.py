@@ -30,7 +30,8 @@ from dflash_jax.models.attention import live_length_loop
 from dflash_jax.models.drafter import Drafter, append_context, draft_block, empty_draft_cache
 from dflash_jax.models.layers import first_argmax
 from dflash_jax.models.target import KVCache, Target, commit_states, forward_with_cache
-from dflash_jax.quant.linear import backend_scope, cpu_kernel_scope, program_backend
+from dflash_jax.quant.linear import (backend_scope, bf16_products_scope, cpu_kernel_scope, generation_bf16_products,
+                                     program_backend)
 
 
 def interleaved_ms(steps: dict, reps: int) -> dict:
@@ -147,10 +148,12 @@ def greedy_draft(drafter: Drafter, target: Target, dcache: KVCache, pending: jax
 
 @contextlib.contextmanager
 def _as_in_the_loop(backend):
-    """What generate's loop program is traced under on this platform: the NVFP4 backend, and the attention rule
-    (the live-length loop on CPU, static trip counts on accelerators), so a step costs here what it costs there."""
+    """What generate's loop program is traced under on this platform: the NVFP4 backend, the attention rule (the
+    live-length loop on CPU, static trip counts on accelerators) and the products (generation's default bfloat16
+    ones where the CPU has them), so a step costs here what it costs there."""
     cpu = uses_live_length_loop()
-    with backend_scope(backend), live_length_loop(cpu), cpu_kernel_scope(cpu):
+    with (backend_scope(backend), live_length_loop(cpu), cpu_kernel_scope(cpu),
+          bf16_products_scope(generation_bf16_products())):
         yield
 
 

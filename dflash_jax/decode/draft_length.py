@@ -22,6 +22,7 @@ from dflash_jax import execution
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
 from dflash_jax.quant import cpu_kernel
+from dflash_jax.quant.linear import generation_bf16_products
 from dflash_jax.params import named_leaves
 from dflash_jax.step_table import NOISE_MARGIN
 
@@ -136,12 +137,11 @@ def default_choice(drafter: Drafter, target: Target, batch: int = 1, trees: bool
 def running_cpu_kernel(q8: bool | None = None, bf16: bool | None = None) -> str | None:
     """The CPU kernel's build the programs run with here ("avx512", "avx2", "portable"; "avx2-q8" etc. where GGML
     products take Q8 activations, "avx512-bf16" etc. where they take bfloat16 products: `q8` / `bf16`, None = the
-    execution context's, as their step costs differ), None off CPU or without the kernel."""
+    execution context's and generation's default, as their step costs differ), None off CPU or without the kernel."""
     if jax.default_backend() != "cpu" or not cpu_kernel.available():
         return None
-    context = execution.current()
-    q8 = context.q8_activations if q8 is None else q8
-    bf16 = context.bf16_products if bf16 is None else bf16
+    q8 = execution.current().q8_activations if q8 is None else q8
+    bf16 = generation_bf16_products(q8) if bf16 is None else bf16
     return cpu_kernel.isa() + ("-q8" if q8 else "-bf16" if bf16 else "")
 
 

@@ -68,11 +68,12 @@ class GenerationOptions(Replaceable):
     # of the prompt than the float products, the same for autoregressive and speculative decoding (greedy output stays
     # identical between them). False: the caller's context decides (off by default).
     q8_activations: bool = False
-    # GGML targets on a CPU with AVX512-BF16: their weights and x rounded to bfloat16 in the products, one
-    # `vdpbf16ps` per 32 weights and row (the execution context's `bf16_products`; a verify 5-16% cheaper against a
-    # decode on a Zen 5, docs/cpu-step.md). Another function of the prompt than the float products, the same for
-    # autoregressive and speculative decoding. False: the caller's context decides (off by default).
-    bf16_products: bool = False
+    # GGML targets on a CPU: their weights and x rounded to bfloat16 in the products, one `vdpbf16ps` per 32 weights
+    # and row (the execution context's `bf16_products`; a verify 5-16% cheaper against a decode on a Zen 5,
+    # docs/cpu-step.md). Another function of the prompt than the float products, the same for autoregressive and
+    # speculative decoding. None: the caller's context decides, by default on where the CPU has AVX512-BF16 and Q8
+    # activations are not asked for (`quant.linear.generation_bf16_products`); False: float32 products.
+    bf16_products: bool | None = None
 
 
 # keywords autoregressive decoding does not take

@@ -48,9 +48,11 @@ def shipped_drafter_config(target_cfg: TargetConfig, mask_token_id: int, *, laye
 
 def measure_tau(target: Target, drafter: Drafter, prompts: list[list[int]], *, max_new_tokens: int = 128,
                 draft_length: int | None = None, eos_ids=()) -> dict:
+    # eos_ids () by default: tau over whole budgets, as measured before EOS became the default (an instruct
+    # target's answers end at its EOS); float32 products: the drafter's measure is the same function on every CPU
+    # (generation's default takes bfloat16 ones where the CPU has AVX512-BF16)
     res = generate(target, drafter, prompts, max_new_tokens=max_new_tokens, draft_length=draft_length,
-                   eos_ids=eos_ids)  # () by default: tau over whole budgets, as measured before EOS became
-                   # the default; an instruct target's answers end at its EOS
+                   eos_ids=eos_ids, bf16_products=False)
     # seq-rep-4 of the (greedy) answers themselves: whether the target loops on these prompts, which inflates tau
     reps = [seq_rep_n(t, 4) for t in res.token_lists()]
     return {"tau": res.tau, "acceptance_rate": res.acceptance_rate,
