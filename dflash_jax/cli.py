@@ -136,7 +136,7 @@ def _kernel_note(target=None) -> str:
     if not cpu_kernel.available():
         return "; no CPU kernel: XLA's dot"
     from dflash_jax import execution  # lazily, as above
-    from dflash_jax.quant.linear import generation_bf16_products  # lazily, as above
+    from dflash_jax.quant.products import generation_bf16_products  # lazily, as above
     if execution.current().q8_activations:
         return f"; CPU kernel: {cpu_kernel.isa()} build, Q8 activations"
     from dflash_jax.params import named_leaves  # lazily, as above
@@ -407,7 +407,7 @@ def main(argv=None):
             ap.error(f"--calibration-anchors must be >= 1, got {args.calibration_anchors}")
         if args.temperature is None and not args.pair_table:
             args.temperature = 0.0
-    from dflash_jax.quant.linear import products_scope  # JAX: once a command runs
+    from dflash_jax.quant.products import products_scope  # JAX: once a command runs
 
     with products_scope(args):
         {"generate": _generate, "quality": _quality, "bench": _bench}[args.cmd](args)

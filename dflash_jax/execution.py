@@ -48,7 +48,7 @@ class ExecutionContext(Replaceable):
     # GGML weights and x rounded to bfloat16, AVX512-BF16's dot product, in the CPU kernel (`quant/cpu_bf16_dot.h`):
     # one instruction per 32 weights and row of x instead of two FMAs, where the FMA pipes bound a verify of 3+ rows;
     # another function of x and of the weights than the float path. A row's result still depends on that row alone.
-    # None: generation's default (`quant.linear.generation_bf16_products`: on where the CPU has the instruction and x
+    # None: generation's default (`quant.products.generation_bf16_products`: on where the CPU has the instruction and x
     # is not rounded to Q8), float products everywhere else (a forward called outside generation, training data).
     bf16_products: bool | None = None
     # The Pallas NVFP4 kernel (`quant.pallas_nvfp4`): None = the Triton kernel on a GPU, interpreted elsewhere;

@@ -216,7 +216,7 @@ def test_generation_takes_bf16_products_by_default_where_the_cpu_has_them(monkey
     instruction and x is not rounded to Q8, float32 elsewhere; an explicit setting wins either way; the step table's
     build follows (the "-bf16" table read by default on such a CPU)."""
     from dflash_jax.quant import cpu_kernel
-    from dflash_jax.quant.linear import generation_bf16_products
+    from dflash_jax.quant.products import generation_bf16_products
 
     if not cpu_kernel.available():
         pytest.skip(f"CPU kernel: {cpu_kernel.unavailable_reason()}")

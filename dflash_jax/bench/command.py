@@ -32,7 +32,7 @@ from dflash_jax.bench import speculative as bench
 from dflash_jax.bench import tree as tree_bench
 from dflash_jax.bench.step_costs import draft_costs, format_draft_costs, format_step_costs, step_costs
 from dflash_jax.config import DrafterConfig, TargetConfig
-from dflash_jax.decode.draft_length import predicts_no_gain
+from dflash_jax.decode.draft_length import predicts_no_gain, running_cpu_kernel
 from dflash_jax.decode.lookup import DEFAULT_MIN_MATCH
 from dflash_jax.decode.prepare import check_context_lookup
 from dflash_jax.decode.programs import generate, with_draft_pass
@@ -44,6 +44,7 @@ from dflash_jax.models.calibrate import calibrate_drafter
 from dflash_jax.models.drafter import init_drafter
 from dflash_jax.models.target import init_target
 from dflash_jax.params import param_bytes
+from dflash_jax.quant.products import generation_products
 from dflash_jax.quant.quantize import (ATTENTION_PROJECTIONS, DFLASH2_PROJECTIONS, drop_global_scales,
                                        quantize_nvfp4)
 from dflash_jax.step_table import StepTable
@@ -124,7 +125,7 @@ def step_table(args, target, drafter, prompts):
     rows = bench.pool_verify_costs(rows)
     how = f"T {T:g} (seed {args.seed})" if T else "greedy"
     print(f"{len(prompts)} held-out prompts, {args.new_tokens[0]} new tokens, {how}, batches {args.batches} (draft "
-          f"trees: batch 1), one run")
+          f"trees: batch 1), one run{_products()}")
     print(bench.format_step_table(rows))
     if budgets and not T:  # the tree goals are greedy figures
         own = [r for r in rows if r["draft_vocab_size"] == drafter.config.draft_vocab_size and r["batch"] == 1]
@@ -249,13 +250,19 @@ def _filters(args) -> str:
     return f" with {', '.join(parts)}" if parts else ""
 
 
+def _products() -> str:
+    """The products a GGUF target's generation takes here, as the headers name them (empty off the CPU kernel)."""
+    build = running_cpu_kernel()
+    return f"; {generation_products()} products (CPU kernel: {build})" if build else ""
+
+
 def pair_table(args, target, drafter, prompts):
     # a setting named (a draft length, tree budgets) or, with neither, generate's own choice (its step table's best)
     lengths = (args.draft_length,) if args.draft_length else ()
     temps = (args.temperature,) if args.temperature is not None else (0.0, 0.7)
     print(f"embedded pair, {len(prompts)} held-out prompts, batch 1, dense and NVFP4 (RTN) DFlash drafter; decode "
           f"tokens/s exclude prefill and compile; speedup = median drafter tok/s / median AR tok/s, same run; at T > 0 "
-          f"rejection sampling{_filters(args)} (output not expected to equal the AR sample)")
+          f"rejection sampling{_filters(args)} (output not expected to equal the AR sample){_products()}")
     budgets = () if args.tree_budgets is None or drafter.config.is_dflash2 else tuple(args.tree_budgets)
     rows = bench.pair_table(target, {"dense": drafter, "nvfp4": quantize_nvfp4(drafter)}, prompts,
                             new_tokens=args.new_tokens, draft_lengths=lengths, temperatures=temps, seed=args.seed,

@@ -1,7 +1,7 @@
 """The products options, one definition for every command that takes them (`dflash-jax generate` / `bench`,
 `python -m dflash_jax.bench.llamacpp`, `python -m dflash_jax.bench.profile`, `python -m dflash_jax.bench.loop_profile`):
 `--q8-activations`, `--bf16-products` and `--f32-products` (none: generation's default, bfloat16 products where the
-CPU has AVX512-BF16); the one rule that applies them is `quant.linear.products_scope`. No JAX here: the command's
+CPU has AVX512-BF16); the one rule that applies them is `quant.products.products_scope`. No JAX here: the command's
 parser uses it, and `dflash-jax --help` loads no JAX."""
 
 from __future__ import annotations

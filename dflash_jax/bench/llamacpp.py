@@ -21,11 +21,10 @@ import subprocess
 import sys
 import time
 
-from dflash_jax import execution
 from dflash_jax.bench.flags import add_product_flags
 from dflash_jax.decode.programs import generate, generate_autoregressive
 from dflash_jax.io import shipped
-from dflash_jax.quant.linear import generation_bf16_products, products_scope
+from dflash_jax.quant.products import generation_products, products_scope
 from dflash_jax.train.drafter_data import chat_prompt_ids
 
 # run in the llama.cpp interpreter: argv = [gguf, threads, new tokens, json prompts]; prints one JSON line
@@ -94,8 +93,7 @@ def compare(*, prompts: int = 4, new_tokens: int = 128, threads: int = 2, llama_
            "tau": med(r.tau for r in ours_sp), "draft_length": ours_sp[0].draft_length,
            "tree_budget": ours_sp[0].tree_budget,
            "first_tokens_identical_with_llama_cpp": agree,
-           "products": ("Q8-activation" if execution.current().q8_activations else
-                        "bfloat16" if generation_bf16_products() else "float32")}
+           "products": generation_products()}
     out["ar_vs_llama_cpp"] = out["ar_tokens_per_s"] / out["llama_cpp_tokens_per_s"]
     out["speculative_vs_llama_cpp"] = out["speculative_tokens_per_s"] / out["llama_cpp_tokens_per_s"]
     out["speculative_vs_ar"] = out["speculative_tokens_per_s"] / out["ar_tokens_per_s"]

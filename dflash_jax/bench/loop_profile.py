@@ -23,7 +23,7 @@ from dflash_jax.bench.profile import Instruction, group_of, profile_table, trace
 from dflash_jax.decode.call import PROGRAM_PREFIX
 from dflash_jax.decode.programs import autoregressive_call, speculative_call
 from dflash_jax.io.shipped import load_default
-from dflash_jax.quant.linear import products_scope
+from dflash_jax.quant.products import products_scope
 from dflash_jax.train.drafter_data import chat_prompt_ids
 
 

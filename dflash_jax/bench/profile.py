@@ -39,7 +39,7 @@ from dflash_jax.bench.matmul import time_call
 from dflash_jax.bench.step_costs import STEPS_PER_PROGRAM, interleaved_ms, step_functions
 from dflash_jax.io.shipped import load_default
 from dflash_jax.params import param_bytes
-from dflash_jax.quant.linear import products_scope
+from dflash_jax.quant.products import products_scope
 
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1,
                "s64": 8, "u64": 8, "f64": 8, "s16": 2, "u16": 2}

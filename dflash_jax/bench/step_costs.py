@@ -30,8 +30,8 @@ from dflash_jax.models.attention import live_length_loop
 from dflash_jax.models.drafter import Drafter, append_context, draft_block, empty_draft_cache
 from dflash_jax.models.layers import first_argmax
 from dflash_jax.models.target import KVCache, Target, commit_states, forward_with_cache
-from dflash_jax.quant.linear import (backend_scope, bf16_products_scope, cpu_kernel_scope, generation_bf16_products,
-                                     program_backend)
+from dflash_jax.quant.linear import backend_scope, bf16_products_scope, cpu_kernel_scope, program_backend
+from dflash_jax.quant.products import generation_bf16_products
 
 
 def interleaved_ms(steps: dict, reps: int) -> dict:

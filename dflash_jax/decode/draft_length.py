@@ -22,7 +22,7 @@ from dflash_jax import execution
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
 from dflash_jax.quant import cpu_kernel
-from dflash_jax.quant.linear import generation_bf16_products
+from dflash_jax.quant.products import generation_bf16_products
 from dflash_jax.params import named_leaves
 from dflash_jax.step_table import NOISE_MARGIN
 

@@ -72,7 +72,7 @@ class GenerationOptions(Replaceable):
     # and row (the execution context's `bf16_products`; a verify 5-16% cheaper against a decode on a Zen 5,
     # docs/cpu-step.md). Another function of the prompt than the float products, the same for autoregressive and
     # speculative decoding. None: the caller's context decides, by default on where the CPU has AVX512-BF16 and Q8
-    # activations are not asked for (`quant.linear.generation_bf16_products`); False: float32 products.
+    # activations are not asked for (`quant.products.generation_bf16_products`); False: float32 products.
     bf16_products: bool | None = None
 
 

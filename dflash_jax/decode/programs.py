@@ -49,7 +49,8 @@ from dflash_jax.models.target import Target
 from dflash_jax.params import committed
 from dflash_jax.parallel import sharding as shd
 from dflash_jax.quant import cpu_kernel
-from dflash_jax.quant.linear import cpu_kernel_runs, generation_bf16_products, program_backend
+from dflash_jax.quant.linear import cpu_kernel_runs, program_backend
+from dflash_jax.quant.products import generation_bf16_products
 
 # -- the registry of compiled programs -----------------------------------------------------------------------------
 
@@ -180,7 +181,7 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
 
 def bf16_products(options: GenerationOptions) -> bool:
     """Whether the programs take bfloat16 products: the options' setting, else the caller's context, else
-    generation's default (`quant.linear.generation_bf16_products`: on where the CPU has AVX512-BF16 and x is not
+    generation's default (`quant.products.generation_bf16_products`: on where the CPU has AVX512-BF16 and x is not
     rounded to Q8)."""
     if options.bf16_products is not None:
         return options.bf16_products
