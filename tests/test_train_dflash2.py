@@ -160,3 +160,54 @@ def test_cli_trains_end_to_end_and_resumes(tmp_path):
     with pytest.raises(SystemExit, match="made with a different target"):
         cli.main(argv + other)  # argparse: the later flags win
     assert not (tmp_path / "out2").exists()
+
+
+def test_selector_over_a_loss_vocabulary_names_token_ids():
+    """With a loss vocabulary (`drafter2_loss(vocab_ids=...)`, train-drafter's --loss-vocab) the base logits cover
+    those ids only; the selector's candidates are mapped back to token ids, so its codebooks and its labels are the
+    tokens'. The same logits laid out over the whole vocabulary give the same scores, indices and usable slots."""
+    cfg = DCFG.replace(selector_top_k=3)
+    target = dj.init_target(CFG, jax.random.key(0))
+    params = nontrivial_dflash2(random_params(abstract_drafter(cfg), 1, std=0.1), 2)
+    tokens = np.arange(20, dtype=np.int32)[None] * 3 % 63
+    batch = training_batch(target, tokens, [12], [[4, 8]])
+    D = cfg.block_size - 1
+    vocab = np.unique(np.concatenate([tokens[0], [1, 2, 5]])).astype(np.int32)  # every label is in it
+    rng = np.random.default_rng(0)
+    sub = rng.standard_normal((1, 2, D, len(vocab))).astype(np.float32)
+    full = np.full((1, 2, D, 64), -30.0, np.float32)
+    full[..., vocab] = sub
+    h = jnp.asarray(rng.standard_normal((1, 2, D, CFG.hidden_size)), jnp.float32)
+    got = td2.selector_terms(params, h, jnp.asarray(sub), batch, cfg, jnp.asarray(vocab))
+    want = td2.selector_terms(params, h, jnp.asarray(full), batch, cfg)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
+    assert bool(np.asarray(got[2]).any())
+    loss, metrics = td2.drafter2_loss(cfg, CFG, vocab_ids=vocab)(params, batch)
+    assert np.isfinite(float(loss)) and 0 <= float(metrics["topk_coverage"]) <= 1
+
+
+def test_train_drafter_run_trains_a_dflash2_drafter_over_the_draft_vocabulary(tmp_path):
+    """`python -m dflash_jax.train.drafter_run --kind dflash2`: the DFlash trainer's data, loss vocabulary and draft
+    vocabulary for a DFlash2 drafter, warm-started from a DFlash drafter of the same layout (its shared tensors
+    copied, the selector starting as the identity on its top logit), over the continuations the first run cached in
+    a fresh --data-dir."""
+    from dflash_jax.io.tokenizer import Tokenizer
+    from dflash_jax.io.shipped import checkpoints_dir
+    from dflash_jax.train import drafter_run
+
+    tok = Tokenizer.from_file(checkpoints_dir() / "tokenizer.json")
+    tcfg = CFG.replace(vocab_size=tok.vocab_size)
+    dj.save(tmp_path / "target", dj.init_target(tcfg, jax.random.key(0)))
+    common = ["--target", str(tmp_path / "target"), "--layers", "1", "--block-size", "4", "--taps", "2",
+              "--prompts", "4", "--new-tokens", "8", "--max-prompt-tokens", "56", "--no-packages", "--steps", "2",
+              "--batch", "2", "--anchors", "2", "--eval-every", "0", "--no-final-eval", "--data-dir",
+              str(tmp_path / "data")]  # a fresh folder, then the second run's cache of the same continuations
+    drafter_run.main(common + ["--out", str(tmp_path / "dflash"), "--work-dir", str(tmp_path / "w1")])
+    drafter_run.main(common + ["--kind", "dflash2", "--selector-rank", "8", "--selector-top-k", "4", "--loss-vocab",
+                               "draft", "--draft-vocab", "256", "--init-from", str(tmp_path / "dflash"),
+                               "--out", str(tmp_path / "dflash2"), "--work-dir", str(tmp_path / "w2")])
+    report = json.loads((tmp_path / "dflash2" / "train_report.json").read_text())
+    assert report["kind"] == "dflash2" and report["loss_vocab"] == 256 and np.isfinite(report["selector_loss"])
+    d2 = dj.load_drafter(tmp_path / "dflash2")
+    assert d2.config.kind == "dflash2" and d2.config.draft_vocab_size == 256 and d2.config.selector_top_k == 4

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax.models import selector as sel_mod
 from dflash_jax.io.checkpoint import load_target
@@ -48,7 +49,7 @@ from dflash_jax.train.drafter import (CHECKPOINTS, add_training_arguments, eval_
                                       mask_token_id, measure_tau, resolve_target_and_tokenizer, shipped_drafter_config,
                                       tau_eval_fn, train_and_save, write_report)
 from dflash_jax.train.drafter_data import build_data_or_exit
-from dflash_jax.train.drafter_loss import decay_gamma, training_hidden, training_labels
+from dflash_jax.train.drafter_loss import decay_gamma, restricted_head, training_hidden, training_labels
 from dflash_jax.train.drafter import warm_start  # noqa: F401  (re-exported: the notebooks import it from here)
 from dflash_jax.train.loop import cross_entropy, load_training_tokenizer
 
@@ -67,14 +68,17 @@ def shipped_drafter2_config(target_cfg: TargetConfig, mask_token_id: int, *, lay
                         sliding_window=sliding_window)
 
 
-def selector_terms(params, h: jax.Array, logits: jax.Array, batch, cfg: DrafterConfig):
-    """Teacher-forced selector scores for every slot: h [B, N, D, H], logits [B, N, D, V] ->
-    (scores [B, N, D, k], target index [B, N, D], usable [B, N, D]: label valid and among the candidates)."""
+def selector_terms(params, h: jax.Array, logits: jax.Array, batch, cfg: DrafterConfig, vocab=None):
+    """Teacher-forced selector scores for every slot: h [B, N, D, H], logits [B, N, D, V] (over the token ids
+    `vocab` when given: a loss vocabulary) -> (scores [B, N, D, k], target index [B, N, D], usable [B, N, D]: label
+    valid and among the candidates)."""
     B, N, D, H = h.shape
     labels, valid = training_labels(batch, cfg.block_size)  # [B, N, D]
     x_a = jnp.take_along_axis(batch["tokens"], batch["anchors"], axis=1)  # [B, N]
     prev = jnp.concatenate([x_a[:, :, None], labels[:, :, :-1]], axis=2)  # true predecessor of slot t
     unary, cand = sel_mod.candidates(logits.reshape(B * N, D, -1), cfg.selector_top_k)  # [B*N, D, k]
+    if vocab is not None:
+        cand = jnp.take(vocab, cand)  # positions in the loss vocabulary -> token ids
     pair = sel_mod.pair_scores(params.candidate_selector, h.reshape(B * N, D, H), prev.reshape(B * N, D, 1), cand)
     scores = (unary + pair[:, :, 0]).reshape(B, N, D, -1)
     hit = cand.reshape(B, N, D, -1) == labels[..., None]  # [B, N, D, k]
@@ -82,21 +86,31 @@ def selector_terms(params, h: jax.Array, logits: jax.Array, batch, cfg: DrafterC
 
 
 def drafter2_loss(cfg: DrafterConfig, target_cfg: TargetConfig, gamma: float | None = None,
-                  selector_weight: float = 1.0):
-    """loss_fn(params, batch) -> (base + selector_weight * selector, metrics). See the module docstring."""
+                  selector_weight: float = 1.0, vocab_ids: np.ndarray | None = None):
+    """loss_fn(params, batch) -> (base + selector_weight * selector, metrics). See the module docstring.
+    vocab_ids: the base loss's softmax and the selector's candidates over these token ids only (`drafter_loss`'s
+    loss vocabulary; a label outside them is left out of the base loss, and has no candidate)."""
     if not cfg.is_dflash2:
         raise ValueError("drafter2_loss needs a DFlash2 drafter config (kind='dflash2')")
     bs = cfg.block_size
     gamma = decay_gamma(bs) if gamma is None else gamma
     weights = jnp.exp(-jnp.arange(bs - 1, dtype=jnp.float32) / gamma)  # slot k=1..bs-1 -> exp(-(k-1)/gamma)
+    vocab = None if vocab_ids is None else jnp.asarray(vocab_ids, jnp.int32)  # [Vs]
+    if vocab is not None:
+        to_sub = jnp.full((target_cfg.vocab_size,), -1, jnp.int32).at[vocab].set(jnp.arange(vocab.shape[0]))
 
     def loss_fn(params, batch):
         h, target = training_hidden(params, batch, cfg, target_cfg)  # [B, N, D, H]
-        logits = head_logits(Drafter(params=params, config=cfg), target, h, full_vocabulary=True)  # [B, N, D, V]
         labels, valid = training_labels(batch, bs)
+        if vocab is not None:
+            target = restricted_head(target, vocab)
+            labels = to_sub[labels]  # the label's position in the loss vocabulary
+            valid = valid & (labels >= 0)
+            labels = jnp.maximum(labels, 0)
+        logits = head_logits(Drafter(params=params, config=cfg), target, h, full_vocabulary=True)  # [B, N, D, V]
         w = weights[None, None, :] * valid
         base = jnp.sum(w * cross_entropy(logits, labels)) / (jnp.sum(w) + 1e-6)
-        scores, idx, usable = selector_terms(params, h, logits, batch, cfg)
+        scores, idx, usable = selector_terms(params, h, logits, batch, cfg, vocab)
         ws = weights[None, None, :] * usable
         sel = jnp.sum(ws * cross_entropy(scores, idx)) / (jnp.sum(ws) + 1e-6)
         n_valid = jnp.maximum(jnp.sum(valid), 1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from dflash_jax.train.drafter import (CHECKPOINTS, add_training_arguments, eval_
                                       init_from_target, load_drafter, mask_token_id, measure_tau,
                                       replayed_batches_warning, resolve_target_and_tokenizer,
                                       shipped_drafter_config, warm_start)
+from dflash_jax.train.drafter2 import drafter2_loss, shipped_drafter2_config
 from dflash_jax.train.drafter_data import build_data_or_exit, make_batch_fn, target_fingerprint
 from dflash_jax.train.drafter_loss import decay_gamma, drafter_loss, loss_vocabulary
 from dflash_jax.train.loop import OptimConfig, load_training_tokenizer, run
@@ -97,8 +99,13 @@ def train_drafter(args, argv) -> dict:
     target = load_target(args.target, compute_dtype="float32", param_dtype="float32" if gguf else None)
     if not 0 <= args.draft_vocab <= target.config.vocab_size:  # refused before any work
         raise SystemExit(f"--draft-vocab {args.draft_vocab}: must be 1..{target.config.vocab_size} (0: all)")
-    cfg = shipped_drafter_config(target.config, mask_token_id(tok, args), layers=args.layers,
-                                 block_size=args.block_size, taps=args.taps, tap_ids=args.tap_ids)
+    if args.kind == "dflash2":  # DFlash's layout plus the grouped convolutions and the candidate selector
+        cfg = shipped_drafter2_config(target.config, mask_token_id(tok, args), layers=args.layers,
+                                      block_size=args.block_size, taps=args.taps, tap_ids=args.tap_ids,
+                                      selector_rank=args.selector_rank, selector_top_k=args.selector_top_k)
+    else:
+        cfg = shipped_drafter_config(target.config, mask_token_id(tok, args), layers=args.layers,
+                                     block_size=args.block_size, taps=args.taps, tap_ids=args.tap_ids)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     mesh = dp.make_training_mesh(args)
@@ -121,12 +128,14 @@ def train_drafter(args, argv) -> dict:
             data = build_text_data(target, tok, cfg.target_layer_ids, work, n=args.text_answers, seed=args.seed,
                                    max_prompt_tokens=args.max_prompt_tokens, max_answer_tokens=args.new_tokens)
         else:
-            data = build_data_or_exit(target, tok, cfg, Path(args.data_dir) if args.data_dir else work, args)
+            data_dir = Path(args.data_dir) if args.data_dir else work
+            data_dir.mkdir(parents=True, exist_ok=True)  # a fresh --data-dir holds the cached continuations
+            data = build_data_or_exit(target, tok, cfg, data_dir, args)
     except DataError as e:
         raise SystemExit(f"error: {e}") from None
     vocab_ids = loss_vocab_ids(args, work, data if data is not None else first, target.config.vocab_size)
 
-    record = {"kind": "dflash", "block_size": cfg.block_size, "layers": args.layers,
+    record = {"kind": cfg.kind, "block_size": cfg.block_size, "layers": args.layers,
               "target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id,
               "target": fingerprint, "vocabulary": vocab_fp, "vocab_size": target.config.vocab_size,
               "data": str(shards_dir.resolve()) if shards_dir else (f"text {args.text_answers}" if args.text_answers
@@ -149,7 +158,8 @@ def train_drafter(args, argv) -> dict:
     if args.init == "target":
         params = init_from_target(cfg, params, target)
     if args.init_from:
-        params = warm_start(cfg, params, load_drafter(args.init_from), exact=True, grow=args.grow)
+        source = load_drafter(args.init_from)  # a DFlash drafter fills a DFlash2 one's shared tensors
+        params = warm_start(cfg, params, source, exact=source.config.kind == cfg.kind, grow=args.grow)
     tparams = trimmed_target_params(target, cfg, keep_top=bool(args.kl_weight))
     placement = None
     if mesh is not None:
@@ -197,7 +207,13 @@ def train_drafter(args, argv) -> dict:
             out.update({f"tau{suffix}": m["tau"], f"acceptance_rate{suffix}": m["acceptance_rate"]})
         return out
 
-    loss_fn = drafter_loss(cfg, target.config, vocab_ids=vocab_ids, kl_weight=args.kl_weight)
+    if cfg.is_dflash2:
+        if args.kl_weight:
+            raise SystemExit("error: --kl-weight is a DFlash loss term; --kind dflash2 trains its base and selector "
+                             "losses")
+        loss_fn = drafter2_loss(cfg, target.config, selector_weight=args.selector_weight, vocab_ids=vocab_ids)
+    else:
+        loss_fn = drafter_loss(cfg, target.config, vocab_ids=vocab_ids, kl_weight=args.kl_weight)
     optim = OptimConfig(steps=args.steps, lr=args.lr, weight_decay=0.0)
     params, history = run(params=params, loss_fn=loss_fn, batch_fn=batch_fn, optim=optim, ckpt_dir=work / "ckpt",
                           eval_fn=eval_fn if eval_prompts and lengths else None, eval_every=args.eval_every,
@@ -209,7 +225,8 @@ def train_drafter(args, argv) -> dict:
     save(args.out, drafter)  # every process takes part (orbax)
     host = jax.tree.map(jax.numpy.asarray, host)
     last = history[-1] if history else {}
-    report = {"command": "dflash-jax train-drafter " + " ".join(argv or []), "steps": args.steps,
+    argv = sys.argv[1:] if argv is None else argv  # run as `python -m dflash_jax.train.drafter_run`: its own
+    report = {"command": "dflash-jax train-drafter " + " ".join(argv), "steps": args.steps,
               "step": int(last.get("step", -1)) + 1, "cpu_s": last.get("cpu_s"), "wall_s": last.get("wall_s"),
               "layers": args.layers, "block_size": cfg.block_size, "batch": args.batch,
               "anchors_per_sequence": args.anchors, "gamma": decay_gamma(cfg.block_size), "init": record["init"],
@@ -217,7 +234,11 @@ def train_drafter(args, argv) -> dict:
               "processes": jax.process_count(),
               "loss_vocab": len(vocab_ids) if vocab_ids is not None else target.config.vocab_size,
               "draft_vocab": drafter.config.drafted_vocab, "train_loss": last.get("loss"),
-              "train_acc": last.get("acc"), "train_acc_slot1": last.get("acc_slot1")}
+              "train_acc": last.get("acc"), "train_acc_slot1": last.get("acc_slot1"), "kind": cfg.kind}
+    if cfg.is_dflash2:
+        report.update({k: last.get(k) for k in ("base_loss", "selector_loss", "selector_acc", "selector_acc_slot1",
+                                                "topk_coverage")}, selector_rank=cfg.selector_rank,
+                      selector_top_k=cfg.selector_top_k, selector_weight=args.selector_weight)
     if shards_dir is not None:
         stream = state["stream"]
         report.update(data=str(shards_dir), data_answers=len(stream.data["lengths"]),
@@ -287,6 +308,13 @@ def main(argv=None):
                     help="held-out tau at these draft lengths (those the block holds)")
     ap.add_argument("--no-final-eval", dest="final_eval", action="store_false",
                     help="no held-out tau when this invocation ends")
+    ap.add_argument("--kind", choices=("dflash", "dflash2"), default="dflash",
+                    help="dflash2: DFlash's layout plus its grouped convolutions and candidate selector (trained "
+                         "with the selector loss of `train.drafter2`; --init-from a DFlash drafter fills the shared "
+                         "tensors)")
+    ap.add_argument("--selector-rank", type=int, default=64, help="with --kind dflash2: codebook rank (z-lab: 256)")
+    ap.add_argument("--selector-top-k", type=int, default=16, help="with --kind dflash2: candidates per slot")
+    ap.add_argument("--selector-weight", type=float, default=1.0, help="with --kind dflash2: the selector loss's weight")
     dp.add_mesh_arguments(ap)
     args = ap.parse_args(argv)
     train_drafter(args, argv)
