@@ -134,7 +134,7 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
         # the CPU kernel takes whole weights: on a mesh of several devices it would all-gather every shard per step
         live_length_loop=cpu_loop, cpu_kernel=cpu_loop and (mesh is None or mesh.size == 1),
         q8_activations=options.q8_activations or execution.current().q8_activations,
-        bf16_products=bf16_products(options))
+        bf16_products=resolved_bf16_products(options))
     if context.q8_activations and context.bf16_products:
         raise ValueError("q8_activations and bf16_products are two roundings of x for the same products: ask for one")
     D = 0 if drafter is None else options.draft_length
@@ -179,7 +179,7 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
                        draft_pass=None if drafter is None else drafter.config.draft_pass)
 
 
-def bf16_products(options: GenerationOptions) -> bool:
+def resolved_bf16_products(options: GenerationOptions) -> bool:
     """Whether the programs take bfloat16 products: the options' setting, else the caller's context, else
     generation's default (`quant.products.generation_bf16_products`: on where the CPU has AVX512-BF16 and x is not
     rounded to Q8)."""
@@ -211,7 +211,7 @@ def _speculative(target: Target, drafter: Drafter, prompt, sampling: SamplingPar
         best = default_choice(drafter, target, batch=len(prompt) if hasattr(prompt, "__len__") else 1,
                               trees=trees, plain_when_slower=options.plain_when_slower,
                               q8=options.q8_activations or execution.current().q8_activations,
-                              bf16=bf16_products(options),
+                              bf16=resolved_bf16_products(options),
                               sampled=not sampling.greedy)
         drafter = with_draft_pass(drafter, best.draft_pass)
         if best.draft_length == 0:
