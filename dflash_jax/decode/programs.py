@@ -133,8 +133,7 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
         nvfp4_backend=program_backend(*models, backend=options.nvfp4_backend), mesh=mesh,
         # the CPU kernel takes whole weights: on a mesh of several devices it would all-gather every shard per step
         live_length_loop=cpu_loop, cpu_kernel=cpu_loop and (mesh is None or mesh.size == 1),
-        q8_activations=options.q8_activations or execution.current().q8_activations,
-        bf16_products=resolved_bf16_products(options))
+        q8_activations=resolved_q8_activations(options), bf16_products=resolved_bf16_products(options))
     if context.q8_activations and context.bf16_products:
         raise ValueError("q8_activations and bf16_products are two roundings of x for the same products: ask for one")
     D = 0 if drafter is None else options.draft_length
@@ -179,13 +178,18 @@ def _prepare(name: str, target: Target, drafter: Drafter | None, prompt, samplin
                        draft_pass=None if drafter is None else drafter.config.draft_pass)
 
 
+def resolved_q8_activations(options: GenerationOptions) -> bool:
+    """Whether the programs round x to Q8 blocks: the options' or the caller's context's `q8_activations`."""
+    return options.q8_activations or execution.current().q8_activations
+
+
 def resolved_bf16_products(options: GenerationOptions) -> bool:
     """Whether the programs take bfloat16 products: the options' setting, else the caller's context, else
     generation's default (`quant.products.generation_bf16_products`: on where the CPU has AVX512-BF16 and x is not
     rounded to Q8)."""
     if options.bf16_products is not None:
         return options.bf16_products
-    return generation_bf16_products(q8=options.q8_activations or execution.current().q8_activations)
+    return generation_bf16_products(q8=resolved_q8_activations(options))
 
 
 def with_draft_pass(drafter: Drafter, draft_pass: str) -> Drafter:
@@ -210,8 +214,7 @@ def _speculative(target: Target, drafter: Drafter, prompt, sampling: SamplingPar
         trees = not sampling.use_p_min and sampling.draft_sampling == "sample"
         best = default_choice(drafter, target, batch=len(prompt) if hasattr(prompt, "__len__") else 1,
                               trees=trees, plain_when_slower=options.plain_when_slower,
-                              q8=options.q8_activations or execution.current().q8_activations,
-                              bf16=resolved_bf16_products(options),
+                              q8=resolved_q8_activations(options), bf16=resolved_bf16_products(options),
                               sampled=not sampling.greedy)
         drafter = with_draft_pass(drafter, best.draft_pass)
         if best.draft_length == 0:

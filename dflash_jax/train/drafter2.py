@@ -49,7 +49,7 @@ from dflash_jax.train.drafter import (CHECKPOINTS, add_training_arguments, eval_
                                       mask_token_id, measure_tau, resolve_target_and_tokenizer, shipped_drafter_config,
                                       tau_eval_fn, train_and_save, write_report)
 from dflash_jax.train.drafter_data import build_data_or_exit
-from dflash_jax.train.drafter_loss import decay_gamma, restricted_head, training_hidden, training_labels
+from dflash_jax.train.drafter_loss import decay_gamma, restrict_to_vocabulary, training_hidden, training_labels
 from dflash_jax.train.drafter import warm_start  # noqa: F401  (re-exported: the notebooks import it from here)
 from dflash_jax.train.loop import cross_entropy, load_training_tokenizer
 
@@ -95,18 +95,13 @@ def drafter2_loss(cfg: DrafterConfig, target_cfg: TargetConfig, gamma: float | N
     bs = cfg.block_size
     gamma = decay_gamma(bs) if gamma is None else gamma
     weights = jnp.exp(-jnp.arange(bs - 1, dtype=jnp.float32) / gamma)  # slot k=1..bs-1 -> exp(-(k-1)/gamma)
-    vocab = None if vocab_ids is None else jnp.asarray(vocab_ids, jnp.int32)  # [Vs]
-    if vocab is not None:
-        to_sub = jnp.full((target_cfg.vocab_size,), -1, jnp.int32).at[vocab].set(jnp.arange(vocab.shape[0]))
+    vocab, restrict = (None, None) if vocab_ids is None else restrict_to_vocabulary(vocab_ids, target_cfg.vocab_size)
 
     def loss_fn(params, batch):
         h, target = training_hidden(params, batch, cfg, target_cfg)  # [B, N, D, H]
         labels, valid = training_labels(batch, bs)
-        if vocab is not None:
-            target = restricted_head(target, vocab)
-            labels = to_sub[labels]  # the label's position in the loss vocabulary
-            valid = valid & (labels >= 0)
-            labels = jnp.maximum(labels, 0)
+        if restrict is not None:  # labels: their positions in the loss vocabulary
+            target, labels, valid = restrict(target, labels, valid)
         logits = head_logits(Drafter(params=params, config=cfg), target, h, full_vocabulary=True)  # [B, N, D, V]
         w = weights[None, None, :] * valid
         base = jnp.sum(w * cross_entropy(logits, labels)) / (jnp.sum(w) + 1e-6)

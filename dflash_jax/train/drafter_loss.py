@@ -126,6 +126,20 @@ def restricted_head(target: Target, vocab_ids: jax.Array) -> Target:
     return target.replace(params=dataclasses.replace(target.params, lm_head=jnp.take(head, vocab_ids, axis=0)))
 
 
+def restrict_to_vocabulary(vocab_ids: np.ndarray, vocab_size: int):
+    """(vocab [Vs] int32, restrict): restrict(target, labels, valid) -> the target with its LM head cut to the ids
+    `vocab_ids` (`restricted_head`), each label as its position among them, and valid without the labels outside
+    them (the loss vocabulary of `drafter_loss` and `train.drafter2.drafter2_loss`)."""
+    vocab = jnp.asarray(vocab_ids, jnp.int32)  # [Vs]
+    to_sub = jnp.full((vocab_size,), -1, jnp.int32).at[vocab].set(jnp.arange(vocab.shape[0]))
+
+    def restrict(target: Target, labels: jax.Array, valid: jax.Array):
+        sub = to_sub[labels]
+        return restricted_head(target, vocab), jnp.maximum(sub, 0), valid & (sub >= 0)
+
+    return vocab, restrict
+
+
 def drafter_loss(cfg: DrafterConfig, target_cfg: TargetConfig, gamma: float | None = None,
                  vocab_ids: np.ndarray | None = None, kl_weight: float = 0.0):
     """loss_fn(drafter_params, batch): decay-weighted CE over many blocks per sequence in one forward.
@@ -143,18 +157,13 @@ def drafter_loss(cfg: DrafterConfig, target_cfg: TargetConfig, gamma: float | No
     bs = cfg.block_size
     gamma = decay_gamma(bs) if gamma is None else gamma
     weights = jnp.exp(-jnp.arange(bs - 1, dtype=jnp.float32) / gamma)  # slot k=1..bs-1 -> exp(-(k-1)/gamma)
-    if vocab_ids is not None:
-        vocab = jnp.asarray(vocab_ids, jnp.int32)  # [Vs]
-        to_sub = jnp.full((target_cfg.vocab_size,), -1, jnp.int32).at[vocab].set(jnp.arange(vocab.shape[0]))
+    restrict = None if vocab_ids is None else restrict_to_vocabulary(vocab_ids, target_cfg.vocab_size)[1]
 
     def loss_fn(params, batch):
         labels, valid = training_labels(batch, bs)
         h, target = training_hidden(params, batch, cfg, target_cfg)
-        if vocab_ids is not None:
-            target = restricted_head(target, vocab)
-            labels = to_sub[labels]
-            valid = valid & (labels >= 0)
-            labels = jnp.maximum(labels, 0)
+        if restrict is not None:
+            target, labels, valid = restrict(target, labels, valid)
         # as `training_logits`
         logits = head_logits(Drafter(params=params, config=cfg), target, h, full_vocabulary=True)
         ce = cross_entropy(logits, labels)
@@ -187,4 +196,4 @@ def _kl_to_target(target: Target, batch, logits: jax.Array, layer_ids) -> jax.Ar
 
 
 __all__ = ["decay_gamma", "teacher_hidden", "training_hidden", "training_logits", "training_labels", "loss_vocabulary",
-           "restricted_head", "drafter_loss", "GAMMA"]
+           "restricted_head", "restrict_to_vocabulary", "drafter_loss", "GAMMA"]
